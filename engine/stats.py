@@ -1,0 +1,55 @@
+"""Numbers the engine reports after every step; the metrics exporter and the log line consume them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the engine's state at the end of a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # blocks in use over usable blocks, 0..1
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0  # free and not holding a cached prefix
+    num_blocks_cached: int = 0  # unreferenced but holding a reusable cached prefix
+    # Tier state for the offload issue: tier name -> dict of numbers.
+    offload: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # stop | length | abort | error
+    e2e_latency: float
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int
+    n: int
+    num_preemptions: int
+
+
+@dataclass
+class IterationStats:
+    """What happened during one step (deltas)."""
+
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # tokens found
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # device | host | disk
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    num_prompt_tokens_per_new_request: list[int] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
