@@ -1,0 +1,194 @@
+"""Paged attention in plain torch: the reference backend and the CPU serving path.
+
+Per step (not per layer) the backend plans once: which sequences are single-token decodes (all of them are
+served by one gathered SDPA call with a padding mask) and which are prefill chunks (one SDPA call each,
+over the sequence's cached prefix plus the chunk). The plan is reused by every layer of the step.
+
+Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p (itself included), the
+Mistral / Hugging Face convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token in the flat batch
+    end: int
+    context_len: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks_of_seq] physical block ids
+
+
+@dataclass
+class _Plan:
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # token indices of the decodes in the flat batch; None = all tokens
+    decode_seq_lens: torch.Tensor | None  # [Sd] int64
+    decode_blocks: torch.Tensor | None  # [Sd, nb] int64
+    decode_max_len: int
+    prefills: list[_Prefill]
+    masks: dict  # (kind, window) -> mask tensor, filled lazily per sliding window
+
+
+def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
+    qlens, slens = meta.query_lens_list, meta.seq_lens_list
+    decode_idx = [i for i, q in enumerate(qlens) if q == 1]
+    starts = [0]
+    for q in qlens:
+        starts.append(starts[-1] + q)
+    device = meta.block_tables.device
+    decode_rows = decode_seq_lens = decode_blocks = None
+    decode_max_len = 0
+    if decode_idx:
+        decode_max_len = max(slens[i] for i in decode_idx)
+        nb = -(-decode_max_len // block_size)
+        all_decode = len(decode_idx) == len(qlens)
+        if all_decode:
+            decode_blocks = meta.block_tables[:, :nb].long()
+            decode_seq_lens = meta.seq_lens.long()
+        else:
+            sel = torch.tensor(decode_idx, device=device, dtype=torch.long)
+            decode_blocks = meta.block_tables.index_select(0, sel)[:, :nb].long()
+            decode_seq_lens = meta.seq_lens.index_select(0, sel).long()
+            decode_rows = torch.tensor([starts[i] for i in decode_idx], device=device, dtype=torch.long)
+    prefills = []
+    for i, q in enumerate(qlens):
+        if q == 1:
+            continue
+        nb = -(-slens[i] // block_size)
+        prefills.append(
+            _Prefill(starts[i], starts[i] + q, slens[i] - q, slens[i], meta.block_tables[i, :nb].long())
+        )
+    return _Plan(starts[-1], decode_rows, decode_seq_lens, decode_blocks, decode_max_len, prefills, {})
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+
+    # ---- cache writes --------------------------------------------------------------------------------
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+        """Store new K/V at their slots (quantizing for FP8 caches)."""
+        kv = cache.kv
+        _, nblocks, bsize, hkv, d = kv.shape
+        if kv.dtype in FP8_DTYPES:
+            limit = _fp8_max(kv.dtype)
+            k = (k.float() / cache.k_scale).clamp_(-limit, limit).to(kv.dtype)
+            v = (v.float() / cache.v_scale).clamp_(-limit, limit).to(kv.dtype)
+            flat = kv.view(torch.uint8).view(2, nblocks * bsize, hkv, d)
+            flat[0].index_copy_(0, slot_mapping, k.view(torch.uint8))
+            flat[1].index_copy_(0, slot_mapping, v.view(torch.uint8))
+        else:
+            flat = kv.view(2, nblocks * bsize, hkv, d)
+            flat[0].index_copy_(0, slot_mapping, k.to(kv.dtype))
+            flat[1].index_copy_(0, slot_mapping, v.to(kv.dtype))
+
+    @staticmethod
+    def _gather(
+        cache: LayerKVCache, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks ([...] block ids) as [..., n * block_size, Hkv, D] in `dtype`."""
+        kv = cache.kv
+        fp8 = kv.dtype in FP8_DTYPES
+        src = kv.view(torch.uint8) if fp8 else kv
+        k = src[0][blocks]
+        v = src[1][blocks]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * kv.shape[2], kv.shape[3], kv.shape[4])
+        k, v = k.reshape(shape), v.reshape(shape)
+        if fp8:
+            k = k.view(kv.dtype).to(dtype) * cache.k_scale
+            v = v.view(kv.dtype).to(dtype) * cache.v_scale
+        else:
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
+
+    # ---- attention ----------------------------------------------------------------------------------
+
+    def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+        # One plan per step: the runner builds a fresh AttentionMetadata every step.
+        if self._meta is not meta or self._plan is None:
+            self._plan = _plan(meta, block_size)
+            self._meta = meta
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        block_size = cache.kv.shape[2]
+        self.write_kv(k, v, cache, meta.slot_mapping)
+        plan = self._get_plan(meta, block_size)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        gqa = num_heads != cache.kv.shape[3]
+        out = torch.empty_like(q) if plan.prefills or plan.decode_rows is not None else None
+
+        if plan.decode_blocks is not None:
+            key = ("decode", sliding_window)
+            mask = plan.masks.get(key)
+            if mask is None:
+                length = plan.decode_blocks.shape[1] * block_size
+                pos = torch.arange(length, device=q.device)
+                lens = plan.decode_seq_lens[:, None]
+                mask = pos[None, :] < lens
+                if sliding_window is not None:
+                    mask &= pos[None, :] >= lens - sliding_window
+                mask = mask[:, None, None, :]  # [Sd, 1, 1, L]
+                plan.masks[key] = mask
+            kd, vd = self._gather(cache, plan.decode_blocks, q.dtype)  # [Sd, L, Hkv, D]
+            qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+            od = F.scaled_dot_product_attention(
+                qd.unsqueeze(2),  # [Sd, H, 1, D]
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            ).squeeze(2)
+            if out is None:
+                return od
+            out.index_copy_(0, plan.decode_rows, od)
+
+        for i, p in enumerate(plan.prefills):
+            kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
+            kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)
+            qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
+            if p.context_len == 0 and sliding_window is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                key = ("prefill", i, sliding_window)
+                mask = plan.masks.get(key)
+                if mask is None:
+                    qpos = torch.arange(p.context_len, p.seq_len, device=q.device)[:, None]
+                    kpos = torch.arange(p.seq_len, device=q.device)[None, :]
+                    mask = kpos <= qpos
+                    if sliding_window is not None:
+                        mask &= kpos > qpos - sliding_window
+                    plan.masks[key] = mask
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[p.start : p.end] = op.transpose(0, 1)
+        del head_dim
+        return out

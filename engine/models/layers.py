@@ -1,0 +1,124 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embeddings, SiLU MLP, uninitialised linears.
+
+Parameters are allocated with `torch.empty` (no random init): weights always come from a checkpoint, and
+initialising a billion parameters only to overwrite them costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and scales in the activation dtype, as the reference checkpoints were trained."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class SiluMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies (float32), with llama3 or linear scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type")
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embeddings from a cos/sin table indexed by absolute positions.
+
+    The table grows on demand (doubling) up to what a step needs, so a 128k-context config does not
+    allocate a 128k-row table to serve short prompts.
+    """
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device: torch.device
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).to(device), persistent=False)
+        self._cos = torch.empty(0, head_dim, device=device)
+        self._sin = torch.empty(0, head_dim, device=device)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _ensure(self, n: int) -> None:
+        if n <= self._cos.shape[0]:
+            return
+        size = max(n, min(max(4096, 2 * self._cos.shape[0]), max(self.max_positions, n)))
+        pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
+        self._cast = {}
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
+        self._ensure(max_position + 1)
+        if dtype not in self._cast:
+            self._cast[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
+        cos, sin = self._cast[dtype]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, head_dim]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
