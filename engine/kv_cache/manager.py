@@ -1,0 +1,270 @@
+"""Per-sequence block tables over one BlockPool: allocation on demand, prefix hits, forks and copy-on-write.
+
+The scheduler drives it in this order for a sequence:
+
+1. ``get_computed_tokens`` once when the sequence (re)starts: the cached prefix becomes its first blocks;
+2. before each step ``allocate_slots(seq, total_tokens_after_the_step)``; the tokens from the previous total
+   up to the new one are the ones the step writes, and a shared block among them is copied first
+   (``take_pending_copies`` hands the copies to the model runner, to run in order before the forward);
+3. after each step ``cache_blocks(seq, token_ids, num_computed_tokens)`` registers the blocks that became full;
+4. ``fork`` for extra samples (n > 1), ``free`` when the sequence finishes, is aborted or preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagoda.engine.kv_cache.block_pool import Block, BlockPool, EvictHook
+from pagoda.engine.kv_cache.hashing import BlockHash, encode_extra_keys, hash_block_tokens, hash_full_blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _SeqState:
+    blocks: list[Block] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose slots were handed out: the next write starts here
+    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its first full blocks
+    num_cached: int = 0  # leading blocks already offered to the cache index
+
+
+class KVCacheManager:
+    """Block tables, prefix cache and accounting for one KV cache of ``num_blocks`` blocks."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        extra_keys: tuple[str, ...] = (),
+        on_evict: EvictHook | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys = tuple(extra_keys)
+        self._extra = encode_extra_keys(self.extra_keys)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, on_evict)
+        self._seqs: dict[str, _SeqState] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0  # tokens looked up, cumulative
+        self.prefix_cache_hits = 0  # tokens found, cumulative
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks obtainable now: empty plus evictable cached ones."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks still holding a cached prefix (they count as free too)."""
+        return self.block_pool.num_cached_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def get_block_table(self, seq_id: str) -> list[int]:
+        state = self._seqs.get(seq_id)
+        return [] if state is None else [b.block_id for b in state.blocks]
+
+    def get_num_tokens(self, seq_id: str) -> int:
+        """Tokens of ``seq_id`` that have slots (prefix hits plus everything allocated since)."""
+        state = self._seqs.get(seq_id)
+        return 0 if state is None else state.num_tokens
+
+    def get_block_hashes(self, seq_id: str) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``seq_id`` known so far (for the offload tiers)."""
+        state = self._seqs.get(seq_id)
+        return [] if state is None else list(state.hashes)
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        # Leave at least one token to compute: its logits are what the step is for.
+        return max(0, (num_tokens - 1) // self.block_size)
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many tokens ``get_computed_tokens`` would return now; no references, no counters."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent: BlockHash | None = None
+        bs = self.block_size
+        for i in range(self._max_hit_blocks(len(token_ids))):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
+            if self.block_pool.get_cached_block(parent) is None:
+                return i * bs
+        return self._max_hit_blocks(len(token_ids)) * bs
+
+    def get_computed_tokens(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Start ``seq_id``'s block table with the longest cached chain of full blocks matching
+        ``token_ids`` (references taken) and return the tokens it covers, a multiple of block_size that
+        leaves at least one token to compute. Counts a query of len(token_ids) tokens and the hits."""
+        state = self._seqs.get(seq_id)
+        if state is not None and state.blocks:
+            raise ValueError(f"seq_id {seq_id!r} already has blocks; free it before looking up its prefix")
+        state = _SeqState()
+        self._seqs[seq_id] = state
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent: BlockHash | None = None
+        hits: list[Block] = []
+        for i in range(self._max_hit_blocks(len(token_ids))):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
+            state.hashes.append(parent)
+            block = self.block_pool.get_cached_block(parent)
+            if block is None:
+                break
+            hits.append(block)
+        self.block_pool.touch(hits)
+        state.blocks = hits
+        state.num_cached = len(hits)
+        state.num_tokens = len(hits) * bs
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += state.num_tokens
+        return state.num_tokens
+
+    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """The first ``num_computed_tokens`` of ``token_ids`` hold computed KV in ``seq_id``'s blocks:
+        register each full block among them in the cache index (first holder of a hash wins)."""
+        if not self.enable_prefix_caching:
+            return
+        state = self._state(seq_id)
+        if not 0 <= num_computed_tokens <= len(token_ids):
+            raise ValueError(
+                f"num_computed_tokens must be between 0 and len(token_ids)={len(token_ids)}, "
+                f"got {num_computed_tokens}"
+            )
+        num_full = min(num_computed_tokens // self.block_size, len(state.blocks))
+        if num_full <= state.num_cached:
+            return
+        if len(state.hashes) < num_full:
+            known = len(state.hashes)
+            state.hashes += hash_full_blocks(
+                token_ids,
+                self.block_size,
+                self._extra,
+                parent=state.hashes[-1] if known else None,
+                start_block=known,
+                max_blocks=num_full - known,
+            )
+        for i in range(state.num_cached, num_full):
+            self.block_pool.cache_block(state.blocks[i], state.hashes[i])
+        state.num_cached = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the cache index; False (and no change) while any block is referenced."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- allocation ---------------------------------------------------------------------------------------
+    def _plan(self, seq_id: str, num_tokens: int) -> tuple[int, list[int]]:
+        """(new blocks to append, table indices to copy on write) for covering ``num_tokens`` tokens."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return _cdiv(num_tokens, self.block_size), []
+        needed = _cdiv(num_tokens, self.block_size)
+        num_new = max(0, needed - len(state.blocks))
+        cow: list[int] = []
+        if num_tokens > state.num_tokens:
+            for i in range(state.num_tokens // self.block_size, min(needed, len(state.blocks))):
+                if state.blocks[i].ref_cnt > 1:
+                    cow.append(i)
+        return num_new, cow
+
+    def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        """Blocks ``allocate_slots(seq_id, num_tokens)`` would take from the pool (copies included)."""
+        num_new, cow = self._plan(seq_id, num_tokens)
+        return num_new + len(cow)
+
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
+        return self.num_blocks_needed(seq_id, num_tokens) <= self.block_pool.num_free_blocks
+
+    def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
+        """Make ``seq_id``'s table cover ``num_tokens`` tokens in total, copying a shared block the new
+        tokens will be written into. False, with nothing changed, when the pool is short."""
+        num_new, cow = self._plan(seq_id, num_tokens)
+        if num_new + len(cow) > self.block_pool.num_free_blocks:
+            return False
+        state = self._seqs.setdefault(seq_id, _SeqState())
+        fresh = self.block_pool.get_new_blocks(num_new + len(cow))
+        for i, dst in zip(cow, fresh, strict=False):
+            src = state.blocks[i]
+            self._pending_copies.append((src.block_id, dst.block_id))
+            state.blocks[i] = dst
+            self.block_pool.free_blocks([src])
+        state.blocks.extend(fresh[len(cow) :])
+        state.num_tokens = max(state.num_tokens, num_tokens)
+        return True
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies recorded since the last call; run them in this order before the forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` shares all of ``parent_id``'s blocks; the first write into a shared block copies it."""
+        parent = self._state(parent_id)
+        existing = self._seqs.get(child_id)
+        if existing is not None and existing.blocks:
+            raise ValueError(f"child_id {child_id!r} already has blocks")
+        self.block_pool.touch(parent.blocks)
+        self._seqs[child_id] = _SeqState(
+            blocks=list(parent.blocks),
+            num_tokens=parent.num_tokens,
+            hashes=list(parent.hashes),
+            num_cached=parent.num_cached,
+        )
+
+    def free(self, seq_id: str) -> None:
+        """Release ``seq_id``'s blocks, tail first so the tail of a cached chain is evicted before its head.
+        Unknown ids are ignored, so aborting twice is harmless."""
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.block_pool.free_blocks(reversed(state.blocks))
+
+    def _state(self, seq_id: str) -> _SeqState:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise ValueError(f"unknown seq_id {seq_id!r}")
+        return state
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError when tables, ref counts, queues and the cache index disagree."""
+        self.block_pool.check_invariants()
+        refs = [0] * self.num_blocks
+        for seq_id, state in self._seqs.items():
+            assert len(state.blocks) >= _cdiv(state.num_tokens, self.block_size), f"{seq_id}: table too short"
+            assert state.num_cached <= len(state.blocks), f"{seq_id}: more cached blocks than blocks"
+            assert state.num_cached <= len(state.hashes), f"{seq_id}: cached blocks without hashes"
+            assert len({b.block_id for b in state.blocks}) == len(state.blocks), f"{seq_id}: repeated block"
+            for i, block in enumerate(state.blocks):
+                refs[block.block_id] += 1
+                if block.block_hash is not None and i < len(state.hashes):
+                    assert block.block_hash == state.hashes[i], (
+                        f"{seq_id}: block {i} cached under another hash"
+                    )
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"{block}: ref count {block.ref_cnt} but {refs[block.block_id]} tables hold it"
+            )
+        assert self.block_pool.num_used_blocks == sum(1 for r in refs if r > 0), "used-block count is off"
