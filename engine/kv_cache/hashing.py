@@ -35,7 +35,7 @@ def encode_extra_keys(extra_keys: Sequence[str]) -> bytes:
 
 
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra: bytes | Sequence[str] = b""
+    parent: BlockHash | None, token_ids: Sequence[int], extra: bytes | Sequence[str] = ()
 ) -> BlockHash:
     """Hash of one block given its parent's hash (None for the first block of a sequence).
 
@@ -59,7 +59,7 @@ def hash_block_tokens(
 def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
-    extra: bytes | Sequence[str] = b"",
+    extra: bytes | Sequence[str] = (),
     parent: BlockHash | None = None,
     start_block: int = 0,
     max_blocks: int | None = None,
