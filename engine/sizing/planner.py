@@ -1,0 +1,472 @@
+"""The planner: (model shape, GPU, workload hints) -> engine settings, each with the reason it was chosen.
+
+Memory model of one GPU (per tensor-parallel rank):
+
+    GPU memory = CUDA context (+ NCCL with TP) + activation reserve      <- outside gpu_memory_utilization
+               + weights / TP + KV cache                                  <- gpu_memory_utilization x memory
+
+The reserve is estimated from the model and the per-step token budget, so the utilisation follows the card
+and the model instead of being a fixed constant. The activation reserve is a budget that grows smoothly with
+memory (a share of it, between what the smallest and the largest token budget need); the token budget is
+then the largest power of two whose activations fit that budget. Keeping the reserve smooth keeps the plan
+monotone: more memory never means less KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.gpus import GPUInfo
+from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes
+from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
+
+BLOCK_SIZE = 16  # vLLM's default; the vLLM paper measured under 4% waste at this size
+UTILIZATION_CAP = 0.95  # keep 5% for allocator fragmentation and estimate error, whatever the reserve says
+CUDA_CONTEXT_BASE = 512 * MiB  # CUDA context + cuBLAS workspaces
+CUDA_CONTEXT_SHARE = 0.015  # ... plus CUDA graphs and caching-allocator slack, which grow with the card
+NCCL_BYTES = 256 * MiB  # communicator buffers when tensor-parallel
+ACTIVATION_SHARE = 0.04  # share of GPU memory the activation reserve may grow to
+ACTIVATION_SAFETY = 1.2  # the estimate below counts the big tensors only
+MIN_BATCHED_TOKENS, MAX_BATCHED_TOKENS = 2048, 16384
+MAX_NUM_SEQS = 1024
+DEFAULT_TARGET_CONTEXT = 4096  # KV every plan must hold for at least one sequence when no hint says more
+CPU_RUNTIME_BYTES = 1 * GiB  # Python, torch, tokenizer and the HTTP server in a CPU pod
+HOST_RUNTIME_BYTES = 4 * GiB  # the same in a GPU pod, plus CUDA host allocations and pinned staging buffers
+HOST_LIMIT_SHARE = 0.9  # never plan the last 10% of a pod's memory limit: the OOM killer does not warn
+DISK_CACHE_MULTIPLE = 4  # default disk tier: this many times the GPU + host KV (a prefix-cache working set)
+DISK_MIN_GIB = 10
+DISK_FS_SHARE = 0.95  # filesystem metadata and the tier's index live on the same volume
+TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Hints:
+    """What the user knows about the workload; every field optional."""
+
+    target_context: int | None = None  # tokens one request may use (prompt + output)
+    min_concurrency: int = 1  # full-length sequences that must fit in the KV cache at once
+    p50_prompt_tokens: int | None = None
+    p50_output_tokens: int | None = None
+    p99_prompt_tokens: int | None = None
+    p99_output_tokens: int | None = None
+    quality_first: bool = False  # never quantise the KV cache
+    memory_limit_bytes: int | None = None  # the pod's memory limit (host tier; CPU pods: the KV cache too)
+    nvme_bytes: int | None = None  # local NVMe capacity for the disk tier
+    gpu_count: int | None = None  # GPUs the pod may use (default: the node's count)
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "quality_first" or value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SizingError(f"hint {f.name} must be an integer, got {value!r}")
+            low = 0 if f.name in ("memory_limit_bytes", "nvme_bytes") else 1
+            if value < low:
+                raise SizingError(f"hint {f.name} must be at least {low}, got {value}")
+
+
+@dataclass
+class Plan:
+    """Engine settings for one pod. Sizes are per GPU (per tensor-parallel rank) unless named otherwise."""
+
+    gpu_memory_utilization: float | None  # None on CPU, where kv_cache_memory_bytes is set instead
+    max_model_len: int
+    block_size: int
+    kv_cache_dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+    num_gpu_blocks: int
+    kv_cache_bytes: int
+    kv_offload_host_bytes: int
+    kv_offload_disk_bytes: int
+    pvc_size: str
+    kv_cache_memory_bytes: int | None = None
+    device: str = "cuda"
+    model: str = ""
+    gpu: str | None = None
+    kv_bytes_per_token: int = 0  # whole model, all ranks
+    weights_bytes_per_gpu: int = 0
+    reserve_bytes: int = 0  # CUDA context + activations (per GPU), or the runtime + activations on CPU
+    reasons: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **({"indent": 2} | kwargs))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_engine_args(self) -> list[str]:
+        """vLLM-style flags for `pagoda serve` (and vLLM itself, offload flags aside)."""
+        args: list[str] = []
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.2f}"]
+        if self.kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
+        args += [
+            "--max-model-len", str(self.max_model_len),
+            "--block-size", str(self.block_size),
+            "--kv-cache-dtype", self.kv_cache_dtype,
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+        ]  # fmt: skip
+        if self.kv_offload_host_bytes:
+            args += ["--kv-offload-host-bytes", str(self.kv_offload_host_bytes)]
+        if self.kv_offload_disk_bytes:
+            args += ["--kv-offload-disk-bytes", str(self.kv_offload_disk_bytes)]
+        return args
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_for(batched_tokens: int, min_concurrency: int) -> int:
+    """Sequences a step may sample for: vLLM's pairs (2048 tokens, 256 seqs) and (8192, 1024)."""
+    return max(min(MAX_NUM_SEQS, batched_tokens // 8), min_concurrency)
+
+
+def activation_bytes(
+    shape: ModelShape, batched_tokens: int, rows: int, tp: int = 1, dtype: str | None = None
+) -> int:
+    """Peak activations of one step: the large per-token tensors of one layer plus the sampled logits."""
+    elem = dtype_bytes(dtype or shape.dtype)
+    q = shape.num_attention_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    per_token = 4 * shape.hidden_size + (q + 2 * kv) // tp + 3 * shape.intermediate_size // tp
+    logits = rows * shape.vocab_size * 4 * 2  # float32 logits and the probabilities sampled from them
+    return int((batched_tokens * per_token * elem + logits) * ACTIVATION_SAFETY)
+
+
+def cuda_context_bytes(gpu_memory_bytes: int, tp: int) -> int:
+    return CUDA_CONTEXT_BASE + int(CUDA_CONTEXT_SHARE * gpu_memory_bytes) + (NCCL_BYTES if tp > 1 else 0)
+
+
+def _token_budget(shape, memory, tp, min_conc, floor_tokens, dtype=None) -> tuple[int, int]:
+    """(max_num_batched_tokens, activation reserve): the largest power of two fitting a smooth budget."""
+
+    def act(t: int) -> int:
+        return activation_bytes(shape, t, _rows_for(t, min_conc), tp, dtype)
+
+    low = max(MIN_BATCHED_TOKENS, floor_tokens)
+    budget = max(act(low), min(act(MAX_BATCHED_TOKENS), int(ACTIVATION_SHARE * memory)))
+    tokens = low
+    while tokens * 2 <= MAX_BATCHED_TOKENS and act(tokens * 2) <= budget:
+        tokens *= 2
+    return tokens, budget
+
+
+def _kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
+    return _ceil_div(shape.num_kv_heads, tp)  # replicated when TP exceeds the KV heads
+
+
+def kaito_kv_cache_bytes(gpu_memory_bytes: int, weights_bytes: int, *, a10: bool = False) -> int:
+    """KV memory under KAITO's published rule of thumb, for comparison: a fixed 0.84 utilisation (0.82 on
+    A10), weights x 1.02 for load overhead, 2.3 GiB for activations and the CUDA context, plus 5% overhead."""
+    util = 0.82 if a10 else 0.84
+    return int(util * gpu_memory_bytes - (1.02 * weights_bytes + 2.3 * GiB) * 1.05)
+
+
+# ------------------------------------------------------------------------------------------------ planner
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _seq_tokens(h: Hints) -> tuple[int | None, str]:
+    if h.p50_prompt_tokens or h.p50_output_tokens:
+        return (h.p50_prompt_tokens or 0) + (h.p50_output_tokens or 0), "p50 prompt + output"
+    if h.p99_prompt_tokens or h.p99_output_tokens:
+        return (h.p99_prompt_tokens or 0) + (h.p99_output_tokens or 0), "p99 prompt + output"
+    return None, ""
+
+
+def _offload(plan_kv_total: int, h: Hints, reasons: dict, *, cpu: bool) -> tuple[int, int, str]:
+    if cpu:
+        host = 0
+        reasons["kv_offload_host_bytes"] = (
+            "CPU pod: the KV cache already lives in host RAM, no separate host tier"
+        )
+    elif h.memory_limit_bytes is None:
+        host = 0
+        reasons["kv_offload_host_bytes"] = (
+            "no pod memory limit given: host tier off (it is never sized from the node's total RAM)"
+        )
+    else:
+        host = gib_floor(int(h.memory_limit_bytes * HOST_LIMIT_SHARE) - HOST_RUNTIME_BYTES)
+        reasons["kv_offload_host_bytes"] = (
+            f"{HOST_LIMIT_SHARE:.0%} of the pod memory limit {human_bytes(h.memory_limit_bytes)} minus "
+            f"{human_bytes(HOST_RUNTIME_BYTES)} for the runtime and staging buffers, whole GiB"
+            + ("; too small for a host tier" if host == 0 else "")
+        )
+    if h.nvme_bytes is not None:
+        pvc = gib_floor(int(h.nvme_bytes * 0.9))
+        reasons["pvc_size"] = f"90% of the {human_bytes(h.nvme_bytes)} NVMe capacity given, whole GiB"
+    else:
+        want = DISK_CACHE_MULTIPLE * (plan_kv_total + host)
+        pvc = max(DISK_MIN_GIB * GiB, gib_ceil(int(want / DISK_FS_SHARE)))
+        reasons["pvc_size"] = (
+            f"no NVMe capacity given: {DISK_CACHE_MULTIPLE}x the device and host KV cache "
+            f"({human_bytes(plan_kv_total + host)}) as a prefix-cache working set, at least {DISK_MIN_GIB}Gi"
+        )
+    disk = gib_floor(int(pvc * DISK_FS_SHARE))
+    reasons["kv_offload_disk_bytes"] = (
+        f"{DISK_FS_SHARE:.0%} of the {pvc // GiB}Gi volume, whole GiB (the rest is filesystem and index)"
+        if disk
+        else "volume too small for a disk tier"
+    )
+    return host, disk, f"{pvc // GiB}Gi"
+
+
+def plan(shape: ModelShape, gpu: GPUInfo | None, hints: Hints | None = None) -> Plan:
+    """Size the engine for `shape` on `gpu` (None or count 0: a CPU pod). Raises SizingError if unservable."""
+    h = hints or Hints()
+    h.validate()
+    if gpu is None or (gpu.count == 0 and not h.gpu_count):
+        return _plan_cpu(shape, h)
+    return _plan_gpu(shape, gpu, h)
+
+
+def _common_lengths(shape: ModelShape, h: Hints, warnings: list[str]) -> tuple[int, int | None]:
+    limit = shape.max_position_embeddings
+    target = h.target_context
+    if target is not None and target > limit:
+        warnings.append(
+            f"target_context {target} is longer than the model's limit of {limit} tokens; using {limit}"
+        )
+        target = limit
+    return limit, target
+
+
+def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
+    reasons: dict[str, str] = {}
+    warnings = list(gpu.warnings)
+    memory = gpu.memory_bytes
+    if memory <= 0:
+        raise SizingError(f"GPU {gpu.name}: memory must be positive, got {gpu.memory_mib} MiB")
+    available = h.gpu_count or gpu.count or 1
+    if h.gpu_count and gpu.count and h.gpu_count > gpu.count:
+        raise SizingError(
+            f"gpu_count={h.gpu_count} but the node has {gpu.count} {gpu.name} GPUs (nvidia.com/gpu.count)"
+        )
+    limit, target = _common_lengths(shape, h, warnings)
+    conc = h.min_concurrency
+    block_size = BLOCK_SIZE
+
+    if gpu.fp8 and not h.quality_first:
+        kv_dtype = "fp8"
+        reasons["kv_cache_dtype"] = (
+            f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]} has FP8: "
+            f"half the KV bytes of {shape.dtype}, twice the tokens"
+        )
+    else:
+        kv_dtype = "auto"
+        why = (
+            "quality first: KV kept in the model's dtype"
+            if gpu.fp8
+            else f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]} is below 8.9: "
+            "no FP8 KV cache on this GPU"
+        )
+        reasons["kv_cache_dtype"] = f"{why} ({shape.dtype})"
+    kv_token = shape.kv_bytes_per_token(kv_dtype)
+    kv_elem = kv_token // (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
+
+    want_len = target or min(limit, DEFAULT_TARGET_CONTEXT)
+    want_blocks = conc * _ceil_div(want_len, block_size)
+    floor_tokens = _pow2_at_least(h.p99_prompt_tokens) if h.p99_prompt_tokens else 0
+    floor_tokens = min(floor_tokens, MAX_BATCHED_TOKENS)
+
+    chosen = None
+    tried: list[str] = []
+    for tp in TP_SIZES:
+        if shape.num_attention_heads % tp:
+            continue
+        weights = _ceil_div(shape.weight_bytes, tp)
+        tokens, act = _token_budget(shape, memory, tp, conc, floor_tokens)
+        ctx = cuda_context_bytes(memory, tp)
+        util = min(UTILIZATION_CAP, math.floor((memory - ctx - act) / memory * 100) / 100)
+        kv_mem = int(util * memory) - weights
+        block_bytes = (
+            2 * shape.num_layers * _kv_heads_per_rank(shape, tp) * shape.head_dim * kv_elem * block_size
+        )
+        blocks = max(kv_mem, 0) // block_bytes
+        candidate = (tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks)
+        if blocks >= want_blocks and util > 0:
+            chosen = candidate
+            break
+        tried.append(f"TP={tp}: {human_bytes(weights)} weights + {human_bytes(ctx + act)} reserve per GPU "
+                     f"leave {human_bytes(max(kv_mem, 0))} of KV ({blocks * block_size} tokens)")  # fmt: skip
+
+    need = (
+        f"{conc} x {want_len} tokens of KV ({human_bytes(conc * want_len * kv_token)} at {kv_token} B/token)"
+    )
+    if chosen is None:
+        raise SizingError(
+            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.dtype} weights) cannot hold {need} on "
+            f"any tensor-parallel size up to {TP_SIZES[-1]} {gpu.name} GPUs; " + "; ".join(tried[-2:])
+        )
+    tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks = chosen
+    if tp > available:
+        raise SizingError(
+            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.dtype} weights) does not fit on "
+            f"{available} x {gpu.name} ({human_bytes(memory)} each) with room for {need}: "
+            f"{tried[-1] if tried else ''}. It needs tensor_parallel_size={tp} ({tp} GPUs: "
+            f"{human_bytes(weights)} of weights and {human_bytes(kv_mem)} of KV cache per GPU); "
+            f"request {tp} GPUs (--gpus {tp} / gpu_count={tp})."
+        )
+    reasons["tensor_parallel_size"] = (
+        f"smallest power of two whose per-GPU weights ({human_bytes(weights)}) leave room for {need}"
+        + (f"; {available} GPUs available" if available > 1 else "")
+    )
+    reasons["gpu_memory_utilization"] = (
+        f"{human_bytes(memory)} minus {human_bytes(ctx)} CUDA context{' and NCCL' if tp > 1 else ''} and a "
+        f"{human_bytes(act)} activation reserve for {tokens} tokens per step"
+        + (f", capped at {UTILIZATION_CAP}" if util == UTILIZATION_CAP else ", rounded down")
+    )
+    capacity = blocks * block_size
+    kv_bytes = blocks * block_bytes
+    kaito = kaito_kv_cache_bytes(
+        memory, shape.weight_bytes, a10=bool(gpu.spec and gpu.spec.name in ("A10", "A10G"))
+    )
+    reasons["num_gpu_blocks"] = (
+        f"{human_bytes(kv_mem)} left after weights / {block_bytes} B per block of {block_size} tokens "
+        f"= {capacity} tokens"
+    )
+    reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B per GPU" + (
+        f"; KAITO's fixed rule would leave {human_bytes(max(kaito, 0))} ({human_bytes(kv_bytes - kaito)} less)"
+        if tp == 1
+        else ""
+    )
+    reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
+
+    fit_len = (capacity // conc) // block_size * block_size
+    max_len = min(limit, target or limit, fit_len)
+    parts = [f"model limit {limit}"]
+    if target:
+        parts.append(f"target context {target}")
+    parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")
+    reasons["max_model_len"] = "min of " + ", ".join(parts)
+    if shape.sliding_window and max_len > shape.sliding_window:
+        warnings.append(
+            f"{shape.name} uses a {shape.sliding_window}-token sliding window; the plan still reserves KV for "
+            "every token of a sequence"
+        )
+
+    max_seqs, seq_reason = _max_num_seqs(capacity, tokens, conc, h, blocks)
+    reasons["max_num_seqs"] = seq_reason
+    reasons["max_num_batched_tokens"] = (
+        f"largest power of two (up to {MAX_BATCHED_TOKENS}) whose activations fit a {human_bytes(act)} reserve"
+        + (
+            f"; at least the p99 prompt ({h.p99_prompt_tokens}) so it prefills in one step"
+            if floor_tokens
+            else ""
+        )
+    )
+    host, disk, pvc = _offload(kv_bytes * tp, h, reasons, cpu=False)
+    return Plan(
+        gpu_memory_utilization=util, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
+        max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=tp, num_gpu_blocks=blocks,
+        kv_cache_bytes=kv_bytes, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=pvc,
+        device="cuda", model=shape.name, gpu=gpu.name, kv_bytes_per_token=kv_token, weights_bytes_per_gpu=weights,
+        reserve_bytes=ctx + act, reasons=reasons, warnings=warnings,
+    )  # fmt: skip
+
+
+def _max_num_seqs(capacity: int, tokens: int, conc: int, h: Hints, blocks: int) -> tuple[int, str]:
+    cap = _rows_for(tokens, conc)
+    per_seq, what = _seq_tokens(h)
+    if per_seq:
+        by_kv = capacity // max(per_seq, 1)
+        n = max(conc, min(cap, by_kv))
+        return n, (
+            f"KV capacity {capacity} tokens / {per_seq} tokens per request ({what}) = {by_kv}, "
+            f"kept between the minimum concurrency {conc} and {cap} sampled rows per step"
+        )
+    n = max(conc, min(cap, blocks))
+    return n, (
+        f"{cap} sequences per step for a {tokens}-token budget (vLLM's 256 per 2048 tokens, at most "
+        f"{MAX_NUM_SEQS})" + (f", limited to the {blocks} KV blocks" if blocks < cap else "")
+    )
+
+
+def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
+    reasons: dict[str, str] = {}
+    warnings: list[str] = []
+    if h.memory_limit_bytes is None:
+        raise SizingError(
+            "a CPU plan needs the pod memory limit (memory_limit_bytes / --memory-limit): the KV cache lives "
+            "in host RAM and is never sized from the node's total memory"
+        )
+    limit, target = _common_lengths(shape, h, warnings)
+    conc = h.min_concurrency
+    block_size = BLOCK_SIZE
+    cpu_shape = shape.with_dtype("float32")  # the CPU engine computes in float32
+    kv_token = cpu_shape.kv_bytes_per_token("auto")
+    weights = cpu_shape.weight_bytes
+    tokens = MIN_BATCHED_TOKENS
+    if h.p99_prompt_tokens:
+        tokens = min(MAX_BATCHED_TOKENS, max(tokens, _pow2_at_least(h.p99_prompt_tokens)))
+    act = activation_bytes(cpu_shape, tokens, _rows_for(tokens, conc), 1, "float32")
+    usable = int(h.memory_limit_bytes * HOST_LIMIT_SHARE)
+    kv_mem = (usable - CPU_RUNTIME_BYTES - weights - act) // MiB * MiB
+    block_bytes = kv_token * block_size
+    blocks = max(kv_mem, 0) // block_bytes
+    want_len = target or min(limit, DEFAULT_TARGET_CONTEXT)
+    if blocks * block_size < conc * want_len:
+        need = CPU_RUNTIME_BYTES + weights + act + conc * want_len * kv_token
+        raise SizingError(
+            f"{shape.name} on CPU does not fit a {human_bytes(h.memory_limit_bytes)} memory limit with room for "
+            f"{conc} x {want_len} tokens of KV: it needs about {human_bytes(need / HOST_LIMIT_SHARE)} "
+            f"({human_bytes(weights)} float32 weights, {human_bytes(act)} activations, "
+            f"{human_bytes(CPU_RUNTIME_BYTES)} runtime, {human_bytes(conc * want_len * kv_token)} KV); "
+            "raise the memory limit or lower the target context"
+        )
+    capacity = blocks * block_size
+    kv_bytes = blocks * block_bytes
+    reasons["kv_cache_memory_bytes"] = (
+        f"{HOST_LIMIT_SHARE:.0%} of the pod memory limit {human_bytes(h.memory_limit_bytes)} minus "
+        f"{human_bytes(weights)} float32 weights, {human_bytes(act)} activations and "
+        f"{human_bytes(CPU_RUNTIME_BYTES)} runtime"
+    )
+    reasons["gpu_memory_utilization"] = "CPU pod: not used (kv_cache_memory_bytes sizes the cache)"
+    reasons["tensor_parallel_size"] = "CPU pod: one process"
+    reasons["kv_cache_dtype"] = "CPU: KV in the engine's float32 compute dtype (no FP8 on CPU)"
+    reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
+    reasons["num_gpu_blocks"] = f"{human_bytes(kv_mem)} / {block_bytes} B per block = {capacity} tokens"
+    reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B"
+    fit_len = (capacity // conc) // block_size * block_size
+    max_len = min(limit, target or limit, fit_len)
+    parts = [f"model limit {limit}"] + ([f"target context {target}"] if target else [])
+    parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")
+    reasons["max_model_len"] = "min of " + ", ".join(parts)
+    max_seqs, reasons["max_num_seqs"] = _max_num_seqs(capacity, tokens, conc, h, blocks)
+    reasons["max_num_batched_tokens"] = f"{tokens} tokens per step, vLLM's CPU server default" + (
+        f" raised to the p99 prompt ({h.p99_prompt_tokens})" if tokens > MIN_BATCHED_TOKENS else ""
+    )
+    host, disk, pvc = _offload(kv_bytes, h, reasons, cpu=True)
+    return Plan(
+        gpu_memory_utilization=None, max_model_len=max_len, block_size=block_size, kv_cache_dtype="auto",
+        max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=1, num_gpu_blocks=blocks,
+        kv_cache_bytes=kv_bytes, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=pvc,
+        kv_cache_memory_bytes=kv_mem, device="cpu", model=shape.name, gpu=None, kv_bytes_per_token=kv_token,
+        weights_bytes_per_gpu=weights, reserve_bytes=CPU_RUNTIME_BYTES + act, reasons=reasons, warnings=warnings,
+    )  # fmt: skip

@@ -1,0 +1,287 @@
+"""Model shapes: what sizing needs to know about a model, read without loading any weights.
+
+A shape comes from a Hugging Face config.json (+ safetensors headers for the exact parameter bytes), from
+GGUF metadata, or from a small table of well-known public models so plans work before weights exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from pagoda.engine.sizing.errors import SizingError
+
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+
+_SAFETENSORS_DTYPE = {"F64": "float32", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise SizingError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide a model's memory: weights and KV bytes per token."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_window: int | None = None
+    dtype: str = "bfloat16"  # the checkpoint's compute dtype (GGUF: float16, what it dequantises to)
+    weight_bytes: int = 0  # parameter bytes in `dtype`
+    num_params: int = 0
+    tie_word_embeddings: bool = False
+
+    def kv_bytes_per_token(self, kv_dtype: str | None = "auto") -> int:
+        """2 (K and V) x layers x KV heads x head_dim x bytes per element; "auto" = the model's dtype."""
+        kv = self.dtype if kv_dtype in (None, "auto") else kv_dtype
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(kv)
+
+    def weight_bytes_as(self, dtype: str) -> int:
+        """Weight bytes if the parameters are held in `dtype` (the CPU engine runs in float32)."""
+        if self.num_params:
+            return self.num_params * dtype_bytes(dtype)
+        return self.weight_bytes * dtype_bytes(dtype) // dtype_bytes(self.dtype)
+
+    def with_dtype(self, dtype: str) -> ModelShape:
+        return replace(self, dtype=dtype, weight_bytes=self.weight_bytes_as(dtype))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_num_params(
+    *,
+    num_layers: int,
+    num_attention_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tie_word_embeddings: bool = False,
+    qkv_bias: bool = False,
+) -> int:
+    """Parameters of a Llama-family decoder (gated MLP, RMSNorm), used when no weights are at hand."""
+    q, kv = num_attention_heads * head_dim, num_kv_heads * head_dim
+    attn = hidden_size * (q + 2 * kv) + q * hidden_size + ((q + 2 * kv) if qkv_bias else 0)
+    mlp = 3 * hidden_size * intermediate_size
+    per_layer = attn + mlp + 2 * hidden_size
+    embed = vocab_size * hidden_size * (1 if tie_word_embeddings else 2)
+    return num_layers * per_layer + embed + hidden_size
+
+
+# name, layers, heads, kv heads, head_dim, hidden, intermediate, vocab, max positions, sliding window,
+# tied embeddings, qkv bias  (public config.json values)
+_WELL_KNOWN = {
+    "llama-3.1-8b": ("Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256, 131072, None, False, False),
+    "llama-3.1-70b": ("Llama-3.1-70B", 80, 64, 8, 128, 8192, 28672, 128256, 131072, None, False, False),
+    "llama-3.1-405b": ("Llama-3.1-405B", 126, 128, 8, 128, 16384, 53248, 128256, 131072, None, False, False),
+    "mistral-7b-v0.1": ("Mistral-7B-v0.1", 32, 32, 8, 128, 4096, 14336, 32000, 32768, 4096, False, False),
+    "mistral-7b-v0.3": ("Mistral-7B-v0.3", 32, 32, 8, 128, 4096, 14336, 32768, 32768, None, False, False),
+    "qwen2.5-7b": ("Qwen2.5-7B", 28, 28, 4, 128, 3584, 18944, 152064, 32768, None, False, True),
+    "qwen2.5-72b": ("Qwen2.5-72B", 80, 64, 8, 128, 8192, 29568, 152064, 32768, None, False, True),
+    "smollm2-135m": ("SmolLM2-135M", 30, 9, 3, 64, 576, 1536, 49152, 8192, None, True, False),
+}  # fmt: skip
+_ALIASES = {
+    "mistral-7b": "mistral-7b-v0.3",
+    "mistral-7b-v0.2": "mistral-7b-v0.3",
+    "llama3.1-8b": "llama-3.1-8b",
+}
+
+
+def _normalise_id(model_id: str) -> str:
+    name = str(model_id).strip().rstrip("/").split("/")[-1].lower()
+    name = name.removeprefix("meta-").removesuffix("-hf")
+    name = re.sub(r"-instruct\b", "", name)
+    name = name.replace("llama3.1", "llama-3.1")
+    return _ALIASES.get(name, name)
+
+
+def well_known_model_ids() -> list[str]:
+    return sorted(v[0] for v in _WELL_KNOWN.values())
+
+
+def well_known_shape(model_id: str) -> ModelShape | None:
+    """The published shape of a popular model by name or hub id (meta-llama/Llama-3.1-8B-Instruct)."""
+    row = _WELL_KNOWN.get(_normalise_id(model_id))
+    if row is None:
+        return None
+    name, layers, heads, kv, hd, hidden, inter, vocab, maxpos, window, tied, bias = row
+    n = estimate_num_params(
+        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=hd, hidden_size=hidden,
+        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied, qkv_bias=bias,
+    )  # fmt: skip
+    return ModelShape(
+        name, layers, heads, kv, hd, hidden, inter, vocab, maxpos, window, "bfloat16", 2 * n, n, tied
+    )
+
+
+def _require(config: dict, key: str, where: str) -> int:
+    value = config.get(key)
+    if value is None:
+        raise SizingError(f"{where}: missing {key!r}, which sizing needs")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise SizingError(f"{where}: {key!r} must be an integer, got {value!r}") from None
+
+
+def shape_from_config(
+    config: dict, weight_bytes: int | None = None, *, name: str | None = None, where: str = "config.json"
+) -> ModelShape:
+    """Shape from a Hugging Face config dict; weight bytes estimated from the shape when not given."""
+    if isinstance(config.get("text_config"), dict):  # multimodal wrappers keep the decoder here
+        config = {**config, **config["text_config"]}
+    layers = _require(config, "num_hidden_layers", where)
+    heads = _require(config, "num_attention_heads", where)
+    hidden = _require(config, "hidden_size", where)
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter = int(config.get("intermediate_size") or 4 * hidden)
+    vocab = _require(config, "vocab_size", where)
+    maxpos = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 2048)
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False or not window or int(window) >= maxpos:
+        window = None
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    if dtype not in DTYPE_BYTES or DTYPE_BYTES[dtype] == 1:
+        dtype = "bfloat16"
+    tied = bool(config.get("tie_word_embeddings", False))
+    n = estimate_num_params(
+        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim, hidden_size=hidden,
+        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+    )  # fmt: skip
+    if weight_bytes is not None:
+        n = weight_bytes // dtype_bytes(dtype)
+    label = name or config.get("_name_or_path") or config.get("model_type") or "model"
+    return ModelShape(
+        str(label), layers, heads, kv, head_dim, hidden, inter, vocab, maxpos,
+        int(window) if window else None, dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes,
+        n, tied,
+    )  # fmt: skip
+
+
+def safetensors_weight_bytes(directory: Path) -> tuple[int, int, str | None]:
+    """(bytes, parameters, dominant dtype) of every *.safetensors file, reading only their JSON headers."""
+    total = params = 0
+    by_dtype: dict[str, int] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise SizingError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * (1 << 20):
+                raise SizingError(f"{path}: safetensors header claims {n} bytes; the file is damaged")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise SizingError(f"{path}: safetensors header is not valid JSON ({e})") from None
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            total += end - begin
+            count = math.prod(info["shape"])
+            params += count
+            by_dtype[info["dtype"]] = by_dtype.get(info["dtype"], 0) + count
+    dominant = max(by_dtype, key=by_dtype.get) if by_dtype else None
+    return total, params, _SAFETENSORS_DTYPE.get(dominant or "")
+
+
+def shape_from_path(path: str | Path) -> ModelShape:
+    """Shape of a local model: a Hugging Face directory or a GGUF file. Weights are never loaded."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _shape_from_gguf(p)
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return _shape_from_gguf(ggufs[0])
+            raise SizingError(f"{p}: no config.json (and not exactly one .gguf file) in the model directory")
+        try:
+            config = json.loads(cfg.read_text())
+        except ValueError as e:
+            raise SizingError(f"{cfg}: not valid JSON ({e})") from None
+        nbytes, params, st_dtype = safetensors_weight_bytes(p)
+        if params and not (config.get("torch_dtype") or config.get("dtype")) and st_dtype:
+            config = {**config, "torch_dtype": st_dtype}
+        shape = shape_from_config(config, None, name=p.name, where=str(cfg))
+        if params:
+            shape = replace(shape, num_params=params, weight_bytes=params * dtype_bytes(shape.dtype))
+        return shape
+    if p.exists():
+        raise SizingError(f"{p}: expected a model directory (config.json) or a .gguf file")
+    raise SizingError(f"{p}: no such file or directory")
+
+
+def _shape_from_gguf(path: Path) -> ModelShape:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise SizingError(
+            f"{path}: reading GGUF metadata needs the 'gguf' package (pip install 'pagoda[engine]')"
+        ) from None
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises many kinds on damaged files
+        raise SizingError(f"{path}: cannot read GGUF metadata ({e})") from None
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    arch = field("general.architecture")
+    if not arch:
+        raise SizingError(f"{path}: GGUF metadata has no general.architecture")
+
+    def need(key: str) -> int:
+        value = field(f"{arch}.{key}")
+        if value is None:
+            raise SizingError(f"{path}: GGUF metadata is missing {arch}.{key}, which sizing needs")
+        return int(value)
+
+    layers, heads, hidden = need("block_count"), need("attention.head_count"), need("embedding_length")
+    kv = int(field(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(field(f"{arch}.attention.key_length", 0) or field(f"{arch}.rope.dimension_count", 0)
+                   or hidden // heads)  # fmt: skip
+    vocab = field(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else 0
+    window = field(f"{arch}.attention.sliding_window")
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    names = {t.name for t in reader.tensors}
+    label = field("general.name") or path.stem
+    return ModelShape(
+        name=str(label), num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        hidden_size=hidden, intermediate_size=int(field(f"{arch}.feed_forward_length", 4 * hidden)),
+        vocab_size=int(vocab), max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+        sliding_window=int(window) if window else None, dtype="float16", weight_bytes=2 * params,
+        num_params=params, tie_word_embeddings="output.weight" not in names,
+    )  # fmt: skip
