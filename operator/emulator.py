@@ -1,0 +1,188 @@
+"""kmock's Kubernetes emulator with the few API-server behaviours Pagoda's tests and benchmark rely on.
+
+kmock keeps objects as plain JSON and leaves "special fields" to subclasses (its docstring says so). This
+subclass adds what a real API server does and kubectl or the operator can observe:
+
+- `metadata.uid`, `creationTimestamp`, `resourceVersion`, `generation` (bumped when `spec` changes) and
+  names from `generateName` (kopf posts Events that way);
+- a CustomResourceDefinition, once created, makes its resource discoverable (`/apis/<group>/<version>`);
+- `Accept: application/json;as=Table` (what `kubectl get` asks for) answers a `meta.k8s.io/v1` Table
+  using the CRD's `additionalPrinterColumns`.
+
+Test and benchmark helper only: it imports kmock, a dev dependency.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import uuid
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import enums, rendering
+
+from pagoda.operator.jsonpath import jsonpath_get
+
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"
+# The built-in resources every API server serves that Pagoda, kopf and kubectl touch.
+BUILTINS = [
+    (CRD_RESOURCE, "CustomResourceDefinition", False, {"status"}),
+    ("v1/namespaces", "Namespace", False, {"status"}),
+    ("v1/nodes", "Node", False, {"status"}),
+    ("v1/events", "Event", True, set()),
+    ("v1/services", "Service", True, {"status"}),
+    ("v1/pods", "Pod", True, {"status"}),
+    ("v1/secrets", "Secret", True, set()),
+    ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
+    ("apps/v1/statefulsets", "StatefulSet", True, {"status", "scale"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+]
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return patch
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(base.get(key), value)
+    return out
+
+
+@attrs.define(kw_only=True)
+class PagodaEmulator(kmock.KubernetesEmulator):
+    """The emulator plus object metadata, CRD registration and server-side Table printing."""
+
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+        for resource, kind, namespaced, subresources in BUILTINS:
+            self.resources[resource] = kmock.ResourceInfo(
+                kind=kind, namespaced=namespaced, verbs=verbs, subresources=subresources,
+                singular=kind.lower(),
+            )
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            data = request.data
+            meta = data.setdefault("metadata", {}) if request.action == enums.action.CREATE else None
+            if request.action == enums.action.CREATE:
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("creationTimestamp", _now())
+                meta["resourceVersion"] = str(next(self._rv))
+                meta.setdefault("generation", 1)
+                if request.resource == CRD_RESOURCE:
+                    self._register_crd(data)
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                key = (request.resource, request.namespace, request.name)
+                patch_meta = data.setdefault("metadata", {})
+                if isinstance(patch_meta, dict):
+                    patch_meta["resourceVersion"] = str(next(self._rv))
+                    if key in self.objects and not self.objects[key].deleted and not request.subresource:
+                        current = self.objects[key].raw
+                        if "spec" in data and _merge(current.get("spec"), data["spec"]) != current.get("spec"):
+                            patch_meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+        return await super()._handle(request)
+
+    def _register_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd.get("spec", {})
+        names = spec.get("names", {})
+        for version in spec.get("versions", []):
+            subresources = set(version.get("subresources") or {})
+            self.resources[f"{spec.get('group')}/{version['name']}/{names.get('plural')}"] = kmock.ResourceInfo(
+                kind=names.get("kind"),
+                singular=names.get("singular"),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                shortnames=set(names.get("shortNames") or []),
+                categories=set(names.get("categories") or []),
+                subresources=subresources,
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"},
+            )
+
+    async def _serve_version(self, request: rendering.Request) -> Any:
+        # kmock repeats a resource's short names on its subresources; a real server does not, and
+        # kubectl then warns that `infd` is ambiguous.
+        result = await super()._serve_version(request)
+        for entry in result.get("resources", []):
+            if "/" in entry["name"]:
+                entry["shortNames"], entry["categories"] = [], []
+        return result
+
+    def _printer_columns(self, request: rendering.Request) -> list[dict[str, Any]]:
+        resource = request.resource
+        for (res, _, _), obj in list(self.objects.items()):
+            if res != CRD_RESOURCE or obj.deleted:
+                continue
+            spec = obj.raw.get("spec", {})
+            if spec.get("group") != resource.group or spec.get("names", {}).get("plural") != resource.plural:
+                continue
+            for version in spec.get("versions", []):
+                if version.get("name") == resource.version:
+                    return [c for c in version.get("additionalPrinterColumns", []) if c["name"] != "Age"]
+        return []
+
+    def _table(self, request: rendering.Request, items: list[dict[str, Any]]) -> dict[str, Any]:
+        columns = self._printer_columns(request)
+        definitions = [{"name": "Name", "type": "string", "format": "name", "description": "Name"}]
+        definitions += [{"name": c["name"], "type": c.get("type", "string"), "format": "", "description": ""} for c in columns]
+        definitions.append({"name": "Age", "type": "date", "format": "", "description": "Age"})
+        rows = []
+        for item in items:
+            meta = item.get("metadata", {})
+            cells = [meta.get("name")]
+            cells += [jsonpath_get(item, c["jsonPath"]) for c in columns]
+            cells.append(_age(meta.get("creationTimestamp")))
+            partial = {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": meta}
+            rows.append({"cells": cells, "object": partial})
+        return {"apiVersion": "meta.k8s.io/v1", "kind": "Table", "metadata": {}, "columnDefinitions": definitions, "rows": rows}
+
+    @staticmethod
+    def _wants_table(request: rendering.Request) -> bool:
+        return "as=Table" in request.headers.get("Accept", "")
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        result = await super()._serve_list(request)
+        if self._wants_table(request):
+            return self._table(request, result["items"])
+        return result
+
+    async def _serve_fetch(self, request: rendering.Request) -> Any:
+        result = await super()._serve_fetch(request)
+        if self._wants_table(request):
+            return self._table(request, [result])
+        return result
+
+    def writes(self, since: int = 0) -> list[rendering.Request]:
+        """Write requests (POST, PUT, PATCH, DELETE) received from request number `since` on."""
+        return [r for r in list(self._requests)[since:] if str(r.method).upper().split(".")[-1] in WRITE_METHODS]
+
+    @property
+    def request_count(self) -> int:
+        return len(self._requests)
+
+    def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        key = (resource, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return self.objects[key].raw
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    created = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    seconds = int((datetime.datetime.now(tz=datetime.UTC) - created).total_seconds())
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"

@@ -1,0 +1,245 @@
+"""From a spec and the GPU pools on the nodes to one engine plan: which GPU, which settings, and why.
+
+Sizing rules live in `pagoda.engine.sizing`; this module picks the GPU, turns the spec into sizing hints,
+and applies the user's explicit engine settings on top of the plan (checking they can be served).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.engine.sizing import (
+    GPUInfo,
+    Hints,
+    ModelShape,
+    Plan,
+    SizingError,
+    plan,
+    shape_from_config,
+    well_known_shape,
+)
+from pagoda.operator.discovery import GPUPool, matching_pools
+from pagoda.operator.quantity import format_quantity
+from pagoda.operator.spec import InferenceSpec, SpecError
+
+GiB = 1 << 30
+CPU_DEFAULT_MEMORY = 4 * GiB  # a CPU pod with no memory limit gets this much (the KV cache lives in it)
+DISK_FS_SHARE = 0.95
+
+
+@dataclass
+class Decision:
+    """The chosen GPU and plan for one InferenceDeployment."""
+
+    plan: Plan
+    gpu: GPUInfo | None  # None: CPU pods
+    product_label: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    gpu_reason: str = ""
+    nvme_bytes: int | None = None  # the per-pod PVC size when NVMe offload is on
+    disk_tier_bytes: int = 0
+    memory_limit_bytes: int | None = None
+
+    def status_gpu(self, count: int) -> dict[str, Any]:
+        if self.gpu is None:
+            return {"product": "cpu", "count": 0, "nodes": [], "reason": self.gpu_reason}
+        major, minor = self.gpu.compute_capability
+        return {
+            "product": self.product_label or self.gpu.product_label,
+            "memoryMiB": self.gpu.memory_mib,
+            "computeCapability": f"{major}.{minor}",
+            "count": count,
+            "nodes": list(self.nodes),
+            "reason": self.gpu_reason,
+        }
+
+
+def model_shape(spec: InferenceSpec) -> ModelShape:
+    """The model's shape: given in the spec, or known by name; otherwise the spec cannot be sized."""
+    if spec.model.shape:
+        try:
+            return shape_from_config(dict(spec.model.shape), name=spec.model.model_id, where="spec.model.shape")
+        except SizingError as exc:
+            raise SpecError("model.shape", str(exc), reason="InvalidModelShape") from None
+    shape = well_known_shape(spec.model.model_id)
+    if shape is None:
+        raise SpecError(
+            "model.shape",
+            f"the operator does not know the shape of {spec.model.model_id!r}: copy num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, hidden_size, intermediate_size, vocab_size and "
+            "max_position_embeddings from its config.json into spec.model.shape",
+            reason="UnknownModel",
+        )
+    return shape
+
+
+def hints(spec: InferenceSpec, gpu_count: int | None) -> Hints:
+    w = spec.workload
+    memory = spec.memory_limit_bytes
+    if memory is None and gpu_count is None:
+        memory = CPU_DEFAULT_MEMORY
+    return Hints(
+        target_context=spec.engine.max_model_len or w.target_context,
+        min_concurrency=w.min_concurrency or 1,
+        p50_prompt_tokens=w.p50_prompt_tokens,
+        p50_output_tokens=w.p50_output_tokens,
+        p99_prompt_tokens=w.p99_prompt_tokens,
+        p99_output_tokens=w.p99_output_tokens,
+        quality_first=w.quality_first,
+        memory_limit_bytes=memory,
+        nvme_bytes=None,
+        gpu_count=gpu_count,
+    )
+
+
+def _apply_overrides(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> Plan:
+    """The user's explicit engine settings win over the plan, when they can be served."""
+    reasons = dict(p.reasons)
+    changes: dict[str, Any] = {}
+    e = spec.engine
+    if e.kv_cache_dtype != "auto" and e.kv_cache_dtype != p.kv_cache_dtype:
+        if gpu is None or not gpu.fp8:
+            where = "CPU pods" if gpu is None else f"{gpu.name} (compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]})"
+            raise SpecError(
+                "engine.kvCacheDtype",
+                f"{e.kv_cache_dtype} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {where} has "
+                "no FP8 KV cache: use kvCacheDtype auto or an L4, L40S, H100 or newer",
+                reason="UnsupportedKVCacheDtype",
+            )
+        changes["kv_cache_dtype"] = e.kv_cache_dtype
+        reasons["kv_cache_dtype"] = f"set by spec.engine.kvCacheDtype ({gpu.name} supports FP8)"
+    elif e.kv_cache_dtype != "auto":
+        reasons["kv_cache_dtype"] = f"set by spec.engine.kvCacheDtype; {p.reasons.get('kv_cache_dtype', '')}"
+    if e.max_model_len is not None:
+        if e.max_model_len > p.max_model_len:
+            raise SpecError(
+                "engine.maxModelLen",
+                f"{e.max_model_len} tokens do not fit: at most {p.max_model_len} fits "
+                f"({p.reasons.get('max_model_len', '')}); lower maxModelLen, use more or larger GPUs, or set "
+                "maxModelLen: auto",
+                reason="ContextTooLong",
+            )
+        changes["max_model_len"] = e.max_model_len
+        reasons["max_model_len"] = f"set by spec.engine.maxModelLen (up to {p.max_model_len} would fit)"
+    if e.block_size is not None and e.block_size != p.block_size:
+        changes["block_size"] = e.block_size
+        changes["num_gpu_blocks"] = p.num_gpu_blocks * p.block_size // e.block_size
+        reasons["block_size"] = "set by spec.engine.blockSize"
+    if e.gpu_memory_utilization is not None and gpu is not None:
+        changes["gpu_memory_utilization"] = e.gpu_memory_utilization
+        reasons["gpu_memory_utilization"] = (
+            f"set by spec.engine.gpuMemoryUtilization (the plan chose {p.gpu_memory_utilization}); the engine "
+            "re-measures free memory at start-up and refuses a context that cannot fit"
+        )
+    if e.max_num_seqs is not None:
+        changes["max_num_seqs"] = e.max_num_seqs
+        reasons["max_num_seqs"] = "set by spec.engine.maxNumSeqs"
+    if gpu is not None and spec.gpu.count > p.tensor_parallel_size:
+        reasons["tensor_parallel_size"] = (
+            f"spec.gpu.count asks for {spec.gpu.count} GPUs per pod; the model needs at least "
+            f"{p.tensor_parallel_size} ({p.reasons.get('tensor_parallel_size', '')})"
+        )
+        changes["tensor_parallel_size"] = spec.gpu.count
+    changes["reasons"] = reasons
+    return dataclasses.replace(p, **changes)
+
+
+def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
+    reasons = dict(p.reasons)
+    host = p.kv_offload_host_bytes
+    if spec.offload.host_bytes is not None:
+        host = 0 if p.device == "cpu" else spec.offload.host_bytes
+        reasons["kv_offload_host_bytes"] = (
+            "CPU pod: the KV cache already lives in host RAM" if p.device == "cpu" else "set by spec.offload.host.size"
+        )
+    if not spec.offload.nvme_enabled:
+        reasons["kv_offload_disk_bytes"] = "spec.offload.nvme.enabled is false: no disk tier"
+        reasons.pop("pvc_size", None)
+        return dataclasses.replace(p, kv_offload_host_bytes=host, kv_offload_disk_bytes=0, pvc_size="", reasons=reasons), None, 0
+    if spec.offload.nvme_bytes is not None:
+        pvc = spec.offload.nvme_bytes
+        disk = int(pvc * DISK_FS_SHARE) // GiB * GiB
+        reasons["pvc_size"] = "set by spec.offload.nvme.size"
+        reasons["kv_offload_disk_bytes"] = f"{DISK_FS_SHARE:.0%} of the {format_quantity(pvc)} volume, whole GiB"
+    else:
+        pvc = int(p.pvc_size.removesuffix("Gi")) * GiB
+        disk = p.kv_offload_disk_bytes
+    new = dataclasses.replace(
+        p, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=format_quantity(pvc), reasons=reasons
+    )
+    return new, pvc, disk
+
+
+def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
+    """The GPU and the plan for `spec` on the nodes' `available` pools; raises SpecError when unservable."""
+    shape = model_shape(spec)
+    if spec.gpu.count == 0:
+        try:
+            p = plan(shape, None, hints(spec, None))
+        except SizingError as exc:
+            raise SpecError("resources.limits.memory", str(exc), reason="ModelTooLarge") from None
+        p = _apply_overrides(spec, p, None)
+        p, nvme, disk = _offload(spec, p)
+        memory = spec.memory_limit_bytes or CPU_DEFAULT_MEMORY
+        return Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme, disk_tier_bytes=disk,
+                        memory_limit_bytes=memory)  # fmt: skip
+
+    if spec.gpu.product:
+        try:
+            candidates = matching_pools(spec.gpu.product, available)
+        except SizingError as exc:
+            raise SpecError("gpu.product", str(exc), reason="UnknownGPUProduct") from None
+        if not candidates:
+            seen = ", ".join(sorted(available)) or "none"
+            raise SpecError(
+                "gpu.product",
+                f"no schedulable node has {spec.gpu.product} GPUs (GPU products on the nodes: {seen}); the "
+                "operator re-plans when one appears",
+                reason="NoMatchingNodes",
+            )
+        why_pool = f"spec.gpu.product is {spec.gpu.product}"
+    else:
+        candidates = list(available.values())
+        if not candidates:
+            raise SpecError(
+                "gpu.product",
+                "no schedulable node carries GPU Feature Discovery labels (nvidia.com/gpu.product); install "
+                "the NVIDIA GPU Operator or GFD, or set gpu.count: 0 for CPU pods",
+                reason="NoGPUNodes",
+            )
+        why_pool = "spec.gpu.product is empty"
+
+    plans: list[tuple[GPUPool, Plan]] = []
+    failures: list[str] = []
+    for pool in candidates:
+        if pool.gpus_per_node < spec.gpu.count:
+            failures.append(f"{pool.product_label}: nodes have {pool.gpus_per_node} GPUs, spec.gpu.count is {spec.gpu.count}")
+            continue
+        info = dataclasses.replace(pool.info, count=spec.gpu.count)
+        try:
+            p = plan(shape, info, hints(spec, spec.gpu.count))
+        except SizingError as exc:
+            failures.append(f"{pool.product_label}: {exc}")
+            continue
+        plans.append((pool, p))
+    if not plans:
+        raise SpecError("model.source", f"{shape.name} cannot be served on the GPUs present: " + "; ".join(failures),
+                        reason="ModelTooLarge")  # fmt: skip
+
+    # Most KV capacity wins (longest context x concurrency), then the label, for a stable choice.
+    plans.sort(key=lambda pp: (-pp[1].num_gpu_blocks * pp[1].block_size * pp[1].tensor_parallel_size, pp[0].product_label))
+    pool, p = plans[0]
+    if len(candidates) > 1:
+        others = ", ".join(f"{q.product_label} ({pl.kv_capacity_tokens} tokens)" for q, pl in plans[1:])
+        reason = f"{why_pool}: {pool.product_label} holds the most KV ({p.kv_capacity_tokens} tokens)"
+        reason += f" over {others}" if others else ""
+        if failures:
+            reason += "; ruled out: " + "; ".join(failures)
+    else:
+        reason = f"{why_pool}: {pool.product_label} on {len(pool.nodes)} node(s)"
+    p = _apply_overrides(spec, p, pool.info)
+    p, nvme, disk = _offload(spec, p)
+    info = dataclasses.replace(pool.info, count=spec.gpu.count)
+    return Decision(p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes)

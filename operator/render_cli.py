@@ -1,0 +1,116 @@
+"""`pagoda render FILE.yaml [--nodes nodes.yaml | --gpu H100]`: the objects an InferenceDeployment becomes.
+
+No cluster needed: for GitOps and review. The YAML output applies as is (the plan rides along as comments);
+`--output json` gives children, plan and GPU choice for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
+from pagoda.operator import render
+from pagoda.operator.discovery import GPUPool, node_gpus, pools
+from pagoda.operator.planning import Decision, decide
+from pagoda.operator.spec import SpecError, parse_spec
+
+
+def _load_documents(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") if path != "-" else sys.stdin as handle:
+        docs = [d for d in yaml.safe_load_all(handle) if d]
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: every document must be a mapping")
+        out.extend(doc.get("items", []) if doc.get("kind", "").endswith("List") else [doc])
+    return out
+
+
+def _pools_for(args: argparse.Namespace, count: int, product: str) -> dict[str, GPUPool]:
+    if args.nodes:
+        found = [g for g in (node_gpus(n) for n in _load_documents(args.nodes)) if g is not None]
+        return pools(found)
+    name = args.gpu or product
+    if not name:
+        return {}
+    gpu = lookup_gpu(name)
+    per_node = max(count, args.gpus_per_node)
+    info = GPUInfo.from_spec(gpu, per_node)
+    label = gpu.labels[0]
+    return {label: GPUPool(label, info, ["(rendered)"], per_node)}
+
+
+def render_document(body: dict[str, Any], available: dict[str, GPUPool], *, service_monitor: bool) -> tuple[Decision, list[dict]]:
+    """Decision and children for one InferenceDeployment body; raises SpecError when unservable."""
+    spec = parse_spec(body.get("spec"))
+    decision = decide(spec, available)
+    body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
+    return decision, render.children(body, spec, decision, with_service_monitor=service_monitor)
+
+
+def _comment(decision: Decision, name: str) -> str:
+    plan = decision.plan
+    lines = [f"InferenceDeployment {name}: {decision.gpu_reason}"]
+    for key in ("gpu_memory_utilization", "max_model_len", "block_size", "kv_cache_dtype", "max_num_seqs",
+                "max_num_batched_tokens", "tensor_parallel_size", "num_gpu_blocks", "kv_offload_host_bytes",
+                "kv_offload_disk_bytes", "pvc_size"):  # fmt: skip
+        value = getattr(plan, key)
+        if value in (None, ""):
+            continue
+        why = plan.reasons.get(key, "")
+        lines.append(f"  {key}: {value}" + (f"  -- {why}" if why else ""))
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(f"# {line}" for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda render", description=__doc__.splitlines()[0])
+    parser.add_argument("file", help="an InferenceDeployment YAML file (several documents allowed; - for stdin)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--nodes", help="a YAML file of Node objects (kubectl get nodes -o yaml) to plan against")
+    where.add_argument("--gpu", help="plan for this GPU (short name like H100 or a GFD product label)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --gpu (default 8)")
+    parser.add_argument("--service-monitor", action="store_true", help="also render the ServiceMonitor")
+    parser.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    args = parser.parse_args(argv)
+
+    try:
+        bodies = [d for d in _load_documents(args.file) if d.get("kind") == render.KIND]
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"pagoda render: {exc}", file=sys.stderr)
+        return 2
+    if not bodies:
+        print(f"pagoda render: {args.file} has no {render.KIND}", file=sys.stderr)
+        return 2
+
+    failed = False
+    results: list[dict[str, Any]] = []
+    out: list[str] = []
+    for body in bodies:
+        name = (body.get("metadata") or {}).get("name", "?")
+        try:
+            spec = parse_spec(body.get("spec"))
+            available = _pools_for(args, spec.gpu.count, spec.gpu.product)
+            decision, objects = render_document(body, available, service_monitor=args.service_monitor)
+        except (SpecError, SizingError, ValueError, OSError) as exc:
+            print(f"pagoda render: {name}: {exc}", file=sys.stderr)
+            failed = True
+            continue
+        results.append({"name": name, "gpu": decision.status_gpu(spec.gpu.count), "plan": decision.plan.to_dict(),
+                        "children": objects})  # fmt: skip
+        out.append(_comment(decision, name))
+        out.extend("---\n" + yaml.safe_dump(obj, sort_keys=False).rstrip() for obj in objects)
+    if args.output == "json":
+        print(json.dumps(results, indent=2))
+    elif out:
+        print("\n".join(out))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""An InferenceDeployment's spec as a plain dataclass, with the CRD's defaults and rules applied.
+
+The API server applies the CRD defaults and CEL rules too, but the operator must not trust that (older
+servers, `pagoda render` with no server): every rule is checked here and a violation names its field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.operator.quantity import parse_quantity
+
+KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+_SOURCE = re.compile(r"^(default|hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/\S+|file:///\S+)$")
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot serve; `reason` is the condition reason, `field` the spec path."""
+
+    def __init__(self, field: str, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass
+class ModelSpec:
+    source: str = "default"
+    served_model_name: str = ""
+    revision: str | None = None
+    shape: dict[str, Any] | None = None
+    cache_volume_claim: str = "pagoda-model-cache"
+
+    @property
+    def kind(self) -> str:
+        return self.source.split("://", 1)[0] if "://" in self.source else "default"
+
+    @property
+    def model_id(self) -> str:
+        """What identifies the model's shape: `org/name` for hf://, the last path part otherwise."""
+        if self.kind == "hf":
+            return self.source[len("hf://") :]
+        if self.kind == "default":
+            return "HuggingFaceTB/SmolLM2-135M-Instruct"
+        return self.source.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass
+class GPUSpec:
+    product: str = ""
+    count: int = 1
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class EngineSpec:
+    max_model_len: int | None = None  # None = auto
+    block_size: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkloadSpec:
+    target_context: int | None = None
+    min_concurrency: int | None = None
+    p50_prompt_tokens: int | None = None
+    p99_prompt_tokens: int | None = None
+    p50_output_tokens: int | None = None
+    p99_output_tokens: int | None = None
+    quality_first: bool = False
+
+
+@dataclass
+class OffloadSpec:
+    host_bytes: int | None = None  # None = auto
+    nvme_enabled: bool = False
+    nvme_storage_class: str | None = None
+    nvme_bytes: int | None = None  # None = auto
+
+
+@dataclass
+class InferenceSpec:
+    model: ModelSpec
+    replicas: int = 1
+    gpu: GPUSpec = field(default_factory=GPUSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+    image: str | None = None
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    api_key_secret: tuple[str, str] | None = None
+    service_monitor: bool = True
+    service_monitor_interval: str = "30s"
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        limit = self.resources.get("limits", {}).get("memory") or self.resources.get("requests", {}).get("memory")
+        return parse_quantity(limit) if limit is not None else None
+
+
+def _obj(data: Any, path: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError(path, f"must be an object, got {type(data).__name__}")
+    return data
+
+
+def _int(data: dict[str, Any], key: str, path: str, *, minimum: int = 0, auto: bool = False) -> int | None:
+    value = data.get(key)
+    where = f"{path}.{key}" if path else key
+    if value is None or (auto and value == "auto"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " or auto" if auto else ""
+        raise SpecError(where, f"must be an integer{hint}, got {value!r}")
+    if value < minimum:
+        raise SpecError(where, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _bool(data: dict[str, Any], key: str, path: str, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
+    return value
+
+
+def _size(data: dict[str, Any], key: str, path: str) -> int | None:
+    value = data.get(key, "auto")
+    if value == "auto" or value is None:
+        return None
+    try:
+        return parse_quantity(value)
+    except ValueError as exc:
+        raise SpecError(f"{path}.{key}", f"{exc}, or auto") from None
+
+
+def parse_spec(spec: Any) -> InferenceSpec:
+    """The spec with defaults applied; raises SpecError naming the first bad field."""
+    spec = _obj(spec, "")
+    model = _obj(spec.get("model"), "model")
+    source = model.get("source", "default")
+    if not isinstance(source, str) or not _SOURCE.match(source):
+        raise SpecError(
+            "model.source",
+            f"{source!r} is not a model source: use default, hf://org/name, pvc://claim/path or file:///path",
+            reason="InvalidModelSource",
+        )
+    shape = model.get("shape")
+    if shape is not None:
+        _obj(shape, "model.shape")
+    model_spec = ModelSpec(
+        source=source,
+        revision=model.get("revision"),
+        shape=shape,
+        cache_volume_claim=model.get("cacheVolumeClaim", "pagoda-model-cache"),
+    )
+    model_spec.served_model_name = model.get("servedModelName") or (
+        "default" if model_spec.kind == "default" else model_spec.model_id
+    )
+
+    gpu = _obj(spec.get("gpu"), "gpu")
+    product = gpu.get("product") or ""
+    if not isinstance(product, str):
+        raise SpecError("gpu.product", f"must be a string, got {product!r}")
+    count = _int(gpu, "count", "gpu")
+    count = 1 if count is None else count
+    if product and count == 0:
+        raise SpecError("gpu.count", "gpu.product needs gpu.count of at least 1 (count 0 means CPU pods)")
+    node_selector = _obj(gpu.get("nodeSelector"), "gpu.nodeSelector")
+    tolerations = gpu.get("tolerations") or []
+    if not isinstance(tolerations, list):
+        raise SpecError("gpu.tolerations", "must be a list")
+
+    engine = _obj(spec.get("engine"), "engine")
+    block_size = _int(engine, "blockSize", "engine", minimum=1, auto=True)
+    if block_size is not None and block_size not in BLOCK_SIZES:
+        raise SpecError("engine.blockSize", f"must be auto or one of {', '.join(map(str, BLOCK_SIZES))}")
+    util = engine.get("gpuMemoryUtilization")
+    if util == "auto":
+        util = None
+    if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
+        raise SpecError("engine.gpuMemoryUtilization", f"must be in (0, 1], got {util!r}")
+    kv_dtype = engine.get("kvCacheDtype", "auto")
+    if kv_dtype not in KV_DTYPES:
+        raise SpecError("engine.kvCacheDtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype != "auto" and count == 0:
+        raise SpecError("engine.kvCacheDtype", "an FP8 KV cache needs a GPU (gpu.count 0 means CPU pods)")
+    extra = engine.get("extraArgs") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise SpecError("engine.extraArgs", "must be a list of strings")
+    engine_spec = EngineSpec(
+        max_model_len=_int(engine, "maxModelLen", "engine", minimum=16, auto=True),
+        block_size=block_size,
+        gpu_memory_utilization=float(util) if util is not None else None,
+        kv_cache_dtype=kv_dtype,
+        enable_prefix_caching=_bool(engine, "enablePrefixCaching", "engine", True),
+        max_num_seqs=_int(engine, "maxNumSeqs", "engine", minimum=1),
+        extra_args=list(extra),
+    )
+
+    work = _obj(spec.get("workload"), "workload")
+    workload = WorkloadSpec(
+        target_context=_int(work, "targetContext", "workload", minimum=1),
+        min_concurrency=_int(work, "minConcurrency", "workload", minimum=1),
+        p50_prompt_tokens=_int(work, "p50PromptTokens", "workload", minimum=1),
+        p99_prompt_tokens=_int(work, "p99PromptTokens", "workload", minimum=1),
+        p50_output_tokens=_int(work, "p50OutputTokens", "workload", minimum=1),
+        p99_output_tokens=_int(work, "p99OutputTokens", "workload", minimum=1),
+        quality_first=_bool(work, "qualityFirst", "workload", False),
+    )
+
+    offload = _obj(spec.get("offload"), "offload")
+    host = _obj(offload.get("host"), "offload.host")
+    nvme = _obj(offload.get("nvme"), "offload.nvme")
+    offload_spec = OffloadSpec(
+        host_bytes=_size(host, "size", "offload.host"),
+        nvme_enabled=_bool(nvme, "enabled", "offload.nvme", False),
+        nvme_storage_class=nvme.get("storageClassName") or None,
+        nvme_bytes=_size(nvme, "size", "offload.nvme"),
+    )
+    if offload_spec.nvme_enabled and offload_spec.nvme_bytes == 0:
+        raise SpecError("offload.nvme.size", "must be more than 0 when offload.nvme.enabled is true")
+
+    resources = _obj(spec.get("resources"), "resources")
+    for kind in ("requests", "limits"):
+        for name, value in _obj(resources.get(kind), f"resources.{kind}").items():
+            if name == "memory":
+                try:
+                    parse_quantity(value)
+                except ValueError as exc:
+                    raise SpecError(f"resources.{kind}.memory", str(exc)) from None
+
+    secret = spec.get("apiKeySecretRef")
+    api_key = None
+    if secret is not None:
+        secret = _obj(secret, "apiKeySecretRef")
+        if not secret.get("name"):
+            raise SpecError("apiKeySecretRef.name", "is required")
+        api_key = (secret["name"], secret.get("key") or "api-key")
+
+    monitor = _obj(spec.get("serviceMonitor"), "serviceMonitor")
+    return InferenceSpec(
+        model=model_spec,
+        replicas=_int(spec, "replicas", "") if spec.get("replicas") is not None else 1,
+        gpu=GPUSpec(product=product, count=count, node_selector=dict(node_selector), tolerations=tolerations),
+        engine=engine_spec,
+        workload=workload,
+        offload=offload_spec,
+        image=spec.get("image") or None,
+        resources={k: dict(v) for k, v in resources.items() if isinstance(v, dict)},
+        api_key_secret=api_key,
+        service_monitor=_bool(monitor, "enabled", "serviceMonitor", True),
+        service_monitor_interval=str(monitor.get("interval", "30s")),
+    )
