@@ -277,7 +277,7 @@ def _shape_from_gguf(path: Path) -> ModelShape:
     window = field(f"{arch}.attention.sliding_window")
     params = sum(int(t.n_elements) for t in reader.tensors)
     names = {t.name for t in reader.tensors}
-    label = field("general.name") or path.stem
+    label = path.stem  # general.name is often a training-run name; the file name is what users typed
     return ModelShape(
         name=str(label), num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         hidden_size=hidden, intermediate_size=int(field(f"{arch}.feed_forward_length", 4 * hidden)),
