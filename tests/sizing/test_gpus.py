@@ -1,7 +1,6 @@
 """GFD label parsing and the GPU catalogue (REFERENCE.md's table)."""
 
 import pytest
-
 from pagoda.engine.sizing import (
     GPU_CATALOGUE,
     SizingError,

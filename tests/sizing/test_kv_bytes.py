@@ -1,7 +1,6 @@
 """KV bytes per token against the published reference values (REFERENCE.md)."""
 
 import pytest
-
 from pagoda.engine.sizing import ModelShape, shape_from_config, well_known_shape
 from pagoda.engine.sizing.units import GiB, MiB
 
