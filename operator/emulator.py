@@ -174,7 +174,7 @@ class PagodaEmulator(kmock.KubernetesEmulator):
         return len(self._requests)
 
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        key = (resource, namespace, name)
+        key = (kmock.resource(resource), namespace, name)
         if key not in self.objects or self.objects[key].deleted:
             return None
         return self.objects[key].raw

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     out: list[str] = []
     for body in bodies:
         name = (body.get("metadata") or {}).get("name", "?")
+        if args.gpu:  # "plan for this GPU" wins over the file's gpu.product
+            body = {**body, "spec": {**(body.get("spec") or {})}}
+            body["spec"]["gpu"] = {**(body["spec"].get("gpu") or {}), "product": args.gpu}
         try:
             spec = parse_spec(body.get("spec"))
             available = _pools_for(args, spec.gpu.count, spec.gpu.product)

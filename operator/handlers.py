@@ -1,0 +1,139 @@
+"""kopf wiring: which events reconcile which InferenceDeployment. The work itself is in reconcile.py.
+
+- InferenceDeployment created, changed, or seen at operator start-up: reconcile it.
+- A managed StatefulSet changed (hand edit, deletion, pods becoming ready): reconcile its owner.
+- The GPU inventory on the nodes changed (a GPU node appears, goes away, changes product): reconcile all,
+  so a deployment waiting for an L40S gets one as soon as an L40S node joins.
+
+kopf indexes the nodes before any handler runs, so the first reconcile already sees every GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from pagoda.operator import render
+from pagoda.operator.discovery import NodeGPUs, node_gpus
+from pagoda.operator.kube import ApiError, Kube
+from pagoda.operator.reconcile import Reconciler
+
+log = logging.getLogger("pagoda.operator")
+CR = (render.GROUP, render.VERSION, render.PLURAL)
+
+
+@dataclass
+class OperatorState:
+    """What one running operator keeps: its API client, reconciler and the node inventory it acted on."""
+
+    connection: kopf.ConnectionInfo | None = None  # fixed credentials (tests); None = kopf's usual login
+    reconciler: Reconciler | None = None
+    connection_used: kopf.ConnectionInfo | None = None  # what the login handler returned
+    inventory: frozenset[NodeGPUs] | None = None
+    namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
+
+
+def _nodes(index: Any) -> list[NodeGPUs]:
+    return [gpus for store in index.values() for gpus in store]
+
+
+def _retry(exc: ApiError) -> kopf.TemporaryError:
+    return kopf.TemporaryError(f"Kubernetes API: {exc}", delay=5 if exc.status == 409 else 15)
+
+
+def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.level = logging.WARNING  # our own Events say what happened; no "handler succeeded"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pagoda.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="pagoda.dev", key="last-handled-configuration"
+        )
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.networking.error_backoffs = [1, 2, 5, 10, 20]
+        settings.batching.worker_limit = 64
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = state.connection or _default_login(**kwargs)
+        state.connection_used = info
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        if state.reconciler is not None:
+            await state.reconciler.kube.close()
+            state.reconciler = None
+
+    def reconciler() -> Reconciler:
+        if state.reconciler is None:
+            state.reconciler = Reconciler(Kube.from_connection(state.connection_used))
+        return state.reconciler
+
+    @kopf.index("", "v1", "nodes", id="gpu_nodes", registry=registry)
+    def gpu_nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeGPUs] | None:
+        gpus = node_gpus(dict(body))
+        return {name: gpus} if gpus is not None else None
+
+    async def reconcile(namespace: str, name: str, index: Any) -> None:
+        try:
+            await reconciler().reconcile(namespace, name, _nodes(index))
+        except ApiError as exc:
+            if exc.transient:
+                raise _retry(exc) from None
+            raise
+
+    @kopf.on.resume(*CR, id="reconcile", backoff=10, registry=registry)
+    @kopf.on.create(*CR, id="reconcile", backoff=10, registry=registry)
+    @kopf.on.update(*CR, id="reconcile", backoff=10, registry=registry)
+    async def inference_deployment(namespace: str, name: str, gpu_nodes: Any, **_: Any) -> None:
+        await reconcile(namespace, name, gpu_nodes)
+
+    @kopf.on.delete(*CR, id="forget", registry=registry, optional=True)
+    def forget(namespace: str, name: str, **_: Any) -> None:
+        # Children go with their owner (ownerReferences); only the metrics need to let go.
+        if state.reconciler is not None:
+            state.reconciler.forget(namespace, name)
+
+    @kopf.on.event("apps", "v1", "statefulsets", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="statefulset", registry=registry)
+    async def statefulset(event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any) -> None:
+        owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
+        if owner and event.get("type") is not None:
+            await reconcile(namespace, owner, gpu_nodes)
+
+    @kopf.on.event("", "v1", "nodes", id="nodes", registry=registry)
+    async def node(gpu_nodes: Any, **_: Any) -> None:
+        inventory = frozenset(_nodes(gpu_nodes))
+        if state.inventory is None or inventory == state.inventory:
+            state.inventory = inventory
+            return
+        state.inventory = inventory
+        log.info("GPU inventory changed (%d GPU nodes): re-planning every InferenceDeployment", len(inventory))
+        await replan_all(gpu_nodes)
+
+    async def replan_all(index: Any) -> None:
+        rec = reconciler()
+        namespaces = state.namespaces or [None]
+        for ns in namespaces:
+            path = f"/apis/{render.API_VERSION}" + (f"/namespaces/{ns}" if ns else "") + f"/{render.PLURAL}"
+            listing = await rec.kube.get(path) or {}
+            for item in listing.get("items", []):
+                meta = item.get("metadata", {})
+                try:
+                    await rec.reconcile(meta.get("namespace"), meta["name"], _nodes(index))
+                except Exception as exc:  # one object's trouble must not stop the others
+                    log.warning("re-planning %s/%s failed: %s", meta.get("namespace"), meta.get("name"), exc)
+
+    return registry
+
+
+def _default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account; elsewhere: the kubeconfig — kopf's own login helpers, in that order."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    return info

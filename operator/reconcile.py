@@ -1,0 +1,207 @@
+"""One reconcile of one InferenceDeployment: plan, apply the children, write the status — writing nothing
+when nothing changed.
+
+Reads are cheap, writes are not: every child is fetched and compared with what it should be (the hash
+annotation plus a field-by-field check that catches hand edits), and only a difference is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.operator import metrics, render
+from pagoda.operator.discovery import NodeGPUs, pools
+from pagoda.operator.kube import ApiError, Kube, object_path
+from pagoda.operator.planning import decide
+from pagoda.operator.spec import SpecError, parse_spec
+from pagoda.operator.status import condition, error_status, merge_patch, ready_status
+
+log = logging.getLogger("pagoda.operator")
+
+# StatefulSet fields the API server refuses to change: a change means delete (orphaning pods) and create.
+IMMUTABLE_STS = ("selector", "serviceName", "podManagementPolicy", "volumeClaimTemplates")
+MONITORING_TTL = 60.0
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every field we set has our value in the live object (server defaults may add more)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
+    return desired == live
+
+
+@dataclass
+class Outcome:
+    writes: list[str] = field(default_factory=list)  # what was written, in words
+    error: SpecError | None = None
+    status: dict[str, Any] | None = None
+
+
+class Reconciler:
+    """Reconciles InferenceDeployments; one at a time per object, any number of objects at once."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._monitoring: tuple[bool, float] | None = None
+        self.conditions: dict[tuple[str, str], dict[str, str]] = {}
+        self.gpus: dict[tuple[str, str], tuple[str, int]] = {}
+
+    def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    def forget(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self._locks.pop(key, None)
+        self.conditions.pop(key, None)
+        self.gpus.pop(key, None)
+        metrics.publish(self.conditions, self.gpus)
+
+    async def monitoring_available(self) -> bool:
+        now = time.monotonic()
+        if self._monitoring is None or self._monitoring[1] < now:
+            self._monitoring = (await self.kube.has_api("monitoring.coreos.com/v1"), now + MONITORING_TTL)
+        return self._monitoring[0]
+
+    async def reconcile(self, namespace: str, name: str, nodes: Iterable[NodeGPUs]) -> Outcome | None:
+        """Bring one InferenceDeployment's children and status in line; None if it no longer exists."""
+        async with self._lock((namespace, name)):
+            started = time.perf_counter()
+            try:
+                body = await self.kube.get(object_path("InferenceDeployment", namespace, name))
+                if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                    return None
+                outcome = await self._reconcile(body, list(nodes))
+            except ApiError as exc:
+                metrics.RECONCILES.labels("error").inc()
+                metrics.RECONCILE_ERRORS.labels(f"http_{exc.status}").inc()
+                raise
+            except Exception as exc:
+                metrics.RECONCILES.labels("error").inc()
+                metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+                raise
+            finally:
+                metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+            metrics.RECONCILES.labels("success").inc()
+            if outcome.error is not None:
+                metrics.RECONCILE_ERRORS.labels(outcome.error.reason).inc()
+            if outcome.status is not None:
+                key = (namespace, name)
+                self.conditions[key] = {c["type"]: c["status"] for c in outcome.status.get("conditions", [])}
+                gpu = outcome.status.get("gpu") or {}
+                replicas = int((body.get("spec") or {}).get("replicas", 1) or 0)
+                if gpu.get("product") and gpu.get("product") != "cpu":
+                    self.gpus[key] = (gpu["product"], replicas * int(gpu.get("count") or 0))
+                else:
+                    self.gpus.pop(key, None)
+                metrics.publish(self.conditions, self.gpus)
+            return outcome
+
+    async def _reconcile(self, body: dict[str, Any], nodes: list[NodeGPUs]) -> Outcome:
+        outcome = Outcome()
+        meta = body["metadata"]
+        old_status = body.get("status") or {}
+        try:
+            spec = parse_spec(body.get("spec"))
+            decision = decide(spec, pools(nodes))
+        except SpecError as err:
+            outcome.error = err
+            status = error_status(body, err)
+            outcome.status = status
+            before = condition(old_status, "Ready")
+            await self._write_status(body, status, outcome)
+            if (before.get("reason"), before.get("message")) != (err.reason, str(err)):
+                await self.event(body, "Warning", err.reason, str(err), outcome)
+            return outcome
+
+        monitor = await self.monitoring_available()
+        sts_live = None
+        for child in render.children(body, spec, decision, with_service_monitor=monitor):
+            live = await self._apply(child, outcome)
+            if child["kind"] == "StatefulSet":
+                sts_live = live
+        status = ready_status(body, spec, decision, sts_live)
+        outcome.status = status
+        old_plan = old_status.get("plan")
+        await self._write_status(body, status, outcome)
+        if old_plan != status["plan"] or (old_status.get("gpu") or {}).get("product") != status["gpu"]["product"]:
+            p = decision.plan
+            message = (
+                f"{decision.gpu_reason}; max_model_len {p.max_model_len}, kv_cache_dtype {p.kv_cache_dtype}, "
+                f"tensor_parallel_size {p.tensor_parallel_size}, gpu_memory_utilization {p.gpu_memory_utilization}"
+            )
+            await self.event(body, "Normal", "Planned", message, outcome)
+        return outcome
+
+    async def _apply(self, desired: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+        kind, meta = desired["kind"], desired["metadata"]
+        path = object_path(kind, meta["namespace"], meta["name"])
+        live = await self.kube.get(path)
+        what = f"{kind} {meta['namespace']}/{meta['name']}"
+        if live is None:
+            outcome.writes.append(f"created {what}")
+            return await self.kube.create(object_path(kind, meta["namespace"]), desired)
+        live_hash = (live.get("metadata", {}).get("annotations") or {}).get(render.HASH_ANNOTATION)
+        want_hash = meta["annotations"][render.HASH_ANNOTATION]
+        if live_hash == want_hash and is_subset(desired["spec"], live.get("spec")) and is_subset(meta, live.get("metadata")):
+            return live
+        if kind == "StatefulSet" and any(
+            not is_subset(desired["spec"].get(f), live.get("spec", {}).get(f)) for f in IMMUTABLE_STS
+        ):
+            # Immutable fields changed (e.g. NVMe offload turned on): recreate, leaving the pods to be adopted.
+            outcome.writes.append(f"recreated {what} (immutable fields changed)")
+            await self.kube.delete(path, orphan=True)
+            return await self.kube.create(object_path(kind, meta["namespace"]), desired)
+        outcome.writes.append(f"patched {what}" + (" (drift)" if live_hash == want_hash else ""))
+        patch = {"metadata": {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}, "spec": desired["spec"]}
+        return await self.kube.merge_patch(path, patch)
+
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any], outcome: Outcome) -> None:
+        patch = merge_patch(body.get("status") or {}, status)
+        if not patch:
+            return
+        meta = body["metadata"]
+        outcome.writes.append("status")
+        await self.kube.merge_patch(
+            object_path("InferenceDeployment", meta.get("namespace"), meta["name"], "status"), {"status": patch}
+        )
+
+    async def event(self, body: dict[str, Any], kind: str, reason: str, message: str, outcome: Outcome) -> None:
+        """A Kubernetes Event on the InferenceDeployment (best effort: a lost Event never fails a reconcile)."""
+        meta = body["metadata"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
+            "involvedObject": {
+                "apiVersion": render.API_VERSION,
+                "kind": render.KIND,
+                "name": meta["name"],
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": render.MANAGED_BY},
+            "reportingComponent": f"pagoda.dev/{render.MANAGED_BY}",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        outcome.writes.append(f"event {reason}")
+        try:
+            await self.kube.create(object_path("Event", meta.get("namespace")), event)
+        except (ApiError, OSError) as exc:
+            log.warning("could not post Event %s for %s: %s", reason, meta["name"], exc)

@@ -1,0 +1,134 @@
+"""The InferenceDeployment status: conditions, plan, GPU and readiness, and the minimal patch to get there."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from pagoda.operator import render
+from pagoda.operator.planning import Decision
+from pagoda.operator.spec import InferenceSpec, SpecError
+
+CONDITIONS = ("Ready", "Progressing", "Degraded")
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _conditions(old: list[dict[str, Any]] | None, new: dict[str, tuple[str, str, str]], generation: int | None) -> list[dict[str, Any]]:
+    """Conditions in a fixed order; lastTransitionTime moves only when a condition's status does."""
+    previous = {c.get("type"): c for c in old or [] if isinstance(c, dict)}
+    out = []
+    for kind in CONDITIONS:
+        status, reason, message = new[kind]
+        before = previous.get(kind, {})
+        changed = before.get("status") != status
+        cond = {
+            "type": kind,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": _now() if changed or not before.get("lastTransitionTime") else before["lastTransitionTime"],
+        }
+        if generation is not None:
+            cond["observedGeneration"] = generation
+        out.append(cond)
+    return out
+
+
+def _normal(value: Any) -> Any:
+    """JSON-shaped, without null fields: a merge patch cannot store a null, so none may be compared."""
+
+    def drop_nulls(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: drop_nulls(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [drop_nulls(x) for x in v]
+        return v
+
+    return drop_nulls(json.loads(json.dumps(value)))
+
+
+def ready_status(
+    body: dict[str, Any], spec: InferenceSpec, decision: Decision, sts: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Status after a successful apply: the plan, the GPU choice and what the StatefulSet reports."""
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    generation = meta.get("generation")
+    sts_status = (sts or {}).get("status") or {}
+    ready = int(sts_status.get("readyReplicas") or 0)
+    current = int(sts_status.get("replicas") or 0)
+    updated = int(sts_status.get("updatedReplicas") or 0)
+    sts_generation = (sts or {}).get("metadata", {}).get("generation")
+    rolled_out = sts_generation is None or sts_status.get("observedGeneration") == sts_generation
+    want = spec.replicas
+    if want == 0:
+        readiness = ("True", "ScaledToZero", "replicas is 0")
+    elif ready >= want:
+        readiness = ("True", "AllReplicasReady", f"{ready}/{want} engine pods ready")
+    else:
+        readiness = ("False", "PodsNotReady", f"{ready}/{want} engine pods ready")
+    if ready >= want and updated >= want and rolled_out:
+        progressing = ("False", "RolloutComplete", "every pod runs the current plan")
+    else:
+        progressing = ("True", "RollingOut", f"{updated}/{want} pods updated to the current plan, {ready} ready")
+    warnings = decision.plan.warnings
+    degraded = ("False", "AsPlanned", "the spec is served as planned" + (f" ({len(warnings)} warnings in status.plan)" if warnings else ""))
+    name, namespace = meta["name"], meta.get("namespace", "default")
+    status = {
+        "observedGeneration": generation,
+        "conditions": _conditions(old.get("conditions"), {"Ready": readiness, "Progressing": progressing, "Degraded": degraded}, generation),
+        "plan": decision.plan.to_dict(),
+        "gpu": decision.status_gpu(spec.gpu.count),
+        "replicas": current,
+        "readyReplicas": ready,
+        "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{render.ENGINE_PORT}/v1",
+        "selector": render.selector_string(name),
+    }
+    if generation is None:
+        del status["observedGeneration"]
+    return _normal(status)
+
+
+def error_status(body: dict[str, Any], error: SpecError) -> dict[str, Any]:
+    """Status for a spec that cannot be served: the last good plan stays, the conditions say why not."""
+    old = dict(body.get("status") or {})
+    generation = body["metadata"].get("generation")
+    message = str(error)
+    conds = {
+        "Ready": ("False", error.reason, message),
+        "Progressing": ("False", error.reason, "waiting for the spec (or the cluster) to change"),
+        "Degraded": ("True", error.reason, message),
+    }
+    old["conditions"] = _conditions(old.get("conditions"), conds, generation)
+    if generation is not None:
+        old["observedGeneration"] = generation
+    old.setdefault("selector", render.selector_string(body["metadata"]["name"]))
+    old.setdefault("replicas", 0)
+    old.setdefault("readyReplicas", 0)
+    return _normal(old)
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`; {} when they are equal."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = value
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value) if isinstance(value, dict) and isinstance(old[key], dict) else value
+    return patch
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return {}

@@ -1,0 +1,176 @@
+"""Rendering without a cluster: every child validates against the Kubernetes schemas, every example against
+the CRD's own schema, and `pagoda render` prints what the operator would apply."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagoda.operator.discovery import node_gpus, pools
+from pagoda.operator.planning import decide
+from pagoda.operator.render import KV_DIR, children
+from pagoda.operator.render_cli import main as render_main
+from pagoda.operator.spec import SpecError, parse_spec
+from pagoda.operator.testkit import CRD_FILE, EXAMPLES, example, node
+
+K8S_VERSION = "1.30.0"
+EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+ALL_POOLS = pools(g for g in (node_gpus(node(f"n-{k}", k)) for k in ("h100", "l4", "a100", "l40s")) if g)
+
+
+def crd_schema() -> dict[str, Any]:
+    """The CRD's openAPIV3Schema as JSON Schema (int-or-string spelled out, the rest is already JSON Schema)."""
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    schema = copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+    def convert(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.pop("x-kubernetes-int-or-string", False):
+                node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+            for key in [k for k in node if k.startswith("x-kubernetes")]:
+                node.pop(key)
+            for value in node.values():
+                convert(value)
+        elif isinstance(node, list):
+            for value in node:
+                convert(value)
+
+    convert(schema)
+    return schema
+
+
+def rendered(name: str, service_monitor: bool = True) -> list[dict[str, Any]]:
+    body = example(name)
+    body["metadata"] |= {"namespace": "default", "uid": "0b8f6c2e-1111-2222-3333-444455556666"}
+    spec = parse_spec(body["spec"])
+    return children(body, spec, decide(spec, ALL_POOLS), with_service_monitor=service_monitor)
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_examples_validate_against_the_crd_schema(name: str) -> None:
+    jsonschema.validate(example(name), crd_schema())
+
+
+def test_the_crd_schema_rejects_what_it_should() -> None:
+    schema = crd_schema()
+    bad = example("cpu-default-model.yaml")
+    bad["spec"]["gpu"]["count"] = -1
+    with pytest.raises(jsonschema.ValidationError, match="-1"):
+        jsonschema.validate(bad, schema)
+    bad = example("cpu-default-model.yaml")
+    bad["spec"]["engine"] = {"kvCacheDtype": "int4"}
+    with pytest.raises(jsonschema.ValidationError, match="int4"):
+        jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_every_rendered_child_validates_against_kubernetes_schemas(name: str) -> None:
+    objects = rendered(name)
+    kinds = [o["kind"] for o in objects]
+    assert kinds == ["Service", "Service", "PodDisruptionBudget", "ServiceMonitor", "StatefulSet"]
+    for obj in objects:
+        if obj["kind"] == "ServiceMonitor":  # a Prometheus Operator CRD: not in the Kubernetes schemas
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["spec"]["endpoints"][0]["port"] == "http"
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        owner = obj["metadata"]["ownerReferences"][0]
+        assert owner["kind"] == "InferenceDeployment" and owner["controller"] is True
+
+
+def _container(sts: dict[str, Any]) -> dict[str, Any]:
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_pod_security_probes_and_scrape_annotations() -> None:
+    sts = rendered("llama-3.1-8b-h100-nvme.yaml")[-1]
+    pod = sts["spec"]["template"]
+    c = _container(sts)
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert c["command"] == ["pagoda", "serve"]
+    assert c["args"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert _flag(c["args"], "--served-model-name") == "llama-3.1-8b-instruct"
+
+
+def test_nvme_offload_is_the_only_way_to_a_claim_template() -> None:
+    with_nvme = rendered("llama-3.1-8b-h100-nvme.yaml")[-1]
+    [template] = with_nvme["spec"]["volumeClaimTemplates"]
+    assert template["spec"]["storageClassName"] == "local-nvme"
+    assert any(m["mountPath"] == KV_DIR for m in _container(with_nvme)["volumeMounts"])
+    args = _container(with_nvme)["args"]
+    assert _flag(args, "--kv-offload-disk-dir") == KV_DIR
+    assert int(_flag(args, "--kv-offload-disk-bytes")) > 0
+    for name in ("cpu-default-model.yaml", "llama-3.1-70b-h100x2-tp.yaml", "qwen2.5-7b-l4-fp8.yaml"):
+        sts = rendered(name)[-1]
+        assert "volumeClaimTemplates" not in sts["spec"]
+        assert "--kv-offload-disk-dir" not in _container(sts)["args"]
+
+
+def test_spec_errors_name_the_field() -> None:
+    cases = {
+        "model.source": {"model": {"source": "s3://bucket/model"}},
+        "engine.gpuMemoryUtilization": {"engine": {"gpuMemoryUtilization": 1.5}},
+        "engine.blockSize": {"engine": {"blockSize": 24}},
+        "offload.nvme.size": {"offload": {"nvme": {"enabled": True, "size": "lots"}}},
+        "gpu.count": {"gpu": {"product": "H100", "count": 0}},
+        "replicas": {"replicas": "two"},
+    }
+    for field, spec in cases.items():
+        with pytest.raises(SpecError) as info:
+            parse_spec(spec)
+        assert info.value.field == field, (field, str(info.value))
+        assert f"spec.{field}" in str(info.value)
+
+
+def test_render_cli_prints_children_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert render_main([str(EXAMPLES / "qwen2.5-7b-l4-fp8.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "# InferenceDeployment qwen2-5-7b" in out and "kv_cache_dtype: fp8" in out
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    assert [d["kind"] for d in docs] == ["Service", "Service", "PodDisruptionBudget", "StatefulSet"]
+    assert docs[-1]["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
+
+
+def test_render_cli_plans_against_a_nodes_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [node("a", "a100"), node("c", None)]}))
+    cr = example("llama-3.1-8b-h100-nvme.yaml")
+    del cr["spec"]["gpu"]["product"]  # let the operator choose from the nodes
+    del cr["spec"]["workload"]
+    cr_file = tmp_path / "cr.yaml"
+    cr_file.write_text(yaml.safe_dump(cr))
+    assert render_main([str(cr_file), "--nodes", str(nodes), "-o", "json"]) == 0
+    [result] = json.loads(capsys.readouterr().out)
+    assert result["gpu"]["product"] == "NVIDIA-A100-SXM4-80GB"
+    assert result["plan"]["kv_cache_dtype"] == "auto"  # compute capability 8.0: no FP8
+    # And with --gpu, an L4 gives a different, FP8 plan for the same file.
+    assert render_main([str(cr_file), "--gpu", "L4", "-o", "json"]) == 0
+    [l4] = json.loads(capsys.readouterr().out)
+    assert l4["plan"]["kv_cache_dtype"] == "fp8"
+    assert l4["plan"]["num_gpu_blocks"] != result["plan"]["num_gpu_blocks"]
+
+
+def test_render_cli_fails_clearly_on_an_unservable_spec(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    cr = example("qwen2.5-7b-l4-fp8.yaml")
+    cr_file = tmp_path / "cr.yaml"
+    cr_file.write_text(yaml.safe_dump(cr))
+    assert render_main([str(cr_file), "--gpu", "A100"]) == 1
+    err = capsys.readouterr().err
+    assert "spec.engine.kvCacheDtype" in err and "8.9" in err
