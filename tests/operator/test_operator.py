@@ -1,0 +1,208 @@
+"""The operator running for real under kopf against kmock's Kubernetes emulator over HTTP."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from pagoda.operator import metrics
+from pagoda.operator.render import HASH_ANNOTATION, KV_DIR
+from pagoda.operator.testkit import INFD, STS, Cluster, example, running_operator
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+PDB = "policy/v1/poddisruptionbudgets"
+SVC = "v1/services"
+
+
+def args_of(sts: dict[str, Any]) -> list[str]:
+    return sts["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def flag(sts: dict[str, Any], name: str) -> str | None:
+    args = args_of(sts)
+    return args[args.index(name) + 1] if name in args else None
+
+
+def llama8b(name: str, product: str) -> dict[str, Any]:
+    cr = example("llama-3.1-8b-h100-nvme.yaml")
+    cr["metadata"]["name"] = name
+    cr["spec"]["gpu"]["product"] = product
+    cr["spec"]["replicas"] = 1
+    del cr["spec"]["workload"], cr["spec"]["offload"]
+    return cr
+
+
+async def wait_sts(cluster: Cluster, name: str) -> dict[str, Any]:
+    return await cluster.wait_for(lambda: cluster.get(STS, "default", name), what=f"StatefulSet {name}")
+
+
+async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(cluster: Cluster) -> None:
+    await cluster.add_node("cpu-1", None)
+    await cluster.add_node("gpu-h100-1", "h100")
+    await cluster.add_node("gpu-l4-1", "l4")
+    async with running_operator(cluster):
+        for file in ("cpu-default-model.yaml", "llama-3.1-8b-h100-nvme.yaml", "llama-3.1-70b-h100x2-tp.yaml",
+                     "qwen2.5-7b-l4-fp8.yaml"):  # fmt: skip
+            await cluster.create(example(file))
+        cpu, l8b, l70b, qwen = [await wait_sts(cluster, n) for n in ("smollm2-cpu", "llama-3-1-8b", "llama-3-1-70b", "qwen2-5-7b")]
+        await cluster.settle()
+
+    # CPU, default model: no model argument, no GPU, KV sized from the memory limit.
+    assert args_of(cpu)[0] == "--host"
+    assert "--kv-cache-memory-bytes" in args_of(cpu) and "--gpu-memory-utilization" not in args_of(cpu)
+    assert "nvidia.com/gpu" not in cpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "nodeSelector" not in cpu["spec"]["template"]["spec"]
+    # Llama-3.1-8B on an H100 with NVMe offload: FP8 KV (CC 9.0), one GPU, a claim template on local-nvme.
+    pod = l8b["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert flag(l8b, "--kv-cache-dtype") == "fp8" and flag(l8b, "--max-model-len") == "32768"
+    assert flag(l8b, "--kv-offload-disk-dir") == KV_DIR
+    assert l8b["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "local-nvme"
+    assert l8b["spec"]["replicas"] == 2
+    # Llama-3.1-70B: two H100s per pod, tensor parallel 2, no NVMe.
+    assert flag(l70b, "--tensor-parallel-size") == "2"
+    assert l70b["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "volumeClaimTemplates" not in l70b["spec"]
+    # Qwen2.5-7B on an L4 with FP8 KV.
+    assert qwen["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
+    assert flag(qwen, "--kv-cache-dtype") == "fp8"
+
+    for name in ("smollm2-cpu", "llama-3-1-8b", "llama-3-1-70b", "qwen2-5-7b"):
+        infd = cluster.get(INFD, "default", name)
+        status = infd["status"]
+        assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+        assert cluster.condition(name, "Degraded")["status"] == "False"
+        assert cluster.condition(name, "Ready")["reason"] == "PodsNotReady"  # no kubelet in the emulator
+        assert status["plan"]["max_model_len"] > 0 and status["plan"]["reasons"]["max_model_len"]
+        assert status["observedGeneration"] == 1 and status["selector"].startswith("app.kubernetes.io/")
+        uid = infd["metadata"]["uid"]
+        for resource, child in ((SVC, name), (SVC, f"{name}-headless"), (PDB, name), (STS, name)):
+            obj = cluster.get(resource, "default", child)
+            assert obj is not None, (resource, child)
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert any(e["reason"] == "Planned" for e in cluster.events(name))
+    assert cluster.get(INFD, "default", "llama-3-1-8b")["status"]["gpu"]["nodes"] == ["gpu-h100-1"]
+    # No Prometheus Operator in this cluster: no ServiceMonitor.
+    assert cluster.objects("monitoring.coreos.com/v1/servicemonitors") == []
+    # The operator's own metrics saw it all.
+    assert metrics.REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) >= 4
+    assert metrics.REGISTRY.get_sample_value("pagoda_operator_gpus_requested", {"product": "NVIDIA-H100-80GB-HBM3"}) >= 4
+
+
+async def test_h100_l4_and_a100_get_different_correct_plans(cluster: Cluster) -> None:
+    for kind in ("h100", "l4", "a100"):
+        await cluster.add_node(f"gpu-{kind}", kind)
+    async with running_operator(cluster):
+        for name, product in (("on-h100", "H100"), ("on-l4", "NVIDIA-L4"), ("on-a100", "A100-80GB")):
+            await cluster.create(llama8b(name, product))
+        h100, l4, a100 = [await wait_sts(cluster, n) for n in ("on-h100", "on-l4", "on-a100")]
+        await cluster.settle()
+    selector = lambda s: s["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]  # noqa: E731
+    assert (selector(h100), selector(l4), selector(a100)) == ("NVIDIA-H100-80GB-HBM3", "NVIDIA-L4", "NVIDIA-A100-SXM4-80GB")
+    # FP8 only where the compute capability is 8.9 or newer.
+    assert (flag(h100, "--kv-cache-dtype"), flag(l4, "--kv-cache-dtype"), flag(a100, "--kv-cache-dtype")) == ("fp8", "fp8", "auto")
+    plans = {n: cluster.get(INFD, "default", n)["status"]["plan"] for n in ("on-h100", "on-l4", "on-a100")}
+    assert "below 8.9" in plans["on-a100"]["reasons"]["kv_cache_dtype"]
+    blocks = {n: p["num_gpu_blocks"] for n, p in plans.items()}
+    assert blocks["on-h100"] > blocks["on-a100"] > blocks["on-l4"]  # 80 GB FP8 > 80 GB bf16 > 24 GB FP8
+    assert len({flag(s, "--gpu-memory-utilization") for s in (h100, l4)}) == 2
+
+
+async def test_update_rolls_the_statefulset_and_an_unchanged_reconcile_writes_nothing(cluster: Cluster) -> None:
+    await cluster.add_node("gpu-h100-1", "h100")
+    async with running_operator(cluster):
+        await cluster.create(llama8b("chat", "H100"))
+        await wait_sts(cluster, "chat")
+        await cluster.settle()
+        await cluster.patch(INFD, "default", "chat", {"spec": {"replicas": 3, "engine": {"maxModelLen": 8192}}})
+        await cluster.wait_for(
+            lambda: (s := cluster.get(STS, "default", "chat")) and s["spec"]["replicas"] == 3 and flag(s, "--max-model-len") == "8192",
+            what="the StatefulSet to follow the spec",
+        )
+        await cluster.wait_for(lambda: cluster.get(INFD, "default", "chat")["status"].get("observedGeneration") == 2, what="status")
+        await cluster.settle()
+        assert cluster.get(INFD, "default", "chat")["status"]["plan"]["max_model_len"] == 8192
+    # A fresh operator reconciles everything it finds on start-up: with nothing changed, it must not write.
+    mark = cluster.emulator.request_count
+    async with running_operator(cluster):
+        await cluster.settle()
+    after = cluster.emulator._requests[mark:]
+    assert any(r.url.path.endswith("/statefulsets/chat") for r in after), "no reconcile happened"
+    writes = cluster.emulator.writes(mark)
+    assert writes == [], [f"{r.method} {r.url.path}" for r in writes]
+    assert len(cluster.objects(STS)) == 1 and len(cluster.objects(SVC)) == 2  # and no duplicates
+
+
+async def test_a_hand_edited_statefulset_is_put_back(cluster: Cluster) -> None:
+    await cluster.add_node("gpu-h100-1", "h100")
+    async with running_operator(cluster):
+        await cluster.create(llama8b("chat", "H100"))
+        original = copy.deepcopy(await wait_sts(cluster, "chat"))
+        await cluster.settle()
+        edited = copy.deepcopy(original["spec"]["template"]["spec"]["containers"])
+        edited[0]["image"] = "example.com/not-pagoda:latest"
+        await cluster.patch(STS, "default", "chat", {"spec": {"replicas": 7, "template": {"spec": {"containers": edited}}}})
+        await cluster.wait_for(
+            lambda: (s := cluster.get(STS, "default", "chat"))["spec"]["replicas"] == 1
+            and s["spec"]["template"]["spec"]["containers"][0]["image"] == original["spec"]["template"]["spec"]["containers"][0]["image"],
+            what="the StatefulSet to be restored",
+        )
+        restored = cluster.get(STS, "default", "chat")
+        assert restored["metadata"]["annotations"][HASH_ANNOTATION] == original["metadata"]["annotations"][HASH_ANNOTATION]
+        await cluster.settle()
+
+
+async def test_an_l40s_node_joining_replans_a_deployment_waiting_for_one(cluster: Cluster) -> None:
+    await cluster.add_node("gpu-h100-1", "h100")
+    async with running_operator(cluster):
+        await cluster.create(llama8b("wants-l40s", "NVIDIA-L40S"))
+        await cluster.wait_for(lambda: cluster.condition("wants-l40s", "Ready").get("reason") == "NoMatchingNodes", what="NoMatchingNodes")
+        assert cluster.get(STS, "default", "wants-l40s") is None
+        assert any(e["type"] == "Warning" and e["reason"] == "NoMatchingNodes" for e in cluster.events("wants-l40s"))
+        await cluster.add_node("gpu-l40s-1", "l40s")
+        sts = await wait_sts(cluster, "wants-l40s")
+        assert sts["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L40S"
+        await cluster.wait_for(lambda: cluster.condition("wants-l40s", "Degraded").get("status") == "False", what="Degraded=False")
+        status = cluster.get(INFD, "default", "wants-l40s")["status"]
+        assert status["gpu"]["product"] == "NVIDIA-L40S" and status["gpu"]["nodes"] == ["gpu-l40s-1"]
+        await cluster.settle()
+
+
+INVALID = {
+    "bad-source": ({"model": {"source": "s3://bucket/llama"}}, "InvalidModelSource"),
+    "unknown-gpu": ({"gpu": {"product": "NVIDIA-Z9000", "count": 1}}, "UnknownGPUProduct"),
+    "too-large": ({"model": {"source": "hf://meta-llama/Llama-3.1-405B-Instruct"}, "gpu": {"product": "NVIDIA-L4", "count": 1}}, "ModelTooLarge"),
+    "fp8-on-a100": ({"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, "gpu": {"product": "A100-80GB", "count": 1},
+                     "engine": {"kvCacheDtype": "fp8"}}, "UnsupportedKVCacheDtype"),  # fmt: skip
+    "unknown-model": ({"model": {"source": "pvc://models/my-finetune"}, "gpu": {"count": 1}}, "UnknownModel"),
+}
+
+
+async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluster: Cluster) -> None:
+    await cluster.add_node("gpu-l4-1", "l4")
+    await cluster.add_node("gpu-a100-1", "a100")
+    async with running_operator(cluster) as operator:
+        for name, (spec, _) in INVALID.items():
+            await cluster.create({"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name}, "spec": spec})
+        for name, (_, reason) in INVALID.items():
+            await cluster.wait_for(lambda n=name, r=reason: cluster.condition(n, "Ready").get("reason") == r, what=f"{name}: {reason}")
+            assert cluster.condition(name, "Ready")["status"] == "False"
+            assert cluster.condition(name, "Degraded")["status"] == "True"
+            assert "spec." in cluster.condition(name, "Ready")["message"]
+            assert cluster.get(STS, "default", name) is None
+        await cluster.settle()
+        for name, (_, reason) in INVALID.items():  # one Warning each, not one per retry
+            assert [e["reason"] for e in cluster.events(name) if e["type"] == "Warning"] == [reason]
+        # No hot loop: nothing at all happens while nothing changes.
+        mark = cluster.emulator.request_count
+        await cluster.settle(quiet=2.0)
+        assert cluster.emulator.request_count == mark
+        # ...and the operator still serves other objects.
+        assert not operator.done()
+        await cluster.create(llama8b("fine", "NVIDIA-L4"))
+        await wait_sts(cluster, "fine")
+        await cluster.settle()
+    assert metrics.REGISTRY.get_sample_value("pagoda_operator_reconcile_errors_total", {"reason": "ModelTooLarge"}) >= 1
