@@ -80,16 +80,21 @@ def fit_max_model_len(
     if activation_bytes:
         after.append(f"{human_bytes(activation_bytes)} of activations")
     after_text = f" after {' and '.join(after)}" if after else ""
-    what = "the model's limit of" if requested is None else "max_model_len="
+    subject = (
+        f"max_model_len={want}"
+        if requested is not None and not isinstance(requested, str)
+        else f"the model's limit of {want} tokens (no --max-model-len given)"
+        if requested is None
+        else "--max-model-len auto"
+    )
     fits = (
         f"the largest max_model_len that fits is {largest}"
         if largest >= 1
         else f"not even one block of {block_size} tokens fits"
     )
     raise SizingError(
-        f"{what}{'' if requested is not None else ' '}{want} tokens does not fit in the KV cache: one "
-        f"sequence of {want} tokens needs {human_bytes(needed)} of KV cache ({kv_bytes_per_token} B/token, "
-        f"block size {block_size}), but only {human_bytes(max(kv_memory_bytes, 0))} is available for the KV "
-        f"cache{after_text}; {fits}. Lower --max-model-len (or pass --max-model-len auto) or "
-        f"{_memory_flag(device)}."
+        f"{subject} does not fit in the KV cache: one sequence of {want} tokens needs {human_bytes(needed)} "
+        f"of KV cache ({kv_bytes_per_token} B/token, block size {block_size}), but only "
+        f"{human_bytes(max(kv_memory_bytes, 0))} is available for the KV cache{after_text}; {fits}. "
+        f"Lower --max-model-len (or pass --max-model-len auto) or {_memory_flag(device)}."
     )

@@ -239,49 +239,37 @@ def shape_from_path(path: str | Path) -> ModelShape:
 
 
 def _shape_from_gguf(path: Path) -> ModelShape:
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise SizingError(
-            f"{path}: reading GGUF metadata needs the 'gguf' package (pip install 'pagoda[engine]')"
-        ) from None
-    try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises many kinds on damaged files
-        raise SizingError(f"{path}: cannot read GGUF metadata ({e})") from None
+    from pagoda.engine.sizing.gguf_meta import ArrayLength, read_gguf_meta
 
-    def field(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
-
-    arch = field("general.architecture")
+    meta = read_gguf_meta(path)
+    arch = meta.get("general.architecture")
     if not arch:
         raise SizingError(f"{path}: GGUF metadata has no general.architecture")
 
+    def field(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
     def need(key: str) -> int:
-        value = field(f"{arch}.{key}")
+        value = field(key)
         if value is None:
             raise SizingError(f"{path}: GGUF metadata is missing {arch}.{key}, which sizing needs")
         return int(value)
 
     layers, heads, hidden = need("block_count"), need("attention.head_count"), need("embedding_length")
-    kv = int(field(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(field(f"{arch}.attention.key_length", 0) or field(f"{arch}.rope.dimension_count", 0)
-                   or hidden // heads)  # fmt: skip
-    vocab = field(f"{arch}.vocab_size")
+    kv = field("attention.head_count_kv", heads)
+    kv = int(kv[0] if isinstance(kv, list) else kv)  # some architectures store one value per layer
+    head_dim = int(field("attention.key_length", 0) or hidden // heads)
+    vocab = field("vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else 0
-    window = field(f"{arch}.attention.sliding_window")
-    params = sum(int(t.n_elements) for t in reader.tensors)
-    names = {t.name for t in reader.tensors}
-    label = path.stem  # general.name is often a training-run name; the file name is what users typed
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = tokens.length if isinstance(tokens, ArrayLength) else len(tokens or [])
+    window = field("attention.sliding_window")
+    params = sum(math.prod(dims) for dims in meta.tensors.values())
     return ModelShape(
-        name=str(label), num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        hidden_size=hidden, intermediate_size=int(field(f"{arch}.feed_forward_length", 4 * hidden)),
-        vocab_size=int(vocab), max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+        name=path.stem,  # general.name is often a training-run name; the file name is what users typed
+        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim, hidden_size=hidden,
+        intermediate_size=int(field("feed_forward_length", 4 * hidden)), vocab_size=int(vocab),
+        max_position_embeddings=int(field("context_length", 2048)),
         sliding_window=int(window) if window else None, dtype="float16", weight_bytes=2 * params,
-        num_params=params, tie_word_embeddings="output.weight" not in names,
+        num_params=params, tie_word_embeddings="output.weight" not in meta.tensors,
     )  # fmt: skip
