@@ -1,0 +1,94 @@
+"""reshape_and_cache: write the step's new K and V into their cache slots, quantizing for FP8 caches."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from pagoda.kernels.reference import is_fp8
+from pagoda.kernels.runtime import check_launchable, next_power_of_2
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,
+    v_ptr,
+    kv_ptr,
+    slot_ptr,
+    inv_k_scale,
+    inv_v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    v_offset,  # elements from the K half of the cache to the V half
+    num_kv_heads,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    # One program per token: all its heads in one contiguous store (heads x dim are adjacent in a slot).
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a padding token
+        return
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < num_kv_heads)[:, None]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = kv_ptr + slot * num_kv_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    if QUANTIZE:
+        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_MAX, FP8_MAX)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + v_offset, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], any row/head strides, unit dim stride
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size + offset; negative = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Triton twin of `reference.reshape_and_cache_ref`."""
+    check_launchable(kv_cache, "kv_cache")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match k {tuple(k.shape)}: "
+            "expected [2, num_blocks, block_size, num_kv_heads, head_dim]"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    quantize = is_fp8(kv_cache.dtype)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache[1].storage_offset() - kv_cache[0].storage_offset(),
+        num_kv_heads,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        QUANTIZE=quantize,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if quantize else 0.0,
+        num_warps=4,
+    )

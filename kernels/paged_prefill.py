@@ -1,0 +1,192 @@
+"""Paged prefill / chunked-prefill attention: the new tokens of many sequences in one launch.
+
+One program per (sequence, tile of BLOCK_M new tokens, query head). The new tokens were written to the
+cache first, so a program reads every key it needs (the cached prefix and the chunk itself) through the
+block table, with online softmax over BLOCK_N-token tiles. Tiles wholly before the tile's first query need
+no mask; only the last few, on the causal diagonal, are masked. Sequences are found through cu_seqlens
+(`query_start_loc`), so ragged lengths share one launch; programs past a sequence's length exit at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from pagoda.kernels.runtime import check_launchable, interpreting
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    seq_ids_ptr,
+    qk_scale_log2,  # softmax scale * k_scale * log2(e)
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    v_offset,
+    stride_block,
+    stride_tok,
+    stride_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    i = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + i)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    row_mask = m < q_len
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_mask[:, None])
+    q_pos = context_len + m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = kv_ptr + (head // GROUP).to(tl.int64) * stride_head
+
+    first_q = context_len + m_tile * BLOCK_M  # smallest query position of this tile
+    kv_hi = tl.minimum(seq_len, first_q + BLOCK_M)  # one past the largest key any row may see
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_hi = kv_lo  # the window moves with each row: mask every tile
+    else:
+        unmasked_hi = (first_q + 1) // BLOCK_N * BLOCK_N  # keys < first_q + 1 are visible to every row
+
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        block = tl.load(table + n // BLOCK_SIZE, mask=n < seq_len, other=0).to(tl.int64)
+        offs = block * stride_block + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
+        k = tl.load(kv_base + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0).to(q.dtype)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if start >= unmasked_hi:
+            visible = (n[None, :] <= q_pos[:, None]) & (n < seq_len)[None, :]
+            if USE_WINDOW:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0)
+        v = v.to(q.dtype)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc * (v_scale / l_safe)[:, None]
+    dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new tokens already in
+    query_start_loc: torch.Tensor,  # [S + 1] int32 cu_seqlens of the new tokens
+    seq_lens: torch.Tensor,  # [S] int32, cached + new
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    scale: float,
+    *,
+    max_query_len: int,  # host-side, sizes the grid
+    out: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,  # [n] int32, sequences to serve; default: all
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `reference.paged_prefill_attention_ref`."""
+    check_launchable(kv_cache, "kv_cache")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim must match and "
+            "num_heads must be a multiple of num_kv_heads"
+        )
+    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if seq_ids is None:
+        seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
+    n = seq_ids.shape[0]
+    if n == 0 or max_query_len == 0:
+        return out
+    if interpreting():
+        block_m, block_n = block_m or 16, block_n or 16
+    elif head_dim <= 128:
+        block_m, block_n = block_m or 128, block_n or 64
+    else:
+        block_m, block_n = block_m or 64, block_n or 32
+    kv_k = kv_cache[0]
+    grid = (n, triton.cdiv(max_query_len, block_m), num_heads)
+    _paged_prefill_kernel[grid](
+        q,
+        kv_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        seq_ids,
+        scale * k_scale * math.log2(math.e),
+        v_scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache[1].storage_offset() - kv_k.storage_offset(),
+        kv_k.stride(0),
+        kv_k.stride(1),
+        kv_k.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+    return out

@@ -1,0 +1,151 @@
+"""Pure-torch twins of the Triton kernels: they define what each kernel must compute.
+
+Written for clarity, not speed: one sequence at a time, math in float32. The Triton kernels are tested
+against these, and these are tested against `naive_dense_attention`, a per-query loop over unpaged K/V.
+
+Conventions shared with the kernels (see `pagoda.engine.attention.base`):
+- cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`, 0 = K, 1 = V;
+- token `i` of a sequence lives at `block_tables[s, i // block_size] * block_size + i % block_size`;
+- FP8 caches store `x / scale`; reading multiplies by the scale again;
+- attention reads every key from the cache, the new tokens included (they are written first), so an FP8
+  cache also rounds the new tokens' keys and values;
+- a sliding window of `w` lets the query at position `p` see keys at positions `p - w + 1 .. p`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize_to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`x / scale` saturated to the FP8 range (torch's plain cast turns overflow into NaN), or a plain cast."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def reshape_and_cache_ref(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64; negative = padding token, not written
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write each new token's K and V into its slot (in place)."""
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots, k, v = slots[keep], k[keep], v[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = quantize_to_cache_dtype(k, kv_cache.dtype, k_scale)
+    kv_cache[1, blocks, offsets] = quantize_to_cache_dtype(v, kv_cache.dtype, v_scale)
+
+
+def gather_sequence_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values `[seq_len, num_kv_heads, head_dim]` in float32, dequantized."""
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(seq_len, device=kv_cache.device)
+    blocks = block_table.long()[pos // block_size]
+    offsets = pos % block_size
+    k = kv_cache[0, blocks, offsets].float() * k_scale
+    v = kv_cache[1, blocks, offsets].float() * v_scale
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor,  # [n, H, D] float32, queries at positions q_pos
+    k: torch.Tensor,  # [L, KVH, D] float32
+    v: torch.Tensor,
+    q_pos: torch.Tensor,  # [n]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [S + 1]
+    seq_lens: torch.Tensor,  # [S], cached + new tokens
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of every new token against its sequence's cache (prefix and new tokens)."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        k, v = gather_sequence_kv(kv_cache, block_tables[s], seq_len, k_scale, v_scale)
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window).to(q.dtype)
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [S, num_heads, head_dim], one new token per sequence
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The decode case of the prefill twin: the query is the last token of its sequence."""
+    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_prefill_attention_ref(
+        q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale, sliding_window
+    )
+
+
+def naive_dense_attention(
+    q: torch.Tensor,  # [n, H, D], the last n tokens of a sequence
+    k: torch.Tensor,  # [L, KVH, D], the whole sequence, unpaged
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Textbook attention, one query and one head at a time: the yardstick for the twins."""
+    n, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(n):
+        p = seq_len - n + i
+        lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+        for h in range(num_heads):
+            keys = k[lo : p + 1, h // group].double()
+            vals = v[lo : p + 1, h // group].double()
+            weights = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            out[i, h] = weights @ vals
+    return out

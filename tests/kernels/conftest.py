@@ -1,0 +1,115 @@
+"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
+
+Triton picks interpreter or compiler when a `@triton.jit` function is *defined* (its own standard library
+included), so TRITON_INTERPRET=1 must be in the environment before `triton` is imported. pytest collects
+every folder in one process and other folders may import triton first (transformers' model classes do),
+so this file sets the variable at import time and, when triton is already loaded in compiled mode, drops
+triton's Python modules (not its C extension) and our kernel modules from `sys.modules` so that the next
+import re-creates them in interpreter mode. The variable stays set for the rest of the pytest process;
+only code that defines new Triton kernels afterwards is affected, and that code runs only here.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _reload_triton_in_interpreter_mode() -> None:
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(standard.max, InterpretedFunction):
+        return
+    for name in list(sys.modules):
+        stale_triton = (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+        if stale_triton or name.startswith(("pagoda.kernels.", "pagoda.engine.attention.triton_backend")):
+            del sys.modules[name]
+
+
+_reload_triton_in_interpreter_mode()
+
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@dataclass
+class PagedCase:
+    """A random paged batch: block tables point at shuffled, non-adjacent blocks."""
+
+    q: torch.Tensor  # [T, H, D]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    query_lens: list[int]
+    scale: float
+
+
+def make_paged_case(
+    seq_lens: list[int],
+    query_lens: list[int] | None = None,
+    *,
+    block_size: int = 16,
+    num_kv_heads: int = 2,
+    group: int = 4,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float16,
+    cache_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = query_lens if query_lens is not None else [1] * len(seq_lens)
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # spare blocks hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_needed) + 1
+    block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_needed):
+        block_tables[s, :nb] = perm[used : used + nb].to(torch.int32)
+        used += nb
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv = torch.randn(shape, generator=gen) * 0.8 + 0.1
+    # FP8 caches are made by torch's own cast (the interpreter's fp32 -> fp8 cast is not exact)
+    kv_cache = kv.to(cache_dtype or dtype)
+    num_tokens = sum(query_lens)
+    q = (torch.randn((num_tokens, num_kv_heads * group, head_dim), generator=gen) + 0.05).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return PagedCase(
+        q=q,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        query_lens=list(query_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer full of NaN, so any element a kernel forgets to write fails the comparison."""
+    return torch.full_like(t, float("nan"))
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+
+
+@pytest.fixture
+def paged():
+    """The helpers above, as a fixture (test modules cannot import conftest under importlib mode)."""
+
+    class _Helpers:
+        make = staticmethod(make_paged_case)
+        poisoned_like = staticmethod(poisoned_like)
+        tolerance = staticmethod(tolerance)
+
+    return _Helpers
