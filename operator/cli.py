@@ -1,0 +1,52 @@
+"""`pagoda-operator`: run the InferenceDeployment operator (cluster-wide or in given namespaces)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pagoda.operator import metrics
+from pagoda.operator.runner import OperatorConfig, run
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagoda-operator", description=__doc__.splitlines()[0])
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    ha = parser.add_mutually_exclusive_group()
+    ha.add_argument("--standalone", action="store_true", help="no peering: for a single replica")
+    ha.add_argument("--peering", default="pagoda-operator", help="kopf peering name for HA (default %(default)s)")
+    parser.add_argument("--priority", type=int, default=0, help="peering priority; the highest replica is active")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint ('' to disable)")
+    parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 to disable)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    config = OperatorConfig(
+        namespaces=list(args.namespace),
+        standalone=args.standalone,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_endpoint=args.liveness or None,
+    )
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
