@@ -22,7 +22,7 @@ from typing import Any
 
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.stats import IterationStats, SchedulerStats, StatLogger
+from pagoda.engine.stats import SchedulerStats
 
 logger = logging.getLogger("pagoda.engine.async_engine")
 
@@ -120,9 +120,8 @@ class AsyncEngine:
 
     MAX_CONSECUTIVE_STEP_FAILURES = 3
 
-    def __init__(self, engine: Any, *, stat_loggers: Iterable[StatLogger] = ()) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._stat_loggers = list(stat_loggers)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -240,16 +239,6 @@ class AsyncEngine:
     def _admitted_pending_done(self) -> None:
         self._counters.pending_adds -= 1
 
-    def _refresh_stats(self) -> None:
-        stats = self.engine.get_scheduler_stats()
-        self._counters.last_stats = stats
-        empty = IterationStats()
-        for stat_logger in self._stat_loggers:
-            try:
-                stat_logger.record(stats, empty)
-            except Exception:  # noqa: BLE001 - metrics must never stop serving
-                logger.exception("stat logger failed")
-
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -283,10 +272,10 @@ class AsyncEngine:
                         cmd = None
                 if self._stop.is_set():
                     break
-                if not self.engine.has_unfinished_requests():
-                    if handled:
-                        self._refresh_stats()
+                if not self.engine.has_unfinished_requests() and not handled:
                     continue
+                # Step even when idle after commands: an empty step flushes aborted requests' outputs
+                # and stats, so gauges and counters are current once the last request leaves.
                 try:
                     outputs = self.engine.step()
                     failures = 0

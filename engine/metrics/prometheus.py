@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import prometheus_client
 from pagoda.engine.metrics import buckets
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,6 +59,7 @@ class PrometheusStatLogger:
         hit_ratio_window: int = 100,
         registry: CollectorRegistry | None = None,
     ) -> None:
+        prometheus_client.disable_created_metrics()  # no *_created series, like vLLM
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": str(engine_index)}
         names = list(self.labels)

@@ -1,0 +1,319 @@
+"""`pagoda serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names and defaults."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from pagoda.engine.server.settings import ServerSettings
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024)."""
+    m = _BYTES.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 536870912, 512MiB, 2GB)")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
+    power = " kmgt".index(unit or " ")
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def parse_max_model_len(text: str) -> int | str:
+    """An integer, 'auto' (largest that fits), or vLLM's shorthand: 4k = 4000, 4K = 4096."""
+    if text == "auto":
+        return text
+    m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"must be an integer, 'auto', or like 4k/4K, got {text!r}")
+    value, suffix = int(m.group(1)), m.group(2)
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[suffix]
+    if value * scale < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value * scale
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagoda serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (flags follow vLLM's).",
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF directory, GGUF file or local hub id; default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported in metrics",
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGODA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env PAGODA_API_KEY)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"],
+    )
+    e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    e.add_argument(
+        "--max-model-len",
+        type=parse_max_model_len,
+        default=None,
+        help="context length: an integer, 'auto' = largest that fits; default: the model's",
+    )
+    e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    e.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    e.add_argument(
+        "--kv-cache-memory-bytes",
+        type=parse_bytes,
+        default=None,
+        help="KV cache size (overrides --gpu-memory-utilization), e.g. 512MiB",
+    )
+    e.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="host RAM (GiB) for preempted sequences' KV under --preemption-mode swap",
+    )
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="per-step token budget; default per device"
+    )
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--kv-offload-host-bytes", type=parse_bytes, default=None, help="host-RAM KV tier size, e.g. 8GiB"
+    )
+    e.add_argument("--kv-offload-disk-dir", default=None, help="directory of the disk KV tier")
+    e.add_argument(
+        "--kv-offload-disk-bytes", type=parse_bytes, default=None, help="disk KV tier size, e.g. 100GiB"
+    )
+    s = p.add_argument_group("server")
+    s.add_argument(
+        "--max-num-queued-reqs",
+        type=_positive_int,
+        default=None,
+        help="answer 503 + Retry-After when more requests would wait",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=16 * 1024 * 1024,
+        help="413 for larger request bodies",
+    )
+    s.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may run",
+    )
+    s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine log line")
+    return p
+
+
+class UnknownFlagError(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse, turning unknown flags into an error that lists the closest known ones."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+        lines = []
+        for token in unknown:
+            flag = token.split("=", 1)[0]
+            if flag.startswith("-"):
+                close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                lines.append(f"unknown flag {flag}{hint}")
+            else:
+                lines.append(f"unexpected argument {token!r}")
+        raise UnknownFlagError("; ".join(lines))
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise UnknownFlagError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    args.model = args.model or args.model_flag
+    return args
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from pagoda.engine.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {
+        "model": args.model,
+        "served_model_name": args.served_model_name[0] if args.served_model_name else None,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "swap_space": args.swap_space,
+        "scheduling_policy": args.scheduling_policy,
+        "preemption_mode": args.preemption_mode,
+        "attention_backend": args.attention_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "seed": args.seed,
+        "kv_offload_host_bytes": args.kv_offload_host_bytes,
+        "kv_offload_disk_dir": args.kv_offload_disk_dir,
+        "kv_offload_disk_bytes": args.kv_offload_disk_bytes,
+    }
+    return {k: v for k, v in values.items() if k in fields}
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key or None,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def _make_uvicorn_server(config: Any) -> Any:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit 143); a drained server exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer(config)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+    except UnknownFlagError as exc:
+        print(f"pagoda serve: error: {exc}\nRun `pagoda serve --help` for the flags.", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # argparse: --help (0) or a bad value (2)
+        return int(exc.code or 0)
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    import uvicorn
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.metrics import LoggingStatLogger
+    from pagoda.engine.server.app import build_app
+
+    settings = server_settings(args)
+    try:
+        config = EngineConfig(**engine_config_kwargs(args))
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 2
+    from pagoda.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"pagoda serve: cannot start the engine: {exc}", file=sys.stderr)
+        return 1
+    exporter = build_exporter(engine, settings)
+    engine.add_stat_logger(exporter)
+    if not args.disable_log_stats:
+        engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval_s))
+    app = build_app(AsyncEngine(engine), settings, exporter)
+    server = _make_uvicorn_server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.uvicorn_log_level,
+            timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+            timeout_keep_alive=5,
+        )
+    )
+    server.run()
+    return 0
+
+
+def build_exporter(engine: Any, settings: ServerSettings) -> Any:
+    """The Prometheus exporter for `engine`, with vLLM's cache_config_info labels."""
+    from pagoda.engine.metrics import PrometheusStatLogger
+
+    cfg = engine.config
+    stats = engine.get_scheduler_stats()
+    cache_config = {
+        "block_size": cfg.block_size,
+        "cache_dtype": cfg.kv_cache_dtype,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "num_gpu_blocks": stats.num_blocks_total,
+        "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+    }
+    name = (settings.served_model_names or [engine.model_name])[0]
+    return PrometheusStatLogger(
+        str(name),
+        max_model_len=int(engine.max_model_len),
+        cache_config=cache_config,
+        max_model_len_fitted=getattr(engine, "max_model_len_fitted", None),
+        block_size=cfg.block_size,
+    )

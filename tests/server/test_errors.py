@@ -1,0 +1,223 @@
+"""Every error case: status code and OpenAI error body; then SIGTERM drains in-flight requests and exits 0.
+
+One server for the module, configured so each limit is easy to hit: an API key, a served-model name, a
+128-token context, one running sequence with at most 2 waiting, and a 64 KiB body limit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import httpx
+import pytest
+
+KEY = "test-secret-key"
+MODEL = "pagoda-test"
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def srv(start_pagoda):
+    server = start_pagoda(
+        "--served-model-name", MODEL,
+        "--max-model-len", str(CONTEXT),
+        "--max-num-seqs", "1",
+        "--max-num-queued-reqs", "2",
+        "--max-request-body-bytes", "64KiB",
+        api_key=KEY,
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def post(srv, path: str, body, *, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(
+            srv.url + path,
+            content=body,
+            headers={**headers, "content-type": "application/json"},
+            timeout=300,
+            **kw,
+        )
+    return httpx.post(srv.url + path, json=body, headers=headers, timeout=300, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "any", *, contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param != "any":
+        assert err["param"] == param, err
+    assert contains in err["message"], err
+    return err
+
+
+def the_id(srv) -> int:
+    r = post(srv, "/tokenize", {"prompt": " the", "add_special_tokens": False})
+    return r.json()["tokens"][0]
+
+
+# ---------------------------------------------------------------- 401
+
+
+def test_401_without_or_with_a_wrong_key_and_open_health_metrics(srv) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    err = assert_error(post(srv, "/v1/completions", body, key=None), 401)
+    assert err["code"] == "invalid_api_key"
+    assert_error(post(srv, "/v1/completions", body, key="wrong-key"), 401)
+    assert_error(post(srv, "/v1/chat/completions", body, key=KEY[:-1]), 401)
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.get(srv.url + "/metrics").status_code == 200
+    ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+
+
+def test_openai_client_sees_authentication_error(srv) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=srv.base_url, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+# ---------------------------------------------------------------- 404
+
+
+def test_404_unknown_model(srv) -> None:
+    err = assert_error(post(srv, "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}), 404, "model")
+    assert err["code"] == "model_not_found" and MODEL in err["message"]
+    assert_error(
+        post(srv, "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}),
+        404,
+        "model",
+    )
+
+
+# ---------------------------------------------------------------- 400
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0), ("presence_penalty", 3),
+     ("logprobs", 99), ("min_p", 2), ("stop_token_ids", [-1]), ("seed", 2**70), ("top_k", -5)],
+)  # fmt: skip
+def test_400_invalid_field_is_named(srv, field, value) -> None:
+    err = assert_error(post(srv, "/v1/completions", {"model": MODEL, "prompt": "Hi", field: value}), 400)
+    assert err["param"] is not None and err["param"].split("[")[0] == field
+    assert field in err["message"]
+
+
+def test_400_semantic_errors_name_the_field(srv) -> None:
+    assert_error(
+        post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5}), 400, "min_tokens"
+    )
+    assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "stop": [""]}), 400, "stop")
+    assert_error(post(srv, "/v1/completions", {"prompt": [10**8]}), 400, "prompt")
+    assert_error(post(srv, "/v1/completions", {"prompt": ""}), 400, "prompt")
+    assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}), 400, "echo")
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert_error(post(srv, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")
+    assert_error(post(srv, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    assert_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400)
+    assert_error(post(srv, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools")
+
+
+def test_400_unknown_field_missing_field_and_bad_json(srv) -> None:
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "temprature": 0.5}), 400, "temprature")
+    assert err["code"] == "unknown_field"
+    assert_error(post(srv, "/v1/completions", {"max_tokens": 3}), 400, "prompt")
+    assert_error(post(srv, "/v1/completions", b'{"prompt": "Hi",'), 400)
+    assert_error(post(srv, "/v1/completions", b"[1, 2]"), 400)
+
+
+def test_400_prompt_over_the_context(srv) -> None:
+    tid = the_id(srv)
+    err = assert_error(
+        post(srv, "/v1/completions", {"prompt": [tid] * 200}),
+        400,
+        "prompt",
+        contains=f"maximum context length is {CONTEXT} tokens; the prompt has 200",
+    )
+    assert err["code"] == "context_length_exceeded"
+    long_chat = {"messages": [{"role": "user", "content": "the " * 300}]}
+    assert_error(
+        post(srv, "/v1/chat/completions", long_chat),
+        400,
+        "messages",
+        contains=f"maximum context length is {CONTEXT} tokens",
+    )
+
+
+def test_max_tokens_beyond_the_context_is_clamped(srv) -> None:
+    tid = the_id(srv)
+    r = post(
+        srv, "/v1/completions", {"prompt": [tid] * (CONTEXT - 3), "max_tokens": 10_000, "ignore_eos": True}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------- 413
+
+
+def test_413_body_over_the_limit(srv) -> None:
+    big = {"model": MODEL, "prompt": "word " * 20_000}
+    err = assert_error(post(srv, "/v1/completions", big), 413)
+    assert err["code"] == "request_too_large"
+    assert_error(post(srv, "/v1/completions", big, key=None), 413)  # no body is read before this check
+
+
+# ---------------------------------------------------------------- 503
+
+
+def test_503_with_retry_after_when_the_queue_is_full(srv) -> None:
+    tid = the_id(srv)
+    body = {"prompt": [tid] * 8, "max_tokens": 6, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        responses = list(pool.map(lambda _: post(srv, "/v1/completions", body), range(10)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    assert set(codes) <= {200, 503}
+    rejected = [r for r in responses if r.status_code == 503]
+    for r in rejected:
+        err = assert_error(r, 503)
+        assert err["code"] == "queue_full"
+        assert int(r.headers["Retry-After"]) >= 1
+    assert srv.metric("pagoda:admission_rejections_total", reason="queue_full") >= len(rejected)
+    srv.wait_idle()
+
+
+# ---------------------------------------------------------------- SIGTERM (last: it stops the server)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(srv) -> None:
+    tid = the_id(srv)
+    body = {"prompt": [tid] * 4, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.stream(
+        "POST", srv.base_url + "/completions", json=body, headers=srv.headers(), timeout=300
+    ) as r:
+        assert r.status_code == 200
+        it = r.iter_lines()
+        for line in it:
+            if line:
+                lines.append(line)
+                break  # the request is running: now ask the server to stop
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting connections
+            httpx.get(srv.url + "/health", timeout=5)
+        lines += [line for line in it if line]
+    assert lines[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in lines), lines[-3:]
+    assert srv.proc.wait(120) == 0, srv.log()

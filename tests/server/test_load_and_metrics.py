@@ -1,0 +1,131 @@
+"""Many concurrent streams with disconnects (no leaks), the metric names, and a real Prometheus scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+
+VLLM_SERIES = {
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"],
+    "counter": ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits", "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:prompt_tokens_cached_by_source"],
+    "histogram": ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens", "vllm:request_params_n", "vllm:iteration_tokens_total", "vllm:request_num_preemptions"],
+}  # fmt: skip
+PAGODA_SERIES = ["pagoda:kv_blocks_total", "pagoda:kv_blocks_free", "pagoda:kv_blocks_cached", "pagoda:prefix_cache_hit_ratio", "pagoda:admission_rejections", "pagoda:max_model_len", "pagoda:max_model_len_fitted", "pagoda:offload_bytes_used", "pagoda:offload_hits", "pagoda:offload_load_seconds"]  # fmt: skip
+NUM_CLIENTS = 64
+
+
+async def _one_stream(client: httpx.AsyncClient, i: int, disconnect: bool) -> tuple[str, int]:
+    body = {
+        "prompt": f"Request {i}: count with me: one, two,",
+        "max_tokens": 6,
+        "stream": True,
+        "temperature": 0,
+    }
+    chunks = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+                if disconnect and chunks == 1:
+                    return "disconnected", chunks  # leaving the block closes the connection mid-stream
+                if line == "data: [DONE]":
+                    return "done", chunks
+    return "eof", chunks
+
+
+async def _run_clients(url: str) -> list[tuple[str, int]]:
+    limits = httpx.Limits(max_connections=NUM_CLIENTS + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        return await asyncio.gather(*(_one_stream(client, i, i % 3 == 0) for i in range(NUM_CLIENTS)))
+
+
+def test_64_concurrent_streams_with_disconnects_leave_nothing_behind(server) -> None:
+    before_abort = server.metric("vllm:request_success_total", finished_reason="abort")
+    results = asyncio.run(_run_clients(server.url))
+    assert sum(1 for r, _ in results if r == "done") == NUM_CLIENTS - len(range(0, NUM_CLIENTS, 3))
+    assert sum(1 for r, _ in results if r == "disconnected") == len(range(0, NUM_CLIENTS, 3))
+    state = server.wait_idle()
+    assert state["running"] == 0 and state["waiting"] == 0, state
+    assert state["free"] + state["cached"] == state["total"] > 0, state
+    # Disconnected clients were aborted, not run to completion (some may have finished first).
+    assert server.metric("vllm:request_success_total", finished_reason="abort") > before_abort
+
+
+def test_every_series_is_exported_with_vllm_names_and_labels(server) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    for kind, names in VLLM_SERIES.items():
+        for name in names:
+            assert f"# TYPE {name} {kind}" in text, name
+    for name in PAGODA_SERIES:
+        assert f"# TYPE {name} " in text, name
+    for line in text.splitlines():
+        if line.startswith(("vllm:", "pagoda:")):
+            assert 'engine="0"' in line and "model_name=" in line, line
+    for deprecated in (
+        "vllm:gpu_cache_usage_perc",
+        "vllm:gpu_prefix_cache_queries",
+        "vllm:gpu_prefix_cache_hits",
+    ):
+        help_line = next(line for line in text.splitlines() if line.startswith(f"# HELP {deprecated} "))
+        assert "DEPRECATED" in help_line.upper()
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"' in text
+    assert 'le="0.001"' in text and 'vllm:request_success_total{engine="0",finished_reason="abort"' in text
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="the Debian prometheus package is not installed"
+)
+def test_real_prometheus_scrapes_the_server(server, tmp_path) -> None:
+    # Traffic first, so the TTFT histogram has observations.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=300)
+    assert r.status_code == 200
+    port = server.free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: pagoda\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    queries = {
+        "running": 'vllm:num_requests_running{job="pagoda",engine="0"}',
+        "ttft": "sum by (le) (vllm:time_to_first_token_seconds_bucket)",
+        "p50": "histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))",
+    }
+    results: dict[str, list] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(results) < 2:
+            for key in ("running", "ttft"):
+                try:
+                    r = httpx.get(
+                        f"http://127.0.0.1:{port}/api/v1/query", params={"query": queries[key]}, timeout=5
+                    )
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200 and r.json()["data"]["result"]:
+                    results[key] = r.json()["data"]["result"]
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert results.get("running"), "PromQL over vllm:num_requests_running returned nothing"
+    assert results.get("ttft"), "PromQL over vllm:time_to_first_token_seconds_bucket returned nothing"
+    assert float(results["running"][0]["value"][1]) >= 0
+    inf_bucket = [s for s in results["ttft"] if s["metric"]["le"] == "+Inf"]
+    assert inf_bucket and float(inf_bucket[0]["value"][1]) >= 1
