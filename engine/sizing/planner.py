@@ -1,15 +1,19 @@
 """The planner: (model shape, GPU, workload hints) -> engine settings, each with the reason it was chosen.
 
-Memory model of one GPU (per tensor-parallel rank):
+Memory model of one GPU (per tensor-parallel rank), with vLLM's meaning of the flag, which the engine uses:
 
-    GPU memory = CUDA context (+ NCCL with TP) + activation reserve      <- outside gpu_memory_utilization
-               + weights / TP + KV cache                                  <- gpu_memory_utilization x memory
+    gpu_memory_utilization x memory = CUDA context (+ NCCL with TP) + activation peak + weights / TP + KV cache
+    (1 - gpu_memory_utilization) x memory = margin the engine never touches
 
-The reserve is estimated from the model and the per-step token budget, so the utilisation follows the card
-and the model instead of being a fixed constant. The activation reserve is a budget that grows smoothly with
-memory (a share of it, between what the smallest and the largest token budget need); the token budget is
-then the largest power of two whose activations fit that budget. Keeping the reserve smooth keeps the plan
-monotone: more memory never means less KV cache.
+The engine measures the context and the activation peak at start-up and gives the KV cache the rest of the
+budget. The planner estimates the same two (the "reserve") from the model and the per-step token budget and
+sets the utilisation to memory minus that reserve, so the margin outside the budget is as large as the
+reserve itself (fragmentation, CUDA graphs, estimate error) and follows the card and the model instead of
+being a fixed constant; it is capped. The activation reserve is a budget that grows smoothly with memory (a
+share of it, between what the smallest and the largest token budget need); the token budget is then the
+largest power of two whose activations fit. A smooth reserve keeps plans monotone: more memory never means
+less KV cache. max_model_len keeps a slack of blocks so the engine's own measurement cannot push the planned
+length out of the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ DISK_CACHE_MULTIPLE = 4  # default disk tier: this many times the GPU + host KV 
 DISK_MIN_GIB = 10
 DISK_FS_SHARE = 0.95  # filesystem metadata and the tier's index live on the same volume
 TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+FIT_SLACK = 0.9  # GPU plans size max_model_len on 90% of the estimated blocks
 
 
 @dataclass
@@ -174,6 +179,11 @@ def _token_budget(shape, memory, tp, min_conc, floor_tokens, dtype=None) -> tupl
     return tokens, budget
 
 
+def _fit_len(blocks: int, block_size: int, conc: int, slack: float = 1.0) -> int:
+    """Longest length, in whole blocks, that `conc` sequences can each have at once."""
+    return int(blocks * slack) // conc * block_size
+
+
 def _kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return _ceil_div(shape.num_kv_heads, tp)  # replicated when TP exceeds the KV heads
 
@@ -291,7 +301,6 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     kv_elem = kv_token // (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
 
     want_len = target or min(limit, DEFAULT_TARGET_CONTEXT)
-    want_blocks = conc * _ceil_div(want_len, block_size)
     floor_tokens = _pow2_at_least(h.p99_prompt_tokens) if h.p99_prompt_tokens else 0
     floor_tokens = min(floor_tokens, MAX_BATCHED_TOKENS)
 
@@ -304,13 +313,13 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         tokens, act = _token_budget(shape, memory, tp, conc, floor_tokens)
         ctx = cuda_context_bytes(memory, tp)
         util = min(UTILIZATION_CAP, math.floor((memory - ctx - act) / memory * 100) / 100)
-        kv_mem = int(util * memory) - weights
+        kv_mem = int(util * memory) - ctx - act - weights
         block_bytes = (
             2 * shape.num_layers * _kv_heads_per_rank(shape, tp) * shape.head_dim * kv_elem * block_size
         )
         blocks = max(kv_mem, 0) // block_bytes
         candidate = (tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks)
-        if blocks >= want_blocks and util > 0:
+        if _fit_len(blocks, block_size, conc, FIT_SLACK) >= want_len and util > 0:
             chosen = candidate
             break
         tried.append(f"TP={tp}: {human_bytes(weights)} weights + {human_bytes(ctx + act)} reserve per GPU "
@@ -341,6 +350,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         f"{human_bytes(memory)} minus {human_bytes(ctx)} CUDA context{' and NCCL' if tp > 1 else ''} and a "
         f"{human_bytes(act)} activation reserve for {tokens} tokens per step"
         + (f", capped at {UTILIZATION_CAP}" if util == UTILIZATION_CAP else ", rounded down")
+        + "; the engine re-measures both inside this budget, the rest is margin"
     )
     capacity = blocks * block_size
     kv_bytes = blocks * block_bytes
@@ -348,7 +358,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         memory, shape.weight_bytes, a10=bool(gpu.spec and gpu.spec.name in ("A10", "A10G"))
     )
     reasons["num_gpu_blocks"] = (
-        f"{human_bytes(kv_mem)} left after weights / {block_bytes} B per block of {block_size} tokens "
+        f"{human_bytes(kv_mem)} left after weights and reserve / {block_bytes} B per block of {block_size} tokens "
         f"= {capacity} tokens"
     )
     reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B per GPU" + (
@@ -358,12 +368,14 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     )
     reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
 
-    fit_len = (capacity // conc) // block_size * block_size
+    fit_len = _fit_len(blocks, block_size, conc, FIT_SLACK)
     max_len = min(limit, target or limit, fit_len)
     parts = [f"model limit {limit}"]
     if target:
         parts.append(f"target context {target}")
-    parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")
+    parts.append(
+        f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''} in {FIT_SLACK:.0%} of the blocks"
+    )
     reasons["max_model_len"] = "min of " + ", ".join(parts)
     if shape.sliding_window and max_len > shape.sliding_window:
         warnings.append(
@@ -453,7 +465,7 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
     reasons["num_gpu_blocks"] = f"{human_bytes(kv_mem)} / {block_bytes} B per block = {capacity} tokens"
     reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B"
-    fit_len = (capacity // conc) // block_size * block_size
+    fit_len = _fit_len(blocks, block_size, conc)
     max_len = min(limit, target or limit, fit_len)
     parts = [f"model limit {limit}"] + ([f"target context {target}"] if target else [])
     parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")

@@ -28,11 +28,11 @@ def test_table_mode_shows_every_setting_with_its_reason(run):
 
 
 def test_json_mode(run):
-    out = run("--model", "Llama-3.1-70B", "--gpu", "H100", "--gpus", "2", "--target-context", "32768",
+    out = run("--model", "Llama-3.1-70B", "--gpu", "H100", "--gpus", "2", "--target-context", "16384",
               "--min-concurrency", "2", "--p99-prompt", "3000", "--p99-output", "1000", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["tensor_parallel_size"] == 2 and data["max_model_len"] == 32768
+    assert data["tensor_parallel_size"] == 2 and data["max_model_len"] == 16384
     assert data["max_num_batched_tokens"] >= 3000 and data["kv_cache_dtype"] == "fp8"
     assert set(data["reasons"]) >= {"max_model_len", "tensor_parallel_size", "gpu_memory_utilization"}
     assert "--tensor-parallel-size" in data["engine_args"]

@@ -92,7 +92,8 @@ def test_every_plan_fits_its_gpu(shape, memory, count, hints):
     elem = 1 if p.kv_cache_dtype == "fp8" else 2
     block_bytes = 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * elem * p.block_size
     used = p.num_gpu_blocks * block_bytes + p.weights_bytes_per_gpu + p.reserve_bytes
-    assert used <= memory * 2**20
+    # within the engine's budget (gpu_memory_utilization x memory), which is within the card
+    assert used <= p.gpu_memory_utilization * memory * 2**20 <= memory * 2**20
     assert p.kv_cache_bytes == p.num_gpu_blocks * block_bytes
     assert tp <= count and shape.num_attention_heads % tp == 0
     assert p.max_model_len <= shape.max_position_embeddings

@@ -119,9 +119,10 @@ def test_max_model_len_is_min_of_limit_hint_and_fit():
     assert plan(LLAMA_8B, gpu_info("H100")).max_model_len == 131072  # model limit
     assert plan(LLAMA_8B, gpu_info("H100"), Hints(target_context=32768)).max_model_len == 32768  # hint
     p = plan(LLAMA_8B, gpu_info("L4"))  # fit
-    assert p.max_model_len < 131072 and p.max_model_len == p.num_gpu_blocks * 16
+    # 10% of the estimated blocks stay as slack for the engine's own measurement at start-up
+    assert p.max_model_len < 131072 and p.max_model_len == int(p.num_gpu_blocks * 0.9) * 16
     p = plan(LLAMA_8B, gpu_info("L4"), Hints(min_concurrency=4))
-    assert p.max_model_len == (p.num_gpu_blocks * 16 // 4) // 16 * 16
+    assert p.max_model_len == int(p.num_gpu_blocks * 0.9) // 4 * 16
     assert "4 concurrent sequences" in p.reasons["max_model_len"]
 
 
