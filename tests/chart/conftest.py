@@ -21,7 +21,8 @@ ALL_ON = [
     "--set", "prometheusRule.enabled=true",
     "--set", "dashboards.enabled=true",
     "--set", "dashboards.annotations.grafana_folder=Pagoda",
-    "--set", "operator.extraArgs={--verbose}",
+    "--set", "operator.verbose=true",
+    "--set", "operator.extraArgs={--priority=1}",
 ]  # fmt: skip
 # the same in namespaced-only mode, watching two namespaces
 NAMESPACED = ALL_ON + ["--set", "watch.namespaced=true", "--set", "watch.namespaces={team-a,team-b}"]

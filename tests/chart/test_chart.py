@@ -145,6 +145,7 @@ def test_standalone_by_default_peering_when_enabled(helm):
     objs = helm.render(*helm.all_on)
     args = _args(objs)
     assert "--peering=pagoda" in args and "--standalone" not in args
+    assert "--verbose" in args and "--priority=0" in args and args[-1] == "--priority=1"
     assert _by_kind(objs, "Deployment")[0]["spec"]["replicas"] == 2
     assert _by_kind(objs, "ClusterKopfPeering")[0]["metadata"]["name"] == "pagoda"
     assert _by_kind(objs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
@@ -244,7 +245,13 @@ def test_metrics_service_and_service_monitor(helm):
     dep = _by_kind(objs, "Deployment")[0]
     assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    assert container["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "metrics", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "health", "containerPort": 8081, "protocol": "TCP"},
+    ]
+    assert "--liveness=http://0.0.0.0:8081/healthz" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
     (sm,) = _by_kind(objs, "ServiceMonitor")

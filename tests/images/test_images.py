@@ -279,8 +279,13 @@ def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
     """`pagoda-operator` + the args the chart renders, against an emulated cluster: it reconciles and serves
     /metrics on the chart's port, and the liveness path the chart probes answers."""
     args = _chart_operator_args()
-    port = _free_port()
-    args = [f"--metrics-port={port}" if a.startswith("--metrics-port=") else a for a in args]
+    port, health = _free_port(), _free_port()
+    replace = {
+        "--metrics-port=": f"--metrics-port={port}",
+        "--liveness=": f"--liveness=http://127.0.0.1:{health}/healthz",
+    }
+    args = [next((new for old, new in replace.items() if a.startswith(old)), a) for a in args]
+    assert set(replace) <= {a.split("=")[0] + "=" for a in args}, args
     with _Cluster() as cluster:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
@@ -311,6 +316,6 @@ def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
                 body = _wait(f"http://127.0.0.1:{port}/metrics", proc, log, timeout=60)
                 time.sleep(0.5)
             assert 'pagoda_operator_gpus_requested{product="NVIDIA-L4"}' in body
-            _wait(f"http://127.0.0.1:{port}/healthz", proc, log, timeout=30)
+            _wait(f"http://127.0.0.1:{health}/healthz", proc, log, timeout=30)
         finally:
             assert _stop(proc) in (0, -15), log.read_text()[-3000:]
