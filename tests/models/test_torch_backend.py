@@ -1,0 +1,162 @@
+"""The torch paged-attention backend against a dense, per-token reference on random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pagoda.engine.attention import get_attention_backend
+from pagoda.engine.attention.base import LayerKVCache
+from pagoda.engine.attention.torch_backend import TorchAttentionBackend
+
+
+def dense_reference(q_all, k_all, v_all, ctx, ql, window):
+    """Attention of the new tokens [ctx, ctx+ql) of one sequence over its whole K/V history, one by one."""
+    heads, kv_heads, d = q_all.shape[1], k_all.shape[1], q_all.shape[2]
+    rep = heads // kv_heads
+    outs = []
+    for p in range(ctx, ctx + ql):
+        lo = 0 if window is None else max(0, p - window + 1)
+        k = k_all[lo : p + 1].repeat_interleave(rep, 1).double()
+        v = v_all[lo : p + 1].repeat_interleave(rep, 1).double()
+        scores = torch.einsum("hd,khd->hk", q_all[p].double(), k) / math.sqrt(d)
+        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(outs).float()
+
+
+def fp8_roundtrip(x, dtype, scale):
+    limit = torch.finfo(dtype).max
+    return ((x / scale).clamp(-limit, limit).to(dtype).float()) * scale
+
+
+# Steps of (seq_id, context_len, query_len): prefills of ragged lengths (1, exact block multiples, odd),
+# then pure decodes, then chunked prefills mixed with decodes.
+def schedule(bs):
+    first = [(0, 0, 1), (1, 0, bs), (2, 0, 2 * bs + 3), (3, 0, bs - 1)]
+    lens = {s: q for s, _, q in first}
+    steps = [first]
+    decode = [(s, lens[s], 1) for s in sorted(lens)]
+    steps.append(decode)
+    for s, _, q in decode:
+        lens[s] += q
+    mixed = [(0, lens[0], 1), (1, lens[1], bs + 2), (2, lens[2], 1), (3, lens[3], 3), (4, 0, 5)]
+    steps.append(mixed)
+    return steps
+
+
+def run_schedule(backend, block_size, heads, kv_heads, window, cache_dtype, paged, scale=1.0, seed=0):
+    d = 16
+    torch.manual_seed(seed)
+    batches = paged(num_blocks=64, block_size=block_size, seed=seed)
+    cache = LayerKVCache(torch.zeros(2, 64, block_size, kv_heads, d, dtype=cache_dtype), scale, scale)
+    hist = {}
+    worst = 0.0
+    for step in schedule(block_size):
+        meta = batches.step(step)
+        qs, ks, vs = [], [], []
+        for sid, _, ql in step:
+            q, k, v = torch.randn(ql, heads, d), torch.randn(ql, kv_heads, d), torch.randn(ql, kv_heads, d)
+            if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                ks_ref, vs_ref = fp8_roundtrip(k, cache_dtype, scale), fp8_roundtrip(v, cache_dtype, scale)
+            else:
+                ks_ref, vs_ref = k, v
+            old = hist.get(
+                sid, (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
+            )
+            hist[sid] = (torch.cat([old[0], q]), torch.cat([old[1], ks_ref]), torch.cat([old[2], vs_ref]))
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+        out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5, window)
+        ref = torch.cat([dense_reference(*hist[sid], ctx, ql, window) for sid, ctx, ql in step])
+        assert out.shape == ref.shape
+        worst = max(worst, (out - ref).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_matches_dense_reference(block_size, heads, kv_heads, paged):
+    assert (
+        run_schedule(TorchAttentionBackend(), block_size, heads, kv_heads, None, torch.float32, paged) < 1e-5
+    )
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window(window, paged):
+    assert run_schedule(TorchAttentionBackend(), 8, 8, 2, window, torch.float32, paged) < 1e-5
+
+
+def test_sliding_window_changes_the_result(paged):
+    """The window really masks: a run with a small window differs from the dense reference without one."""
+    backend = TorchAttentionBackend()
+    torch.manual_seed(0)
+    batches = paged(num_blocks=8, block_size=8)
+    q, k, v = torch.randn(20, 2, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    cache = LayerKVCache(torch.zeros(2, 8, 8, 2, 16))
+    out = backend.forward(q, k, v, cache, batches.step([(0, 0, 20)]), 0.25, 4)
+    full = dense_reference(q, k, v, 0, 20, None)
+    windowed = dense_reference(q, k, v, 0, 20, 4)
+    assert torch.allclose(out, windowed, atol=1e-5)
+    assert (out[4:] - full[4:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+def test_fp8_cache(cache_dtype, scale, paged):
+    """FP8 caches quantize on write (value / scale) and dequantize on read; the result equals attention
+    over the rounded K/V, and stays near full precision."""
+    assert run_schedule(TorchAttentionBackend(), 16, 8, 2, None, cache_dtype, paged, scale=scale) < 1e-4
+
+
+def test_fp8_cache_stores_scaled_values(paged):
+    batches = paged(num_blocks=4, block_size=8)
+    cache = LayerKVCache(torch.zeros(2, 4, 8, 1, 4, dtype=torch.float8_e4m3fn), k_scale=0.5, v_scale=2.0)
+    k = torch.full((3, 1, 4), 1.5)
+    v = torch.full((3, 1, 4), 8.0)
+    meta = batches.step([(0, 0, 3)])
+    TorchAttentionBackend().forward(torch.randn(3, 1, 4), k, v, cache, meta, 0.5)
+    slot = int(meta.slot_mapping[0])
+    flat = cache.kv.view(2, -1, 1, 4).float()
+    assert flat[0, slot].eq(3.0).all() and flat[1, slot].eq(4.0).all()
+
+
+def test_writes_every_new_token_to_its_slot(paged):
+    batches = paged(num_blocks=16, block_size=8)
+    cache = LayerKVCache(torch.zeros(2, 16, 8, 2, 4))
+    meta = batches.step([(0, 0, 11), (1, 0, 1)])
+    k, v = torch.randn(12, 2, 4), torch.randn(12, 2, 4)
+    TorchAttentionBackend().forward(torch.randn(12, 4, 4), k, v, cache, meta, 0.5)
+    flat = cache.kv.view(2, 16 * 8, 2, 4)
+    assert torch.equal(flat[0, meta.slot_mapping], k) and torch.equal(flat[1, meta.slot_mapping], v)
+    untouched = torch.ones(16 * 8, dtype=torch.bool)
+    untouched[meta.slot_mapping] = False
+    assert flat[:, untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype, paged):
+    torch.manual_seed(0)
+    batches = paged(num_blocks=16, block_size=16)
+    q, k, v = torch.randn(21, 4, 16), torch.randn(21, 2, 16), torch.randn(21, 2, 16)
+    cache = LayerKVCache(torch.zeros(2, 16, 16, 2, 16, dtype=dtype))
+    backend = TorchAttentionBackend()
+    out = backend.forward(
+        q.to(dtype), k.to(dtype), v.to(dtype), cache, batches.step([(0, 0, 20), (1, 0, 1)]), 0.25
+    )
+    assert out.dtype == dtype
+    ref = torch.cat(
+        [
+            dense_reference(q[:20], k[:20], v[:20], 0, 20, None),
+            dense_reference(q[20:], k[20:], v[20:], 0, 1, None),
+        ]
+    )
+    assert (out.float() - ref).abs().max() < 5e-2
+
+
+def test_get_attention_backend():
+    assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("flash", "cpu")
