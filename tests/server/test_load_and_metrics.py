@@ -61,7 +61,8 @@ def test_every_series_is_exported_with_vllm_names_and_labels(server) -> None:
     text = httpx.get(server.url + "/metrics").text
     for kind, names in VLLM_SERIES.items():
         for name in names:
-            assert f"# TYPE {name} {kind}" in text, name
+            suffix = "_total" if kind == "counter" else ""
+            assert f"# TYPE {name}{suffix} {kind}" in text, name
     for name in PAGODA_SERIES:
         assert f"# TYPE {name} " in text, name
     for line in text.splitlines():
@@ -72,7 +73,11 @@ def test_every_series_is_exported_with_vllm_names_and_labels(server) -> None:
         "vllm:gpu_prefix_cache_queries",
         "vllm:gpu_prefix_cache_hits",
     ):
-        help_line = next(line for line in text.splitlines() if line.startswith(f"# HELP {deprecated} "))
+        help_line = next(
+            line
+            for line in text.splitlines()
+            if line.startswith((f"# HELP {deprecated} ", f"# HELP {deprecated}_total "))
+        )
         assert "DEPRECATED" in help_line.upper()
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"' in text
     assert 'le="0.001"' in text and 'vllm:request_success_total{engine="0",finished_reason="abort"' in text

@@ -1,0 +1,79 @@
+"""`pagoda serve` flag parsing: vLLM names and defaults, close matches for typos, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pagoda.engine.cli import serve
+
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+
+
+def test_unknown_flag_lists_close_matches_and_exits_2() -> None:
+    r = subprocess.run([PAGODA, "serve", "--max-num-seq", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--max-num-seq" in r.stderr and "--max-num-seqs" in r.stderr
+
+
+def test_unknown_flag_in_process() -> None:
+    assert serve.main(["--gpu-memory-utilisation", "0.5"]) == 2
+    with pytest.raises(serve.UnknownFlagError, match="--gpu-memory-utilization"):
+        serve.parse_args(["--gpu-memory-utilisation", "0.5"])
+    with pytest.raises(serve.UnknownFlagError, match="--enable-prefix-caching"):
+        serve.parse_args(["--enable-prefix-cache"])
+    with pytest.raises(serve.UnknownFlagError, match="--port"):
+        serve.parse_args(["--prot=80"])
+
+
+def test_vllm_defaults() -> None:
+    a = serve.parse_args([])
+    assert a.model is None and a.host == "0.0.0.0" and a.port == 8000
+    assert a.block_size == 16 and a.gpu_memory_utilization == 0.92 and a.max_num_seqs == 256
+    assert a.enable_prefix_caching is True and a.enable_chunked_prefill is True
+    assert a.kv_cache_dtype == "auto" and a.scheduling_policy == "fcfs" and a.max_num_queued_reqs is None
+
+
+def test_flags_reach_the_engine_config() -> None:
+    a = serve.parse_args(
+        ["some/model", "--served-model-name", "a", "b", "--max-model-len", "4K", "--no-enable-prefix-caching",
+         "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", "512MiB", "--kv-cache-dtype", "fp8",
+         "--scheduling-policy", "priority", "--max-num-batched-tokens", "4096", "--kv-offload-host-bytes", "2G"]
+    )  # fmt: skip
+    kw = serve.engine_config_kwargs(a)
+    assert kw["model"] == "some/model" and kw["served_model_name"] == "a"
+    assert kw["max_model_len"] == 4096 and kw["enable_prefix_caching"] is False
+    assert kw["enable_chunked_prefill"] is False and kw["kv_cache_memory_bytes"] == 512 * 2**20
+    assert kw["kv_cache_dtype"] == "fp8" and kw["scheduling_policy"] == "priority"
+    assert kw["max_num_batched_tokens"] == 4096 and kw["kv_offload_host_bytes"] == 2 * 10**9
+    assert serve.server_settings(a).served_model_names == ["a", "b"]
+
+
+def test_api_key_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PAGODA_API_KEY", "from-env")
+    assert serve.server_settings(serve.parse_args([])).api_key == "from-env"
+    assert serve.server_settings(serve.parse_args(["--api-key", "flag"])).api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1024", 1024), ("64MiB", 64 * 2**20), ("2G", 2 * 10**9), ("1.5GiB", 3 * 2**29), ("8kb", 8000)],
+)
+def test_parse_bytes(text, value) -> None:
+    assert serve.parse_bytes(text) == value
+
+
+def test_bad_values_exit_2() -> None:
+    assert serve.main(["--max-model-len", "big"]) == 2
+    assert serve.main(["--kv-cache-memory-bytes", "lots"]) == 2
+    assert serve.main(["--block-size", "7"]) == 2
+    assert serve.parse_max_model_len("auto") == "auto" and serve.parse_max_model_len("4k") == 4000
+
+
+def test_help_exits_0(capsys) -> None:
+    assert serve.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--gpu-memory-utilization", "--max-num-queued-reqs", "--api-key", "--uvicorn-log-level"):
+        assert flag in out

@@ -1,0 +1,134 @@
+"""The Prometheus exporter and the log line, fed stats objects directly (no model needed)."""
+
+from __future__ import annotations
+
+import logging
+
+from pagoda.engine.metrics import LoggingStatLogger, PrometheusStatLogger, buckets
+from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def samples(exporter: PrometheusStatLogger) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(exporter.render().decode()):
+        for s in family.samples:
+            out[
+                (
+                    s.name,
+                    tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))),
+                )
+            ] = s.value
+    return out
+
+
+def finished(reason: str = "stop", gen: int = 5) -> FinishedRequestStats:
+    return FinishedRequestStats(reason, 2.0, 0.1, 0.4, 1.5, 1.9, 10, gen, 16, 1, 0)
+
+
+def test_buckets_are_vllms() -> None:
+    assert (
+        buckets.TTFT[0] == 0.001 and buckets.TTFT[-3:] == [160.0, 640.0, 2560.0] and len(buckets.TTFT) == 22
+    )
+    assert buckets.TOKEN_LATENCY[-1] == 80.0 and len(buckets.TOKEN_LATENCY) == 19
+    assert buckets.REQUEST_LATENCY[-1] == 7680.0 and len(buckets.REQUEST_LATENCY) == 21
+    assert buckets.one_two_five(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    assert buckets.ITERATION_TOKENS[0] == 1 and buckets.ITERATION_TOKENS[-1] == 16384
+
+
+def test_record_updates_gauges_counters_and_histograms() -> None:
+    e = PrometheusStatLogger("m", max_model_len=1024, cache_config={"block_size": 16}, block_size=16)
+    it = IterationStats(
+        num_prompt_tokens=10, num_generation_tokens=3, num_preemptions=1, prefix_cache_queries=32,
+        prefix_cache_hits=16, cached_tokens_by_source={"device": 16}, time_to_first_tokens=[0.05],
+        inter_token_latencies=[0.02, 0.03], finished_requests=[finished("stop"), finished("abort", 1)],
+        num_prompt_tokens_per_new_request=[10],
+    )  # fmt: skip
+    e.record(SchedulerStats(3, 2, 0.25, 100, 70, 5), it)
+    s = samples(e)
+    assert s[("vllm:num_requests_running", ())] == 3 and s[("vllm:num_requests_waiting", ())] == 2
+    assert s[("vllm:kv_cache_usage_perc", ())] == 0.25 == s[("vllm:gpu_cache_usage_perc", ())]
+    assert s[("vllm:prompt_tokens_total", ())] == 10 and s[("vllm:generation_tokens_total", ())] == 3
+    assert s[("vllm:prefix_cache_hits_total", ())] == 16 == s[("vllm:gpu_prefix_cache_hits_total", ())]
+    assert s[("vllm:num_preemptions_total", ())] == 1
+    assert s[("vllm:request_success_total", (("finished_reason", "stop"),))] == 1
+    assert s[("vllm:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert s[("vllm:request_success_total", (("finished_reason", "length"),))] == 0
+    assert s[("vllm:prompt_tokens_cached_by_source_total", (("source", "device"),))] == 16
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "0.06"),))] == 1
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 0
+    assert s[("vllm:inter_token_latency_seconds_count", ())] == 2
+    assert s[("vllm:e2e_request_latency_seconds_count", ())] == 2
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "16.0"),))] == 1
+    assert s[("vllm:request_time_per_output_token_seconds_sum", ())] == 1.5 / 4
+    assert s[("pagoda:kv_blocks_total", ())] == 100 and s[("pagoda:kv_blocks_free", ())] == 70
+    assert s[("pagoda:kv_blocks_cached", ())] == 5 and s[("pagoda:prefix_cache_hit_ratio", ())] == 0.5
+    assert s[("pagoda:max_model_len", ())] == 1024 and s[("pagoda:max_model_len_fitted", ())] == 1600
+    assert s[("vllm:cache_config_info", (("block_size", "16"),))] == 1
+
+
+def test_hit_ratio_is_over_the_last_n_requests() -> None:
+    e = PrometheusStatLogger("m", max_model_len=64, hit_ratio_window=2)
+    for hits in (0, 10, 10):  # three requests of 10 tokens: the first (a miss) falls out of the window
+        e.record(
+            SchedulerStats(),
+            IterationStats(
+                prefix_cache_queries=10, prefix_cache_hits=hits, num_prompt_tokens_per_new_request=[10]
+            ),
+        )
+    assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 1.0
+
+
+def test_offload_series_are_read_generically() -> None:
+    e = PrometheusStatLogger("m", max_model_len=64)
+    snap = {
+        "host": {"bytes_used": 100.0, "bytes_capacity": 1000.0, "blocks": 3, "hits": 32, "load_bytes": 10}
+    }
+    e.record(SchedulerStats(offload=snap), IterationStats())
+    snap["host"]["hits"] = 48  # cumulative: the counter advances by 16
+    it = IterationStats()
+    it.offload = {"disk": {"load_seconds": [0.002, 0.004], "evictions": 2}}  # type: ignore[attr-defined]
+    e.record(SchedulerStats(offload=snap), it)
+    s = samples(e)
+    assert s[("pagoda:offload_bytes_used", (("tier", "host"),))] == 100
+    assert s[("pagoda:offload_hits_total", (("tier", "host"),))] == 48
+    assert s[("pagoda:offload_load_bytes_total", (("tier", "host"),))] == 10
+    assert s[("pagoda:offload_load_seconds_count", (("tier", "disk"),))] == 2
+    assert s[("pagoda:offload_evictions_total", (("tier", "disk"),))] == 2
+    assert s[("pagoda:offload_hits_total", (("tier", "disk"),))] == 0  # pre-created series
+
+
+def test_deprecated_aliases_say_so_and_rejections_count() -> None:
+    e = PrometheusStatLogger("m", max_model_len=64)
+    e.admission_rejected("queue_full")
+    text = e.render().decode()
+    for name in ("vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits"):
+        assert "DEPRECATED" in next(
+            line
+            for line in text.splitlines()
+            if line.startswith((f"# HELP {name} ", f"# HELP {name}_total "))
+        )
+    assert samples(e)[("pagoda:admission_rejections_total", (("reason", "queue_full"),))] == 1
+    assert "_created" not in text
+
+
+def test_log_line_every_interval_while_busy(caplog) -> None:
+    now = [0.0]
+    logger = LoggingStatLogger(interval_s=10, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="pagoda.engine.metrics"):
+        for _ in range(5):
+            now[0] += 3
+            logger.record(
+                SchedulerStats(2, 1, 0.5),
+                IterationStats(num_generation_tokens=30, prefix_cache_queries=10, prefix_cache_hits=5),
+            )
+        now[0] += 100
+        logger.record(SchedulerStats(), IterationStats())  # flushes the tokens of the last 3 s
+        now[0] += 100
+        logger.record(SchedulerStats(), IterationStats())  # idle: nothing logged
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "Running: 2 reqs, Waiting: 1 reqs" in lines[0] and "KV cache usage: 50.0%" in lines[0]
+    assert (
+        "Prefix cache hit rate: 50.0%" in lines[0] and "Avg generation throughput: 10.0 tokens/s" in lines[0]
+    )
