@@ -1,7 +1,6 @@
 """The engine's start-up fit on this CPU machine, with the real default model (SmolLM2-135M-Instruct)."""
 
 import pytest
-
 from pagoda.engine.sizing import SizingError, fit_max_model_len, num_blocks_for
 
 KV_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the CPU engine's dtype
