@@ -64,7 +64,7 @@ def test_every_series_is_exported_with_vllm_names_and_labels(server) -> None:
             suffix = "_total" if kind == "counter" else ""
             assert f"# TYPE {name}{suffix} {kind}" in text, name
     for name in PAGODA_SERIES:
-        assert f"# TYPE {name} " in text, name
+        assert f"# TYPE {name}" in text, name
     for line in text.splitlines():
         if line.startswith(("vllm:", "pagoda:")):
             assert 'engine="0"' in line and "model_name=" in line, line
