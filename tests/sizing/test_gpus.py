@@ -65,6 +65,16 @@ def test_reference_table_parses(product, memory, cc, name):
 
 
 @pytest.mark.parametrize("product, memory, cc, name", TABLE)
+def test_reference_table_parses_with_a_mig_suffix(product, memory, cc, name):
+    for text in variants(product):
+        mig = text.replace("-SHARED", "") + "-MIG-1g.5gb" + ("-SHARED" if text.endswith("-SHARED") else "")
+        info = parse_gfd_labels(labels(mig, 4864, 7, cc))
+        assert info.spec is not None and info.spec.name == name, mig
+        assert info.memory_mib == 4864 and info.mig_profile == "1g.5gb" and info.compute_capability == cc
+        assert not [w for w in info.warnings if "outside" in w or "catalogue" in w]
+
+
+@pytest.mark.parametrize("product, memory, cc, name", TABLE)
 def test_product_alone_is_enough(product, memory, cc, name):
     info = parse_gfd_labels({P: product})
     assert info.spec.name == name and info.memory_mib == memory and info.compute_capability == cc
