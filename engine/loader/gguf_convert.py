@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(cache_dir, target.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=cache_dir))
     try:
         _convert_into(gguf_path, tmp)
@@ -99,6 +101,17 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_stale_temp_dirs(cache_dir: Path, name: str, max_age_s: float = 3600.0) -> None:
+    """Temp dirs of conversions killed midway; a live conversion is younger than an hour."""
+    now = time.time()
+    for stale in cache_dir.glob(f".tmp-{name}-*"):
+        try:
+            if now - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
