@@ -145,7 +145,9 @@ def test_standalone_by_default_peering_when_enabled(helm):
     objs = helm.render(*helm.all_on)
     args = _args(objs)
     assert "--peering=pagoda" in args and "--standalone" not in args
-    assert "--verbose" in args and "--priority=0" in args and args[-1] == "--priority=1"
+    assert "--verbose" in args and args[-1] == "--priority=1"
+    assert not [a for a in args[:-1] if a.startswith("--priority")]  # null: the operator picks one per replica
+    assert "--priority=7" in _args(helm.render(*helm.all_on, "--set", "operator.peering.priority=7"))
     assert _by_kind(objs, "Deployment")[0]["spec"]["replicas"] == 2
     assert _by_kind(objs, "ClusterKopfPeering")[0]["metadata"]["name"] == "pagoda"
     assert _by_kind(objs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
@@ -307,6 +309,7 @@ BAD_VALUES = [
     ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}, "limits": {}}}}, "cpu"),
     ({"serviceMonitor": {"interval": 30}}, "interval"),
+    ({"operator": {"peering": {"priority": "high"}}}, "priority"),
     ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "namespaces"),
 ]
 
