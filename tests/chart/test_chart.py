@@ -355,3 +355,23 @@ def test_values_file_documents_every_key(helm):
     values = yaml.safe_load((helm.chart / "values.yaml").read_text())
     assert set(values) <= set(schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+def test_packaged_chart_carries_crds_dashboards_and_alerts_but_no_maintainer_tools(helm, tmp_path):
+    import tarfile
+
+    helm.run("package", str(helm.chart), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("pagoda-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for path in (
+        "pagoda/crds/pagoda.dev_inferencedeployments.yaml",
+        "pagoda/crds/kopf-peerings.yaml",
+        "pagoda/dashboards/engine.json",
+        "pagoda/dashboards/operator.json",
+        "pagoda/alerts/pagoda-alerts.yaml",
+        "pagoda/values.schema.json",
+        "pagoda/templates/NOTES.txt",
+    ):
+        assert path in names, path
+    assert not [n for n in names if "/hack/" in n or n.endswith("sync-crds.sh")], names
