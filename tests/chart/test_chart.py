@@ -123,13 +123,13 @@ def test_engine_image_defaults_to_app_version_and_tags_can_be_pinned(helm):
     version = _app_version(helm)
     dep = _by_kind(helm.render(), "Deployment")[0]
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["PAGODA_ENGINE_IMAGE"] == f"ghcr.io/pagoda-dev/pagoda-engine:{version}"
+    assert env["PAGODA_ENGINE_IMAGE"] == f"ghcr.io/pagoda-llm/pagoda-engine:{version}"
     dep = _by_kind(
         helm.render("--set", "engine.image.tag=9.9.9", "--set", "operator.image.tag=1.2.3"), "Deployment"
     )[0]
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"].endswith(":1.2.3")
-    assert {"name": "PAGODA_ENGINE_IMAGE", "value": "ghcr.io/pagoda-dev/pagoda-engine:9.9.9"} in container[
+    assert {"name": "PAGODA_ENGINE_IMAGE", "value": "ghcr.io/pagoda-llm/pagoda-engine:9.9.9"} in container[
         "env"
     ]
 
