@@ -1,5 +1,4 @@
 import pytest
-
 from pagoda.engine.kv_cache.block_pool import Block, BlockPool, FreeBlockQueue
 from pagoda.engine.kv_cache.hashing import hash_block_tokens
 

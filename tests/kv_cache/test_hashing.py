@@ -3,7 +3,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pagoda.engine.kv_cache.hashing import encode_extra_keys, hash_block_tokens, hash_full_blocks
 
 # Pinned: the disk tier names files by these values, so a change here orphans every cache on disk.

@@ -1,5 +1,4 @@
 import pytest
-
 from pagoda.engine.kv_cache.hashing import hash_full_blocks
 from pagoda.engine.kv_cache.manager import KVCacheManager
 
