@@ -109,10 +109,10 @@ class TorchAttentionBackend:
         kv = cache.kv
         fp8 = kv.dtype in FP8_DTYPES
         src = kv.view(torch.uint8) if fp8 else kv
-        k = src[0][blocks]
-        v = src[1][blocks]
+        flat_blocks = blocks.reshape(-1)
         shape = (*blocks.shape[:-1], blocks.shape[-1] * kv.shape[2], kv.shape[3], kv.shape[4])
-        k, v = k.reshape(shape), v.reshape(shape)
+        k = src[0].index_select(0, flat_blocks).view(shape)
+        v = src[1].index_select(0, flat_blocks).view(shape)
         if fp8:
             k = k.view(kv.dtype).to(dtype) * cache.k_scale
             v = v.view(kv.dtype).to(dtype) * cache.v_scale
@@ -160,14 +160,15 @@ class TorchAttentionBackend:
                 plan.masks[key] = mask
             kd, vd = self._gather(cache, plan.decode_blocks, q.dtype)  # [Sd, L, Hkv, D]
             qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+            sd, kv_heads = qd.shape[0], cache.kv.shape[3]
+            # GQA without copying K/V: the query heads sharing a KV head become that head's "query rows".
             od = F.scaled_dot_product_attention(
-                qd.unsqueeze(2),  # [Sd, H, 1, D]
+                qd.view(sd, kv_heads, num_heads // kv_heads, head_dim),
                 kd.transpose(1, 2),
                 vd.transpose(1, 2),
                 attn_mask=mask,
                 scale=scale,
-                enable_gqa=gqa,
-            ).squeeze(2)
+            ).reshape(sd, num_heads, head_dim)
             if out is None:
                 return od
             out.index_copy_(0, plan.decode_rows, od)
@@ -190,5 +191,4 @@ class TorchAttentionBackend:
                     plan.masks[key] = mask
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[p.start : p.end] = op.transpose(0, 1)
-        del head_dim
         return out
