@@ -146,7 +146,8 @@ def test_standalone_by_default_peering_when_enabled(helm):
     args = _args(objs)
     assert "--peering=pagoda" in args and "--standalone" not in args
     assert "--verbose" in args and args[-1] == "--priority=1"
-    assert not [a for a in args[:-1] if a.startswith("--priority")]  # null: the operator picks one per replica
+    # priority null: no flag from the chart, the operator picks one per replica
+    assert not [a for a in args[:-1] if a.startswith("--priority")]
     assert "--priority=7" in _args(helm.render(*helm.all_on, "--set", "operator.peering.priority=7"))
     assert _by_kind(objs, "Deployment")[0]["spec"]["replicas"] == 2
     assert _by_kind(objs, "ClusterKopfPeering")[0]["metadata"]["name"] == "pagoda"
