@@ -30,7 +30,7 @@ from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput
-from pagoda.engine.sizing import fit_max_model_len
+from pagoda.engine.sizing.fit import fit_max_model_len
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
 log = logging.getLogger("pagoda.engine")

@@ -25,11 +25,12 @@ class ScheduledSeq:
     request: Request
     seq: Sequence
     num_new_tokens: int
+    # The chunk reaches the sequence's last token, so the step yields its next token. Fixed when scheduled
+    # (the sequence's computed count moves on after the forward).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so the step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

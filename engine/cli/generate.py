@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from pagoda.engine.llm import LLM
     from pagoda.engine.sampling_params import SamplingParams
-    from pagoda.engine.sizing import SizingError
+    from pagoda.engine.sizing.errors import SizingError
 
     try:
         params = SamplingParams(

@@ -72,7 +72,7 @@ def compare(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs) -> bool:
 
 
 def run_parity(model_dir, prompts_ids: list[list[int]], hf_model) -> float:
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOPK)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_ids], params, use_tqdm=False)
     exact = 0
