@@ -18,19 +18,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plot_path, print_table, write_json  # noqa: E402
-
 from pagoda.engine import LLM, SamplingParams  # noqa: E402
 
 
 def make_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, 40000) for _ in range(rng.randint(20, 600))], rng.randint(16, 256)) for _ in range(n)]
+    return [
+        ([rng.randrange(100, 40000) for _ in range(rng.randint(20, 600))], rng.randint(16, 256))
+        for _ in range(n)
+    ]
 
 
 def run_pagoda(llm: LLM, work) -> dict:
     engine = llm.engine
     for i, (prompt, out_len) in enumerate(work):
-        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), prompt_token_ids=prompt)
+        engine.add_request(
+            f"r{i}",
+            None,
+            SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+            prompt_token_ids=prompt,
+        )
     from tqdm.auto import tqdm
 
     waste, tokens, steps = [], 0, 0
@@ -73,11 +80,21 @@ def run_hf(model, work, batch_size: int) -> dict:
         new = max(o for _, o in batch)
         with torch.no_grad():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
             )
         useful += sum(o for _, o in batch)
     elapsed = time.perf_counter() - start
-    return {"batch_size": batch_size, "seconds": elapsed, "output_tokens": useful, "tokens_per_s": useful / elapsed}
+    return {
+        "batch_size": batch_size,
+        "seconds": elapsed,
+        "output_tokens": useful,
+        "tokens_per_s": useful / elapsed,
+    }
 
 
 def main() -> int:
@@ -102,7 +119,14 @@ def main() -> int:
     best = max(hf_runs, key=lambda r: r["tokens_per_s"])
     ratio = pagoda["tokens_per_s"] / best["tokens_per_s"]
 
-    rows = [["pagoda (continuous batching)", f"{pagoda['tokens_per_s']:.1f}", f"{pagoda['seconds']:.1f}", f"{ratio:.2f}x"]]
+    rows = [
+        [
+            "pagoda (continuous batching)",
+            f"{pagoda['tokens_per_s']:.1f}",
+            f"{pagoda['seconds']:.1f}",
+            f"{ratio:.2f}x",
+        ]
+    ]
     rows += [[f"HF generate, batch {r['batch_size']}", f"{r['tokens_per_s']:.1f}", f"{r['seconds']:.1f}",
               f"{pagoda['tokens_per_s'] / r['tokens_per_s']:.2f}x"] for r in hf_runs]  # fmt: skip
     print_table(
@@ -110,9 +134,17 @@ def main() -> int:
         ["system", "output tok/s", "seconds", "pagoda speed-up"],
         rows,
     )
-    print(f"\nPagoda mean KV waste: {pagoda['mean_kv_waste'] * 100:.2f}%   preemptions: {pagoda['preemptions']}")
+    print(
+        f"\nPagoda mean KV waste: {pagoda['mean_kv_waste'] * 100:.2f}%   preemptions: {pagoda['preemptions']}"
+    )
     print(f"Pagoda / best HF throughput: {ratio:.2f}x (target >= 3x); KV waste target < 4%")
-    result = {"pagoda": pagoda, "hf": hf_runs, "hf_best": best, "ratio_vs_best_hf": ratio, "requests": args.requests}
+    result = {
+        "pagoda": pagoda,
+        "hf": hf_runs,
+        "hf_best": best,
+        "ratio_vs_best_hf": ratio,
+        "requests": args.requests,
+    }
     path = write_json("offline", result)
 
     import matplotlib

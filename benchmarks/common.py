@@ -12,7 +12,12 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
-    payload = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), **payload}
+    payload = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        **payload,
+    }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path

@@ -19,7 +19,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def append(self, seq: Sequence, params: SamplingParams) -> str:
         """Decode the sequence's newest token into seq.text; returns the new text (may be empty).

@@ -6,12 +6,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
+from tqdm.auto import tqdm
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -62,7 +61,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -104,7 +105,9 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
-        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        )
         generated = 0
         try:
             while pending:
@@ -126,7 +129,9 @@ class LLM:
 
 
 def _template_ids(tokenizer, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -16,7 +16,6 @@ import logging
 from collections.abc import Iterable
 
 import torch
-
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.detokenizer import Detokenizer, check_stop_strings, visible_text
@@ -55,7 +54,11 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
         return _DTYPES[name]
     if device.type == "cpu":
         return torch.float32  # the fastest and most exact choice on CPUs without bf16 matrix units
-    return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+    return (
+        _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+        if checkpoint_dtype != "float32"
+        else torch.bfloat16
+    )
 
 
 class LLMEngine:
@@ -100,7 +103,9 @@ class LLMEngine:
         self.max_model_len_fitted = self.num_blocks * block_size
         if config.max_num_batched_tokens is None:
             base = 2048
-            config.max_num_batched_tokens = base if config.enable_chunked_prefill else max(base, self.max_model_len)
+            config.max_num_batched_tokens = (
+                base if config.enable_chunked_prefill else max(base, self.max_model_len)
+            )
         elif not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_model_len "
@@ -311,7 +316,9 @@ class LLMEngine:
         result = sample(logits[[t[2] for t in targets]], rows)
         t_now = now()
         touched: dict[str, Request] = {}
-        for (req, seq, _), tok, lp, top in zip(targets, result.token_ids, result.logprobs, result.top_logprobs, strict=True):
+        for (req, seq, _), tok, lp, top in zip(
+            targets, result.token_ids, result.logprobs, result.top_logprobs, strict=True
+        ):
             self._append_token(req, seq, tok, lp, top, t_now, it)
             touched[req.request_id] = req
         outputs = []

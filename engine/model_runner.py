@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.scheduler import ScheduledSeq
 
@@ -35,7 +34,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = [
-            LayerKVCache(torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device))
+            LayerKVCache(
+                torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
+            )
             for _ in range(num_layers)
         ]
 

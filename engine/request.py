@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from pagoda.engine.outputs import Logprob, RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -38,7 +37,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
+            )
             seen = seen[seen < vocab]
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -75,7 +76,9 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(m > 0 for m in min_p):
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(
+            1
+        )
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

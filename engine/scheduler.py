@@ -89,7 +89,9 @@ class WaitingQueue:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)
 
     def __iter__(self) -> Iterable[Request]:
-        return iter([item[3] for item in sorted(self._heap)] if self.policy == "priority" else list(self._fifo))
+        return iter(
+            [item[3] for item in sorted(self._heap)] if self.policy == "priority" else list(self._fifo)
+        )
 
 
 class Scheduler:

@@ -9,8 +9,14 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda generate", description="Generate a completion and print it.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None, help="HF directory, GGUF file or hub id with a local copy (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt (a user message)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, GGUF file or hub id with a local copy (default: embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to the prompt (a user message)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

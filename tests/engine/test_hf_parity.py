@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pagoda.engine import LLM, SamplingParams
 
 RAW_PROMPTS = [
@@ -72,7 +71,9 @@ def compare(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs) -> bool:
 
 
 def run_parity(model_dir, prompts_ids: list[list[int]], hf_model) -> float:
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=512
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOPK)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_ids], params, use_tqdm=False)
     exact = 0
@@ -91,7 +92,9 @@ def test_default_model_matches_transformers(default_model_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompts = [tok(p).input_ids for p in RAW_PROMPTS]
     for q in CHAT_PROMPTS:
-        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
         prompts.append(tok(text, add_special_tokens=False).input_ids)
     assert len(prompts) >= 20
     assert run_parity(default_model_dir, prompts, hf) >= 0.95

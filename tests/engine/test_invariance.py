@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
@@ -63,7 +62,9 @@ def test_preemption_by_tiny_pool(reference):
 
 
 def test_requests_arriving_and_finishing_mid_batch(reference):
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=48 << 20))
+    engine = LLMEngine(
+        EngineConfig(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=48 << 20)
+    )
     lengths = [24, 5, 24, 11, 24, 17]  # some finish early while others keep going
     done: dict[str, list[int]] = {}
     pending = list(enumerate(PROMPTS))
@@ -71,7 +72,9 @@ def test_requests_arriving_and_finishing_mid_batch(reference):
     while pending or engine.has_unfinished_requests():
         if pending and step % 3 == 0:  # a new request every third step
             i, prompt = pending.pop(0)
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True))
+            engine.add_request(
+                str(i), prompt, SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+            )
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids

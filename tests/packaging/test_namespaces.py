@@ -20,7 +20,9 @@ def run(code: str, *, safe_path: bool) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     if safe_path:
         env["PYTHONSAFEPATH"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_packages_map_to_folders():
