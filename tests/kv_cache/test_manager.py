@@ -285,3 +285,40 @@ def test_check_invariants_catches_a_leaked_reference():
     m.block_pool.blocks[m.get_block_table("a")[0]].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref count"):
         m.check_invariants()
+
+
+def test_eviction_hook_gets_the_block_and_its_hash():
+    seen = []
+    m = KVCacheManager(num_blocks=2, block_size=BS, on_evict=lambda bid, bh: seen.append((bid, bh)))
+    tokens = list(range(9))
+    assert m.get_computed_tokens("a", tokens) == 0
+    assert m.allocate_slots("a", 8)
+    m.cache_blocks("a", tokens, 8)
+    hashes, table = m.get_block_hashes("a"), m.get_block_table("a")
+    m.free("a")
+    assert m.allocate_slots("b", 1)
+    assert seen == [(table[1], hashes[1])]  # tail first
+    assert m.block_pool.lookup(hashes[1]) is None
+
+
+def test_find_cached_prefix_takes_nothing_and_counts_nothing():
+    m = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(9))
+    run_prefill(m, "a", tokens)
+    m.free("a")
+    queries, hits, cached = m.prefix_cache_queries, m.prefix_cache_hits, m.num_cached_blocks
+    assert m.find_cached_prefix(tokens) == 8
+    assert m.find_cached_prefix([42] + tokens) == 0
+    assert (m.prefix_cache_queries, m.prefix_cache_hits, m.num_cached_blocks) == (queries, hits, cached)
+
+
+def test_num_blocks_needed_counts_new_blocks_and_copies():
+    m = KVCacheManager(num_blocks=16, block_size=BS)
+    assert m.num_blocks_needed("new", 0) == 0
+    assert m.num_blocks_needed("new", 9) == 3
+    run_prefill(m, "p", list(range(6)))
+    assert m.num_blocks_needed("p", 8) == 0 and m.num_blocks_needed("p", 9) == 1
+    m.fork("p", "c")
+    assert m.num_blocks_needed("c", 7) == 1  # the copy
+    assert m.num_blocks_needed("c", 13) == 3  # the copy and two new blocks
+    assert m.num_blocks_needed("c", 6) == 0  # nothing new is written
