@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 
 
@@ -83,9 +82,7 @@ class TritonAttentionBackend:
         self._write(k, v, kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
         plan = self._get_plan(meta)
         out = torch.empty_like(q)
-        common = dict(
-            out=out, k_scale=cache.k_scale, v_scale=cache.v_scale, sliding_window=sliding_window
-        )
+        common = dict(out=out, k_scale=cache.k_scale, v_scale=cache.v_scale, sliding_window=sliding_window)
         if plan.decode_ids is not None:
             self._decode(
                 q,

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from pagoda.kernels.reference import (
     gather_sequence_kv,
     naive_dense_attention,

@@ -4,7 +4,6 @@ import shutil
 
 import pytest
 import torch
-
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.attention.torch_backend import TorchAttentionBackend
@@ -86,7 +85,9 @@ def _tiny_llama(tmp_path, tokenizer_dir, sliding_window=None):
     if sliding_window is None:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=sliding_window))
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=sliding_window)
+        )
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
