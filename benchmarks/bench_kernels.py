@@ -96,50 +96,46 @@ def bench_decode(device, copy_bw, quick: bool, flashinfer) -> list[dict]:
         for ctx in contexts
     ]
     for kv_name, kv_dtype, batch, ctx in tqdm(points, desc="paged decode"):
-        if True:  # one indentation level kept from the nested loops, so the body reads as before
-            if True:
-                kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
-                if kv_bytes > 0.4 * torch.cuda.mem_get_info(device)[0]:
-                    continue
-                n_copies = copies_for_l2(kv_bytes, device)
-                inputs = [make_decode_inputs(batch, ctx, kv_dtype, device, s) for s in range(n_copies)]
-                min_bytes = kv_bytes + 2 * batch * HEADS * HEAD_DIM * 2  # KV once, q in, out back
-                q0, kv0, t0, l0 = inputs[0]
-                out = paged_decode_attention(q0, kv0, t0, l0, scale, max_seq_len=ctx)
-                ref = paged_decode_attention_ref(q0, kv0, l0, t0, scale)
-                max_err = (out.float() - ref.float()).abs().max().item()
-                row = dict(kernel="decode", kv=kv_name, batch=batch, context=ctx, min_bytes=min_bytes,
-                           max_abs_err_vs_twin=max_err)  # fmt: skip
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+        if kv_bytes > 0.4 * torch.cuda.mem_get_info(device)[0]:
+            continue
+        n_copies = copies_for_l2(kv_bytes, device)
+        inputs = [make_decode_inputs(batch, ctx, kv_dtype, device, s) for s in range(n_copies)]
+        min_bytes = kv_bytes + 2 * batch * HEADS * HEAD_DIM * 2  # KV once, q in, out back
+        q0, kv0, t0, l0 = inputs[0]
+        out = paged_decode_attention(q0, kv0, t0, l0, scale, max_seq_len=ctx)
+        ref = paged_decode_attention_ref(q0, kv0, l0, t0, scale)
+        max_err = (out.float() - ref.float()).abs().max().item()
+        row = dict(kernel="decode", kv=kv_name, batch=batch, context=ctx, min_bytes=min_bytes,
+                   max_abs_err_vs_twin=max_err)  # fmt: skip
 
-                row["triton_ms"] = cuda_time_ms(
-                    lambda q, kv, t, ln, c=ctx: paged_decode_attention(q, kv, t, ln, scale, max_seq_len=c),
-                    inputs,
-                )
-                if batch * ctx <= 64 * 4096:  # the twin gathers the whole batch: keep it to what fits
-                    row["torch_twin_ms"] = cuda_time_ms(
-                        lambda q, kv, t, ln: paged_decode_attention_ref(q, kv, ln, t, scale), inputs[:1], 2, 5
-                    )
-                if kv_dtype == torch.bfloat16:
-                    kc = kv0[0, t0.long()].reshape(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
-                    vc = kv0[1, t0.long()].reshape(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
-                    kc, vc, qc = kc.contiguous(), vc.contiguous(), q0.unsqueeze(2)
-                    row["sdpa_contiguous_ms"] = cuda_time_ms(
-                        lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
-                            a, b, c, enable_gqa=True
-                        ),
-                        [(qc, kc, vc)],
-                    )
-                    del kc, vc
-                if flashinfer is not None:
-                    row["flashinfer_ms"] = bench_flashinfer(flashinfer, inputs, batch, ctx, device)
-                for key in [k for k in row if k.endswith("_ms")]:
-                    gbps = min_bytes / (row[key] / 1e3)
-                    row[key.replace("_ms", "_GBps")] = gbps / 1e9
-                row["triton_frac_of_copy_bw"] = min_bytes / (row["triton_ms"] / 1e3) / copy_bw
-                rows.append(row)
-                print_row(row)
-                del inputs
-                torch.cuda.empty_cache()
+        row["triton_ms"] = cuda_time_ms(
+            lambda q, kv, t, ln, c=ctx: paged_decode_attention(q, kv, t, ln, scale, max_seq_len=c),
+            inputs,
+        )
+        if batch * ctx <= 64 * 4096:  # the twin gathers the whole batch: keep it to what fits
+            row["torch_twin_ms"] = cuda_time_ms(
+                lambda q, kv, t, ln: paged_decode_attention_ref(q, kv, ln, t, scale), inputs[:1], 2, 5
+            )
+        if kv_dtype == torch.bfloat16:
+            kc = kv0[0, t0.long()].reshape(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            vc = kv0[1, t0.long()].reshape(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            kc, vc, qc = kc.contiguous(), vc.contiguous(), q0.unsqueeze(2)
+            row["sdpa_contiguous_ms"] = cuda_time_ms(
+                lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, enable_gqa=True),
+                [(qc, kc, vc)],
+            )
+            del kc, vc
+        if flashinfer is not None:
+            row["flashinfer_ms"] = bench_flashinfer(flashinfer, inputs, batch, ctx, device)
+        for key in [k for k in row if k.endswith("_ms")]:
+            gbps = min_bytes / (row[key] / 1e3)
+            row[key.replace("_ms", "_GBps")] = gbps / 1e9
+        row["triton_frac_of_copy_bw"] = min_bytes / (row["triton_ms"] / 1e3) / copy_bw
+        rows.append(row)
+        print_row(row)
+        del inputs
+        torch.cuda.empty_cache()
     return rows
 
 
