@@ -7,7 +7,9 @@ if __name__ != "pagoda.operator":  # pragma: no cover - only when the repository
     import sys as _sys
     import sysconfig as _sysconfig
 
-    _spec = _util.spec_from_file_location("operator", _os.path.join(_sysconfig.get_paths()["stdlib"], "operator.py"))
+    _spec = _util.spec_from_file_location(
+        "operator", _os.path.join(_sysconfig.get_paths()["stdlib"], "operator.py")
+    )
     _std = _util.module_from_spec(_spec)
     _sys.modules["operator"] = _std
     _spec.loader.exec_module(_std)

@@ -14,14 +14,26 @@ from pagoda.operator.runner import OperatorConfig, run
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagoda-operator", description=__doc__.splitlines()[0])
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)"
+    )
     ha = parser.add_mutually_exclusive_group()
     ha.add_argument("--standalone", action="store_true", help="no peering: for a single replica")
-    ha.add_argument("--peering", default="pagoda-operator", help="kopf peering name for HA (default %(default)s)")
-    parser.add_argument("--priority", type=int, default=0, help="peering priority; the highest replica is active")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint ('' to disable)")
-    parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 to disable)")
+    ha.add_argument(
+        "--peering", default="pagoda-operator", help="kopf peering name for HA (default %(default)s)"
+    )
+    parser.add_argument(
+        "--priority", type=int, default=0, help="peering priority; the highest replica is active"
+    )
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint ('' to disable)"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 to disable)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 

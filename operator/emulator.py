@@ -19,10 +19,10 @@ import itertools
 import uuid
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import enums, rendering
-
 from pagoda.operator.jsonpath import jsonpath_get
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -58,8 +58,31 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
+class _FastDispatch(kmock.RawHandler):
+    """Serve plain object reads and writes without walking kmock's reaction DSL.
+
+    kmock matches every request against every registered reaction, which costs tens of milliseconds per
+    request on a busy machine; with no reactions of our own, the answer is always the emulator's default
+    handler, so call it directly. Discovery and watch streams still take kmock's full path.
+    """
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        handler = None
+        if request.resource is not None and request.resource.plural is not None:
+            handler = {
+                enums.action.LIST: self._serve_list,
+                enums.action.FETCH: self._serve_fetch,
+                enums.action.CREATE: self._serve_create,
+                enums.action.UPDATE: self._serve_update,
+                enums.action.DELETE: self._serve_delete,
+            }.get(request.action)
+        if handler is None:
+            return await super()._handle(request)
+        return aiohttp.web.json_response(await handler(request))
+
+
 @attrs.define(kw_only=True)
-class PagodaEmulator(kmock.KubernetesEmulator):
+class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
     """The emulator plus object metadata, CRD registration and server-side Table printing."""
 
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
@@ -69,7 +92,10 @@ class PagodaEmulator(kmock.KubernetesEmulator):
         verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
         for resource, kind, namespaced, subresources in BUILTINS:
             self.resources[resource] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, verbs=verbs, subresources=subresources,
+                kind=kind,
+                namespaced=namespaced,
+                verbs=verbs,
+                subresources=subresources,
                 singular=kind.lower(),
             )
 
@@ -93,8 +119,12 @@ class PagodaEmulator(kmock.KubernetesEmulator):
                     patch_meta["resourceVersion"] = str(next(self._rv))
                     if key in self.objects and not self.objects[key].deleted and not request.subresource:
                         current = self.objects[key].raw
-                        if "spec" in data and _merge(current.get("spec"), data["spec"]) != current.get("spec"):
-                            patch_meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+                        if "spec" in data and _merge(current.get("spec"), data["spec"]) != current.get(
+                            "spec"
+                        ):
+                            patch_meta["generation"] = (
+                                int(current.get("metadata", {}).get("generation", 1)) + 1
+                            )
         return await super()._handle(request)
 
     def _register_crd(self, crd: dict[str, Any]) -> None:
@@ -102,14 +132,16 @@ class PagodaEmulator(kmock.KubernetesEmulator):
         names = spec.get("names", {})
         for version in spec.get("versions", []):
             subresources = set(version.get("subresources") or {})
-            self.resources[f"{spec.get('group')}/{version['name']}/{names.get('plural')}"] = kmock.ResourceInfo(
-                kind=names.get("kind"),
-                singular=names.get("singular"),
-                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
-                shortnames=set(names.get("shortNames") or []),
-                categories=set(names.get("categories") or []),
-                subresources=subresources,
-                verbs={"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"},
+            self.resources[f"{spec.get('group')}/{version['name']}/{names.get('plural')}"] = (
+                kmock.ResourceInfo(
+                    kind=names.get("kind"),
+                    singular=names.get("singular"),
+                    namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                    shortnames=set(names.get("shortNames") or []),
+                    categories=set(names.get("categories") or []),
+                    subresources=subresources,
+                    verbs={"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"},
+                )
             )
 
     async def _serve_version(self, request: rendering.Request) -> Any:
@@ -137,7 +169,10 @@ class PagodaEmulator(kmock.KubernetesEmulator):
     def _table(self, request: rendering.Request, items: list[dict[str, Any]]) -> dict[str, Any]:
         columns = self._printer_columns(request)
         definitions = [{"name": "Name", "type": "string", "format": "name", "description": "Name"}]
-        definitions += [{"name": c["name"], "type": c.get("type", "string"), "format": "", "description": ""} for c in columns]
+        definitions += [
+            {"name": c["name"], "type": c.get("type", "string"), "format": "", "description": ""}
+            for c in columns
+        ]
         definitions.append({"name": "Age", "type": "date", "format": "", "description": "Age"})
         rows = []
         for item in items:
@@ -147,7 +182,13 @@ class PagodaEmulator(kmock.KubernetesEmulator):
             cells.append(_age(meta.get("creationTimestamp")))
             partial = {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": meta}
             rows.append({"cells": cells, "object": partial})
-        return {"apiVersion": "meta.k8s.io/v1", "kind": "Table", "metadata": {}, "columnDefinitions": definitions, "rows": rows}
+        return {
+            "apiVersion": "meta.k8s.io/v1",
+            "kind": "Table",
+            "metadata": {},
+            "columnDefinitions": definitions,
+            "rows": rows,
+        }
 
     @staticmethod
     def _wants_table(request: rendering.Request) -> bool:
@@ -167,7 +208,9 @@ class PagodaEmulator(kmock.KubernetesEmulator):
 
     def writes(self, since: int = 0) -> list[rendering.Request]:
         """Write requests (POST, PUT, PATCH, DELETE) received from request number `since` on."""
-        return [r for r in list(self._requests)[since:] if str(r.method).upper().split(".")[-1] in WRITE_METHODS]
+        return [
+            r for r in list(self._requests)[since:] if str(r.method).upper().split(".")[-1] in WRITE_METHODS
+        ]
 
     @property
     def request_count(self) -> int:

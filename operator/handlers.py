@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-
 from pagoda.operator import render
 from pagoda.operator.discovery import NodeGPUs, node_gpus
 from pagoda.operator.kube import ApiError, Kube
@@ -101,8 +100,17 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         if state.reconciler is not None:
             state.reconciler.forget(namespace, name)
 
-    @kopf.on.event("apps", "v1", "statefulsets", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="statefulset", registry=registry)
-    async def statefulset(event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any) -> None:
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "statefulsets",
+        labels={render.LABEL_MANAGED: render.MANAGED_BY},
+        id="statefulset",
+        registry=registry,
+    )
+    async def statefulset(
+        event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any
+    ) -> None:
         owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
         if owner and event.get("type") is not None:
             await reconcile(namespace, owner, gpu_nodes)
@@ -114,7 +122,9 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
             state.inventory = inventory
             return
         state.inventory = inventory
-        log.info("GPU inventory changed (%d GPU nodes): re-planning every InferenceDeployment", len(inventory))
+        log.info(
+            "GPU inventory changed (%d GPU nodes): re-planning every InferenceDeployment", len(inventory)
+        )
         await replan_all(gpu_nodes)
 
     async def replan_all(index: Any) -> None:

@@ -42,7 +42,9 @@ class ApiError(Exception):
         return self.status in (409, 429) or self.status >= 500
 
 
-def object_path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+def object_path(
+    kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None
+) -> str:
     prefix, plural = RESOURCES[kind]
     path = f"/{prefix}/namespaces/{namespace}/{plural}" if namespace else f"/{prefix}/{plural}"
     if name:
@@ -109,7 +111,9 @@ class Kube:
     async def _call(self, method: str, path: str, *, json: Any = None, content_type: str | None = None,
                     params: dict[str, str] | None = None) -> dict[str, Any] | None:  # fmt: skip
         headers = {"Content-Type": content_type} if content_type else None
-        async with self._session.request(method, self.server + path, json=json, headers=headers, params=params) as resp:
+        async with self._session.request(
+            method, self.server + path, json=json, headers=headers, params=params
+        ) as resp:
             if resp.status == 404 and method == "GET":
                 return None
             body = await resp.text()

@@ -60,7 +60,9 @@ def model_shape(spec: InferenceSpec) -> ModelShape:
     """The model's shape: given in the spec, or known by name; otherwise the spec cannot be sized."""
     if spec.model.shape:
         try:
-            return shape_from_config(dict(spec.model.shape), name=spec.model.model_id, where="spec.model.shape")
+            return shape_from_config(
+                dict(spec.model.shape), name=spec.model.model_id, where="spec.model.shape"
+            )
         except SizingError as exc:
             raise SpecError("model.shape", str(exc), reason="InvalidModelShape") from None
     shape = well_known_shape(spec.model.model_id)
@@ -101,7 +103,11 @@ def _apply_overrides(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> Plan:
     e = spec.engine
     if e.kv_cache_dtype != "auto" and e.kv_cache_dtype != p.kv_cache_dtype:
         if gpu is None or not gpu.fp8:
-            where = "CPU pods" if gpu is None else f"{gpu.name} (compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]})"
+            where = (
+                "CPU pods"
+                if gpu is None
+                else f"{gpu.name} (compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]})"
+            )
             raise SpecError(
                 "engine.kvCacheDtype",
                 f"{e.kv_cache_dtype} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {where} has "
@@ -152,22 +158,36 @@ def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
     if spec.offload.host_bytes is not None:
         host = 0 if p.device == "cpu" else spec.offload.host_bytes
         reasons["kv_offload_host_bytes"] = (
-            "CPU pod: the KV cache already lives in host RAM" if p.device == "cpu" else "set by spec.offload.host.size"
+            "CPU pod: the KV cache already lives in host RAM"
+            if p.device == "cpu"
+            else "set by spec.offload.host.size"
         )
     if not spec.offload.nvme_enabled:
         reasons["kv_offload_disk_bytes"] = "spec.offload.nvme.enabled is false: no disk tier"
         reasons.pop("pvc_size", None)
-        return dataclasses.replace(p, kv_offload_host_bytes=host, kv_offload_disk_bytes=0, pvc_size="", reasons=reasons), None, 0
+        return (
+            dataclasses.replace(
+                p, kv_offload_host_bytes=host, kv_offload_disk_bytes=0, pvc_size="", reasons=reasons
+            ),
+            None,
+            0,
+        )
     if spec.offload.nvme_bytes is not None:
         pvc = spec.offload.nvme_bytes
         disk = int(pvc * DISK_FS_SHARE) // GiB * GiB
         reasons["pvc_size"] = "set by spec.offload.nvme.size"
-        reasons["kv_offload_disk_bytes"] = f"{DISK_FS_SHARE:.0%} of the {format_quantity(pvc)} volume, whole GiB"
+        reasons["kv_offload_disk_bytes"] = (
+            f"{DISK_FS_SHARE:.0%} of the {format_quantity(pvc)} volume, whole GiB"
+        )
     else:
         pvc = int(p.pvc_size.removesuffix("Gi")) * GiB
         disk = p.kv_offload_disk_bytes
     new = dataclasses.replace(
-        p, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=format_quantity(pvc), reasons=reasons
+        p,
+        kv_offload_host_bytes=host,
+        kv_offload_disk_bytes=disk,
+        pvc_size=format_quantity(pvc),
+        reasons=reasons,
     )
     return new, pvc, disk
 
@@ -215,7 +235,9 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
     failures: list[str] = []
     for pool in candidates:
         if pool.gpus_per_node < spec.gpu.count:
-            failures.append(f"{pool.product_label}: nodes have {pool.gpus_per_node} GPUs, spec.gpu.count is {spec.gpu.count}")
+            failures.append(
+                f"{pool.product_label}: nodes have {pool.gpus_per_node} GPUs, spec.gpu.count is {spec.gpu.count}"
+            )
             continue
         info = dataclasses.replace(pool.info, count=spec.gpu.count)
         try:
@@ -229,7 +251,12 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
                         reason="ModelTooLarge")  # fmt: skip
 
     # Most KV capacity wins (longest context x concurrency), then the label, for a stable choice.
-    plans.sort(key=lambda pp: (-pp[1].num_gpu_blocks * pp[1].block_size * pp[1].tensor_parallel_size, pp[0].product_label))
+    plans.sort(
+        key=lambda pp: (
+            -pp[1].num_gpu_blocks * pp[1].block_size * pp[1].tensor_parallel_size,
+            pp[0].product_label,
+        )
+    )
     pool, p = plans[0]
     if len(candidates) > 1:
         others = ", ".join(f"{q.product_label} ({pl.kv_capacity_tokens} tokens)" for q, pl in plans[1:])
@@ -242,4 +269,6 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
     p = _apply_overrides(spec, p, pool.info)
     p, nvme, disk = _offload(spec, p)
     info = dataclasses.replace(pool.info, count=spec.gpu.count)
-    return Decision(p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes)
+    return Decision(
+        p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes
+    )

@@ -109,7 +109,6 @@ class Reconciler:
 
     async def _reconcile(self, body: dict[str, Any], nodes: list[NodeGPUs]) -> Outcome:
         outcome = Outcome()
-        meta = body["metadata"]
         old_status = body.get("status") or {}
         try:
             spec = parse_spec(body.get("spec"))
@@ -134,7 +133,10 @@ class Reconciler:
         outcome.status = status
         old_plan = old_status.get("plan")
         await self._write_status(body, status, outcome)
-        if old_plan != status["plan"] or (old_status.get("gpu") or {}).get("product") != status["gpu"]["product"]:
+        if (
+            old_plan != status["plan"]
+            or (old_status.get("gpu") or {}).get("product") != status["gpu"]["product"]
+        ):
             p = decision.plan
             message = (
                 f"{decision.gpu_reason}; max_model_len {p.max_model_len}, kv_cache_dtype {p.kv_cache_dtype}, "
@@ -153,7 +155,11 @@ class Reconciler:
             return await self.kube.create(object_path(kind, meta["namespace"]), desired)
         live_hash = (live.get("metadata", {}).get("annotations") or {}).get(render.HASH_ANNOTATION)
         want_hash = meta["annotations"][render.HASH_ANNOTATION]
-        if live_hash == want_hash and is_subset(desired["spec"], live.get("spec")) and is_subset(meta, live.get("metadata")):
+        if (
+            live_hash == want_hash
+            and is_subset(desired["spec"], live.get("spec"))
+            and is_subset(meta, live.get("metadata"))
+        ):
             return live
         if kind == "StatefulSet" and any(
             not is_subset(desired["spec"].get(f), live.get("spec", {}).get(f)) for f in IMMUTABLE_STS
@@ -163,7 +169,10 @@ class Reconciler:
             await self.kube.delete(path, orphan=True)
             return await self.kube.create(object_path(kind, meta["namespace"]), desired)
         outcome.writes.append(f"patched {what}" + (" (drift)" if live_hash == want_hash else ""))
-        patch = {"metadata": {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}, "spec": desired["spec"]}
+        patch = {
+            "metadata": {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta},
+            "spec": desired["spec"],
+        }
         return await self.kube.merge_patch(path, patch)
 
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any], outcome: Outcome) -> None:
@@ -173,10 +182,13 @@ class Reconciler:
         meta = body["metadata"]
         outcome.writes.append("status")
         await self.kube.merge_patch(
-            object_path("InferenceDeployment", meta.get("namespace"), meta["name"], "status"), {"status": patch}
+            object_path("InferenceDeployment", meta.get("namespace"), meta["name"], "status"),
+            {"status": patch},
         )
 
-    async def event(self, body: dict[str, Any], kind: str, reason: str, message: str, outcome: Outcome) -> None:
+    async def event(
+        self, body: dict[str, Any], kind: str, reason: str, message: str, outcome: Outcome
+    ) -> None:
         """A Kubernetes Event on the InferenceDeployment (best effort: a lost Event never fails a reconcile)."""
         meta = body["metadata"]
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

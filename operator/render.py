@@ -51,7 +51,12 @@ def selector_string(name: str) -> str:
 
 
 def common_labels(name: str) -> dict[str, str]:
-    return {**selector_labels(name), LABEL_MANAGED: MANAGED_BY, LABEL_OWNER: name, "app.kubernetes.io/part-of": "pagoda"}
+    return {
+        **selector_labels(name),
+        LABEL_MANAGED: MANAGED_BY,
+        LABEL_OWNER: name,
+        "app.kubernetes.io/part-of": "pagoda",
+    }
 
 
 def _owner(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -105,7 +110,9 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         args += ["--revision", model.revision]
     plan = decision.plan
     args += plan.to_engine_args()
-    args.append("--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    args.append(
+        "--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
     if plan.kv_offload_disk_bytes:
         args += ["--kv-offload-disk-dir", KV_DIR]
     return args + list(spec.engine.extra_args)
@@ -155,7 +162,10 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         env.append({"name": "HF_HOME", "value": HF_CACHE_DIR})
         mounts.append({"name": "model-cache", "mountPath": HF_CACHE_DIR, "readOnly": True})
         volumes.append(
-            {"name": "model-cache", "persistentVolumeClaim": {"claimName": spec.model.cache_volume_claim, "readOnly": True}}
+            {
+                "name": "model-cache",
+                "persistentVolumeClaim": {"claimName": spec.model.cache_volume_claim, "readOnly": True},
+            }
         )
     elif spec.model.kind == "pvc":
         claim = spec.model.source[len("pvc://") :].split("/", 1)[0]
@@ -246,7 +256,9 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         sts_spec["volumeClaimTemplates"] = claim_templates
         # The disk tier outlives pod restarts (that is its point) but not the deployment.
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
-    return with_hash({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(body, name), "spec": sts_spec})
+    return with_hash(
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(body, name), "spec": sts_spec}
+    )
 
 
 def services(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -295,7 +307,9 @@ def service_monitor(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]
             "metadata": _metadata(body, name),
             "spec": {
                 "selector": {"matchLabels": {**selector_labels(name), "pagoda.dev/service": "client"}},
-                "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.service_monitor_interval}],
+                "endpoints": [
+                    {"port": "http", "path": "/metrics", "interval": spec.service_monitor_interval}
+                ],
             },
         }
     )

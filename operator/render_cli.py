@@ -12,7 +12,6 @@ import sys
 from typing import Any
 
 import yaml
-
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
 from pagoda.operator import render
 from pagoda.operator.discovery import GPUPool, node_gpus, pools
@@ -45,7 +44,9 @@ def _pools_for(args: argparse.Namespace, count: int, product: str) -> dict[str, 
     return {label: GPUPool(label, info, ["(rendered)"], per_node)}
 
 
-def render_document(body: dict[str, Any], available: dict[str, GPUPool], *, service_monitor: bool) -> tuple[Decision, list[dict]]:
+def render_document(
+    body: dict[str, Any], available: dict[str, GPUPool], *, service_monitor: bool
+) -> tuple[Decision, list[dict]]:
     """Decision and children for one InferenceDeployment body; raises SpecError when unservable."""
     spec = parse_spec(body.get("spec"))
     decision = decide(spec, available)
@@ -70,9 +71,13 @@ def _comment(decision: Decision, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda render", description=__doc__.splitlines()[0])
-    parser.add_argument("file", help="an InferenceDeployment YAML file (several documents allowed; - for stdin)")
+    parser.add_argument(
+        "file", help="an InferenceDeployment YAML file (several documents allowed; - for stdin)"
+    )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--nodes", help="a YAML file of Node objects (kubectl get nodes -o yaml) to plan against")
+    where.add_argument(
+        "--nodes", help="a YAML file of Node objects (kubectl get nodes -o yaml) to plan against"
+    )
     where.add_argument("--gpu", help="plan for this GPU (short name like H100 or a GFD product label)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --gpu (default 8)")
     parser.add_argument("--service-monitor", action="store_true", help="also render the ServiceMonitor")

@@ -6,7 +6,6 @@ import asyncio
 from dataclasses import dataclass, field
 
 import kopf
-
 from pagoda.operator.handlers import OperatorState, build_registry
 
 

@@ -102,7 +102,9 @@ class InferenceSpec:
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        limit = self.resources.get("limits", {}).get("memory") or self.resources.get("requests", {}).get("memory")
+        limit = self.resources.get("limits", {}).get("memory") or self.resources.get("requests", {}).get(
+            "memory"
+        )
         return parse_quantity(limit) if limit is not None else None
 
 
@@ -188,7 +190,9 @@ def parse_spec(spec: Any) -> InferenceSpec:
     util = engine.get("gpuMemoryUtilization")
     if util == "auto":
         util = None
-    if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
+    if util is not None and (
+        isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1
+    ):
         raise SpecError("engine.gpuMemoryUtilization", f"must be in (0, 1], got {util!r}")
     kv_dtype = engine.get("kvCacheDtype", "auto")
     if kv_dtype not in KV_DTYPES:

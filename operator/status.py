@@ -17,7 +17,9 @@ def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _conditions(old: list[dict[str, Any]] | None, new: dict[str, tuple[str, str, str]], generation: int | None) -> list[dict[str, Any]]:
+def _conditions(
+    old: list[dict[str, Any]] | None, new: dict[str, tuple[str, str, str]], generation: int | None
+) -> list[dict[str, Any]]:
     """Conditions in a fixed order; lastTransitionTime moves only when a condition's status does."""
     previous = {c.get("type"): c for c in old or [] if isinstance(c, dict)}
     out = []
@@ -30,7 +32,9 @@ def _conditions(old: list[dict[str, Any]] | None, new: dict[str, tuple[str, str,
             "status": status,
             "reason": reason,
             "message": message,
-            "lastTransitionTime": _now() if changed or not before.get("lastTransitionTime") else before["lastTransitionTime"],
+            "lastTransitionTime": _now()
+            if changed or not before.get("lastTransitionTime")
+            else before["lastTransitionTime"],
         }
         if generation is not None:
             cond["observedGeneration"] = generation
@@ -74,13 +78,25 @@ def ready_status(
     if ready >= want and updated >= want and rolled_out:
         progressing = ("False", "RolloutComplete", "every pod runs the current plan")
     else:
-        progressing = ("True", "RollingOut", f"{updated}/{want} pods updated to the current plan, {ready} ready")
+        progressing = (
+            "True",
+            "RollingOut",
+            f"{updated}/{want} pods updated to the current plan, {ready} ready",
+        )
     warnings = decision.plan.warnings
-    degraded = ("False", "AsPlanned", "the spec is served as planned" + (f" ({len(warnings)} warnings in status.plan)" if warnings else ""))
+    degraded = (
+        "False",
+        "AsPlanned",
+        "the spec is served as planned" + (f" ({len(warnings)} warnings in status.plan)" if warnings else ""),
+    )
     name, namespace = meta["name"], meta.get("namespace", "default")
     status = {
         "observedGeneration": generation,
-        "conditions": _conditions(old.get("conditions"), {"Ready": readiness, "Progressing": progressing, "Degraded": degraded}, generation),
+        "conditions": _conditions(
+            old.get("conditions"),
+            {"Ready": readiness, "Progressing": progressing, "Degraded": degraded},
+            generation,
+        ),
         "plan": decision.plan.to_dict(),
         "gpu": decision.status_gpu(spec.gpu.count),
         "replicas": current,
@@ -123,7 +139,11 @@ def merge_patch(old: Any, new: Any) -> Any:
         if key not in old:
             patch[key] = value
         elif old[key] != value:
-            patch[key] = merge_patch(old[key], value) if isinstance(value, dict) and isinstance(old[key], dict) else value
+            patch[key] = (
+                merge_patch(old[key], value)
+                if isinstance(value, dict) and isinstance(old[key], dict)
+                else value
+            )
     return patch
 
 

@@ -1,7 +1,6 @@
 """Test kit: kmock's emulator (with Pagoda's extension) as a cluster with GFD-labelled Nodes, and the operator
 running under kopf in the same event loop. For the tests and the benchmark; imports kmock (a dev dependency)."""
 
-
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +26,38 @@ STS = "apps/v1/statefulsets"
 
 # Labels as GPU Feature Discovery writes them (REFERENCE.md): product, memory in MiB, count, compute capability.
 GPU_NODES: dict[str, dict[str, str]] = {
-    "h100": {"product": "NVIDIA-H100-80GB-HBM3", "memory": "81559", "count": "8", "major": "9", "minor": "0", "family": "hopper"},
-    "l4": {"product": "NVIDIA-L4", "memory": "23034", "count": "4", "major": "8", "minor": "9", "family": "ada-lovelace"},
-    "a100": {"product": "NVIDIA-A100-SXM4-80GB", "memory": "81920", "count": "8", "major": "8", "minor": "0", "family": "ampere"},
-    "l40s": {"product": "NVIDIA-L40S", "memory": "46068", "count": "4", "major": "8", "minor": "9", "family": "ada-lovelace"},
+    "h100": {
+        "product": "NVIDIA-H100-80GB-HBM3",
+        "memory": "81559",
+        "count": "8",
+        "major": "9",
+        "minor": "0",
+        "family": "hopper",
+    },
+    "l4": {
+        "product": "NVIDIA-L4",
+        "memory": "23034",
+        "count": "4",
+        "major": "8",
+        "minor": "9",
+        "family": "ada-lovelace",
+    },
+    "a100": {
+        "product": "NVIDIA-A100-SXM4-80GB",
+        "memory": "81920",
+        "count": "8",
+        "major": "8",
+        "minor": "0",
+        "family": "ampere",
+    },
+    "l40s": {
+        "product": "NVIDIA-L40S",
+        "memory": "46068",
+        "count": "4",
+        "major": "8",
+        "minor": "9",
+        "family": "ada-lovelace",
+    },
 }
 
 
@@ -86,7 +113,9 @@ class Cluster:
     async def create(self, obj: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
         obj = copy.deepcopy(obj)
         obj["metadata"].setdefault("namespace", namespace)
-        return await self._call("POST", f"/apis/pagoda.dev/v1alpha1/namespaces/{namespace}/inferencedeployments", obj)
+        return await self._call(
+            "POST", f"/apis/pagoda.dev/v1alpha1/namespaces/{namespace}/inferencedeployments", obj
+        )
 
     async def patch(self, resource: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         group = "api/v1" if resource.startswith("v1/") else f"apis/{resource.rsplit('/', 1)[0]}"
@@ -136,7 +165,6 @@ class Cluster:
         return {}
 
 
-
 @contextlib.asynccontextmanager
 async def emulated_cluster() -> AsyncIterator[Cluster]:
     """An emulated API server on a free port with the InferenceDeployment CRD applied."""
@@ -153,7 +181,9 @@ async def running_operator(cluster: Cluster, **options: Any) -> AsyncIterator[as
     """The operator under kopf, in this event loop, talking HTTP to the emulator; stopped on exit."""
     config = OperatorConfig(
         standalone=True,
-        connection=kopf.ConnectionInfo(server=cluster.url, scheme="Bearer", token="test-token", insecure=True),
+        connection=kopf.ConnectionInfo(
+            server=cluster.url, scheme="Bearer", token="test-token", insecure=True
+        ),
         **options,
     )
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -166,5 +196,3 @@ async def running_operator(cluster: Cluster, **options: Any) -> AsyncIterator[as
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 20)
-
-

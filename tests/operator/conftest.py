@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-
 from pagoda.operator.testkit import Cluster, emulated_cluster
 
 

@@ -15,7 +15,6 @@ import socket
 import sys
 
 import pytest
-
 from pagoda.operator.testkit import CRD_FILE, EXAMPLES, INFD, STS, Cluster, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -38,22 +37,30 @@ current-context: emulator
 
 
 async def sh(*cmd: str, env: dict[str, str]) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
     out, _ = await proc.communicate()
     return proc.returncode, out.decode()
 
 
-async def test_kubectl_applies_the_crd_and_an_example_and_shows_printer_columns(cluster: Cluster, tmp_path) -> None:
+async def test_kubectl_applies_the_crd_and_an_example_and_shows_printer_columns(
+    cluster: Cluster, tmp_path
+) -> None:
     assert os.access(KUBECTL, os.X_OK), "kubectl missing: run `make install` (scripts/install_tools.sh)"
     env = {**os.environ, "KUBECONFIG": kubeconfig(tmp_path, cluster.url)}
     await cluster.add_node("gpu-l4-1", "l4")
     async with running_operator(cluster):
         rc, out = await sh(KUBECTL, "apply", "--validate=false", "-f", str(CRD_FILE), env=env)
         assert rc == 0, out
-        rc, out = await sh(KUBECTL, "apply", "--validate=false", "-f", str(EXAMPLES / "qwen2.5-7b-l4-fp8.yaml"), env=env)
+        rc, out = await sh(
+            KUBECTL, "apply", "--validate=false", "-f", str(EXAMPLES / "qwen2.5-7b-l4-fp8.yaml"), env=env
+        )
         assert rc == 0 and "inferencedeployment.pagoda.dev/qwen2-5-7b created" in out, out
         await cluster.wait_for(lambda: cluster.get(STS, "default", "qwen2-5-7b"), what="StatefulSet")
-        await cluster.wait_for(lambda: (cluster.get(INFD, "default", "qwen2-5-7b").get("status") or {}).get("plan"), what="plan")
+        await cluster.wait_for(
+            lambda: (cluster.get(INFD, "default", "qwen2-5-7b").get("status") or {}).get("plan"), what="plan"
+        )
         rc, out = await sh(KUBECTL, "get", "infd", env=env)
         await cluster.settle()
     assert rc == 0, out
@@ -80,8 +87,12 @@ async def test_pagoda_operator_process_reconciles_and_serves_metrics(cluster: Cl
     try:
         await cluster.create({"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceDeployment",
                               "metadata": {"name": "tiny"}, "spec": {"gpu": {"count": 0}}})  # fmt: skip
-        await cluster.wait_for(lambda: cluster.get(STS, "default", "tiny"), timeout=40, what="StatefulSet from the process")
-        await cluster.wait_for(lambda: (cluster.get(INFD, "default", "tiny").get("status") or {}).get("plan"), what="status")
+        await cluster.wait_for(
+            lambda: cluster.get(STS, "default", "tiny"), timeout=40, what="StatefulSet from the process"
+        )
+        await cluster.wait_for(
+            lambda: (cluster.get(INFD, "default", "tiny").get("status") or {}).get("plan"), what="status"
+        )
         await cluster.settle()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")

@@ -6,7 +6,6 @@ import copy
 from typing import Any
 
 import pytest
-
 from pagoda.operator import metrics
 from pagoda.operator.render import HASH_ANNOTATION, KV_DIR
 from pagoda.operator.testkit import INFD, STS, Cluster, example, running_operator
@@ -46,7 +45,9 @@ async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(clu
         for file in ("cpu-default-model.yaml", "llama-3.1-8b-h100-nvme.yaml", "llama-3.1-70b-h100x2-tp.yaml",
                      "qwen2.5-7b-l4-fp8.yaml"):  # fmt: skip
             await cluster.create(example(file))
-        cpu, l8b, l70b, qwen = [await wait_sts(cluster, n) for n in ("smollm2-cpu", "llama-3-1-8b", "llama-3-1-70b", "qwen2-5-7b")]
+        cpu, l8b, l70b, qwen = [
+            await wait_sts(cluster, n) for n in ("smollm2-cpu", "llama-3-1-8b", "llama-3-1-70b", "qwen2-5-7b")
+        ]
         await cluster.settle()
 
     # CPU, default model: no model argument, no GPU, KV sized from the memory limit.
@@ -89,7 +90,12 @@ async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(clu
     assert cluster.objects("monitoring.coreos.com/v1/servicemonitors") == []
     # The operator's own metrics saw it all.
     assert metrics.REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) >= 4
-    assert metrics.REGISTRY.get_sample_value("pagoda_operator_gpus_requested", {"product": "NVIDIA-H100-80GB-HBM3"}) >= 4
+    assert (
+        metrics.REGISTRY.get_sample_value(
+            "pagoda_operator_gpus_requested", {"product": "NVIDIA-H100-80GB-HBM3"}
+        )
+        >= 4
+    )
 
 
 async def test_h100_l4_and_a100_get_different_correct_plans(cluster: Cluster) -> None:
@@ -101,9 +107,17 @@ async def test_h100_l4_and_a100_get_different_correct_plans(cluster: Cluster) ->
         h100, l4, a100 = [await wait_sts(cluster, n) for n in ("on-h100", "on-l4", "on-a100")]
         await cluster.settle()
     selector = lambda s: s["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]  # noqa: E731
-    assert (selector(h100), selector(l4), selector(a100)) == ("NVIDIA-H100-80GB-HBM3", "NVIDIA-L4", "NVIDIA-A100-SXM4-80GB")
+    assert (selector(h100), selector(l4), selector(a100)) == (
+        "NVIDIA-H100-80GB-HBM3",
+        "NVIDIA-L4",
+        "NVIDIA-A100-SXM4-80GB",
+    )
     # FP8 only where the compute capability is 8.9 or newer.
-    assert (flag(h100, "--kv-cache-dtype"), flag(l4, "--kv-cache-dtype"), flag(a100, "--kv-cache-dtype")) == ("fp8", "fp8", "auto")
+    assert (flag(h100, "--kv-cache-dtype"), flag(l4, "--kv-cache-dtype"), flag(a100, "--kv-cache-dtype")) == (
+        "fp8",
+        "fp8",
+        "auto",
+    )
     plans = {n: cluster.get(INFD, "default", n)["status"]["plan"] for n in ("on-h100", "on-l4", "on-a100")}
     assert "below 8.9" in plans["on-a100"]["reasons"]["kv_cache_dtype"]
     blocks = {n: p["num_gpu_blocks"] for n, p in plans.items()}
@@ -111,18 +125,29 @@ async def test_h100_l4_and_a100_get_different_correct_plans(cluster: Cluster) ->
     assert len({flag(s, "--gpu-memory-utilization") for s in (h100, l4)}) == 2
 
 
-async def test_update_rolls_the_statefulset_and_an_unchanged_reconcile_writes_nothing(cluster: Cluster) -> None:
+async def test_update_rolls_the_statefulset_and_an_unchanged_reconcile_writes_nothing(
+    cluster: Cluster,
+) -> None:
     await cluster.add_node("gpu-h100-1", "h100")
     async with running_operator(cluster):
         await cluster.create(llama8b("chat", "H100"))
         await wait_sts(cluster, "chat")
         await cluster.settle()
-        await cluster.patch(INFD, "default", "chat", {"spec": {"replicas": 3, "engine": {"maxModelLen": 8192}}})
+        await cluster.patch(
+            INFD, "default", "chat", {"spec": {"replicas": 3, "engine": {"maxModelLen": 8192}}}
+        )
         await cluster.wait_for(
-            lambda: (s := cluster.get(STS, "default", "chat")) and s["spec"]["replicas"] == 3 and flag(s, "--max-model-len") == "8192",
+            lambda: (
+                (s := cluster.get(STS, "default", "chat"))
+                and s["spec"]["replicas"] == 3
+                and flag(s, "--max-model-len") == "8192"
+            ),
             what="the StatefulSet to follow the spec",
         )
-        await cluster.wait_for(lambda: cluster.get(INFD, "default", "chat")["status"].get("observedGeneration") == 2, what="status")
+        await cluster.wait_for(
+            lambda: cluster.get(INFD, "default", "chat")["status"].get("observedGeneration") == 2,
+            what="status",
+        )
         await cluster.settle()
         assert cluster.get(INFD, "default", "chat")["status"]["plan"]["max_model_len"] == 8192
     # A fresh operator reconciles everything it finds on start-up: with nothing changed, it must not write.
@@ -144,14 +169,22 @@ async def test_a_hand_edited_statefulset_is_put_back(cluster: Cluster) -> None:
         await cluster.settle()
         edited = copy.deepcopy(original["spec"]["template"]["spec"]["containers"])
         edited[0]["image"] = "example.com/not-pagoda:latest"
-        await cluster.patch(STS, "default", "chat", {"spec": {"replicas": 7, "template": {"spec": {"containers": edited}}}})
+        await cluster.patch(
+            STS, "default", "chat", {"spec": {"replicas": 7, "template": {"spec": {"containers": edited}}}}
+        )
         await cluster.wait_for(
-            lambda: (s := cluster.get(STS, "default", "chat"))["spec"]["replicas"] == 1
-            and s["spec"]["template"]["spec"]["containers"][0]["image"] == original["spec"]["template"]["spec"]["containers"][0]["image"],
+            lambda: (
+                (s := cluster.get(STS, "default", "chat"))["spec"]["replicas"] == 1
+                and s["spec"]["template"]["spec"]["containers"][0]["image"]
+                == original["spec"]["template"]["spec"]["containers"][0]["image"]
+            ),
             what="the StatefulSet to be restored",
         )
         restored = cluster.get(STS, "default", "chat")
-        assert restored["metadata"]["annotations"][HASH_ANNOTATION] == original["metadata"]["annotations"][HASH_ANNOTATION]
+        assert (
+            restored["metadata"]["annotations"][HASH_ANNOTATION]
+            == original["metadata"]["annotations"][HASH_ANNOTATION]
+        )
         await cluster.settle()
 
 
@@ -159,13 +192,21 @@ async def test_an_l40s_node_joining_replans_a_deployment_waiting_for_one(cluster
     await cluster.add_node("gpu-h100-1", "h100")
     async with running_operator(cluster):
         await cluster.create(llama8b("wants-l40s", "NVIDIA-L40S"))
-        await cluster.wait_for(lambda: cluster.condition("wants-l40s", "Ready").get("reason") == "NoMatchingNodes", what="NoMatchingNodes")
+        await cluster.wait_for(
+            lambda: cluster.condition("wants-l40s", "Ready").get("reason") == "NoMatchingNodes",
+            what="NoMatchingNodes",
+        )
         assert cluster.get(STS, "default", "wants-l40s") is None
-        assert any(e["type"] == "Warning" and e["reason"] == "NoMatchingNodes" for e in cluster.events("wants-l40s"))
+        assert any(
+            e["type"] == "Warning" and e["reason"] == "NoMatchingNodes" for e in cluster.events("wants-l40s")
+        )
         await cluster.add_node("gpu-l40s-1", "l40s")
         sts = await wait_sts(cluster, "wants-l40s")
         assert sts["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L40S"
-        await cluster.wait_for(lambda: cluster.condition("wants-l40s", "Degraded").get("status") == "False", what="Degraded=False")
+        await cluster.wait_for(
+            lambda: cluster.condition("wants-l40s", "Degraded").get("status") == "False",
+            what="Degraded=False",
+        )
         status = cluster.get(INFD, "default", "wants-l40s")["status"]
         assert status["gpu"]["product"] == "NVIDIA-L40S" and status["gpu"]["nodes"] == ["gpu-l40s-1"]
         await cluster.settle()
@@ -174,9 +215,21 @@ async def test_an_l40s_node_joining_replans_a_deployment_waiting_for_one(cluster
 INVALID = {
     "bad-source": ({"model": {"source": "s3://bucket/llama"}}, "InvalidModelSource"),
     "unknown-gpu": ({"gpu": {"product": "NVIDIA-Z9000", "count": 1}}, "UnknownGPUProduct"),
-    "too-large": ({"model": {"source": "hf://meta-llama/Llama-3.1-405B-Instruct"}, "gpu": {"product": "NVIDIA-L4", "count": 1}}, "ModelTooLarge"),
-    "fp8-on-a100": ({"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, "gpu": {"product": "A100-80GB", "count": 1},
-                     "engine": {"kvCacheDtype": "fp8"}}, "UnsupportedKVCacheDtype"),  # fmt: skip
+    "too-large": (
+        {
+            "model": {"source": "hf://meta-llama/Llama-3.1-405B-Instruct"},
+            "gpu": {"product": "NVIDIA-L4", "count": 1},
+        },
+        "ModelTooLarge",
+    ),
+    "fp8-on-a100": (
+        {
+            "model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct"},
+            "gpu": {"product": "A100-80GB", "count": 1},
+            "engine": {"kvCacheDtype": "fp8"},
+        },
+        "UnsupportedKVCacheDtype",
+    ),  # fmt: skip
     "unknown-model": ({"model": {"source": "pvc://models/my-finetune"}, "gpu": {"count": 1}}, "UnknownModel"),
 }
 
@@ -186,9 +239,19 @@ async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluste
     await cluster.add_node("gpu-a100-1", "a100")
     async with running_operator(cluster) as operator:
         for name, (spec, _) in INVALID.items():
-            await cluster.create({"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name}, "spec": spec})
+            await cluster.create(
+                {
+                    "apiVersion": "pagoda.dev/v1alpha1",
+                    "kind": "InferenceDeployment",
+                    "metadata": {"name": name},
+                    "spec": spec,
+                }
+            )
         for name, (_, reason) in INVALID.items():
-            await cluster.wait_for(lambda n=name, r=reason: cluster.condition(n, "Ready").get("reason") == r, what=f"{name}: {reason}")
+            await cluster.wait_for(
+                lambda n=name, r=reason: cluster.condition(n, "Ready").get("reason") == r,
+                what=f"{name}: {reason}",
+            )
             assert cluster.condition(name, "Ready")["status"] == "False"
             assert cluster.condition(name, "Degraded")["status"] == "True"
             assert "spec." in cluster.condition(name, "Ready")["message"]
@@ -205,4 +268,9 @@ async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluste
         await cluster.create(llama8b("fine", "NVIDIA-L4"))
         await wait_sts(cluster, "fine")
         await cluster.settle()
-    assert metrics.REGISTRY.get_sample_value("pagoda_operator_reconcile_errors_total", {"reason": "ModelTooLarge"}) >= 1
+    assert (
+        metrics.REGISTRY.get_sample_value(
+            "pagoda_operator_reconcile_errors_total", {"reason": "ModelTooLarge"}
+        )
+        >= 1
+    )

@@ -11,7 +11,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from pagoda.operator.discovery import node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.render import KV_DIR, children
@@ -76,7 +75,10 @@ def test_every_rendered_child_validates_against_kubernetes_schemas(name: str) ->
     assert kinds == ["Service", "Service", "PodDisruptionBudget", "ServiceMonitor", "StatefulSet"]
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":  # a Prometheus Operator CRD: not in the Kubernetes schemas
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["spec"]["endpoints"][0]["port"] == "http"
+            assert (
+                obj["apiVersion"] == "monitoring.coreos.com/v1"
+                and obj["spec"]["endpoints"][0]["port"] == "http"
+            )
             continue
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         owner = obj["metadata"]["ownerReferences"][0]
@@ -150,7 +152,9 @@ def test_render_cli_prints_children_and_plan(capsys: pytest.CaptureFixture[str])
 
 def test_render_cli_plans_against_a_nodes_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     nodes = tmp_path / "nodes.yaml"
-    nodes.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [node("a", "a100"), node("c", None)]}))
+    nodes.write_text(
+        yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [node("a", "a100"), node("c", None)]})
+    )
     cr = example("llama-3.1-8b-h100-nvme.yaml")
     del cr["spec"]["gpu"]["product"]  # let the operator choose from the nodes
     del cr["spec"]["workload"]
