@@ -78,7 +78,8 @@ def test_tokenizer_and_chat_template(default_dir):
 
 
 def test_logits_match_hf_from_the_same_directory(default_dir, ours, paged, caches):
-    """Prefill of a chat prompt, then decodes through the paged cache, against HF's full forward."""
+    """Prefill of a chat prompt, then greedy decodes through the paged cache; HF scores the same tokens in
+    one full forward, and every position's logits (and so every greedy choice) must agree."""
     model, cfg = ours
     tok = load_tokenizer(default_dir)
     prompt = tok.apply_chat_template(
@@ -87,24 +88,24 @@ def test_logits_match_hf_from_the_same_directory(default_dir, ours, paged, cache
         add_generation_prompt=True,
     )
     ids = tok(prompt).input_ids
+    n, new_tokens = len(ids), 8
+    batches = paged(num_blocks=16, block_size=16)
+    kv = caches(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim)
+    rows = [model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, batches.step([(0, 0, n)])))]
+    tokens = list(ids)
+    for _ in range(new_tokens):
+        tokens.append(int(rows[-1][-1].argmax()))
+        pos = len(tokens) - 1
+        meta = batches.step([(0, pos, 1)])
+        rows.append(model.compute_logits(model(torch.tensor(tokens[-1:]), torch.tensor([pos]), kv, meta)))
+    ours_logits = torch.cat(rows)  # logits for positions 0 .. n + new_tokens - 1
+    answer = tok.decode(tokens[n:])
+    assert "Paris" in answer, answer  # the conversion is right, not just consistent with HF
+
     hf = AutoModelForCausalLM.from_pretrained(
         str(default_dir), dtype=torch.float32, attn_implementation="eager"
     )
     with torch.no_grad():
-        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0]
-        ref = hf(greedy[None]).logits[0].float()
-    answer = tok.decode(greedy[len(ids) :])
-    assert "Paris" in answer, answer  # the conversion is right, not just consistent with HF
-
-    n = len(ids)
-    batches = paged(num_blocks=16, block_size=16)
-    kv = caches(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim)
-    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, batches.step([(0, 0, n)])))
-    torch.testing.assert_close(logits, ref[:n], atol=2e-3, rtol=1e-3)
-    ours_tokens = [int(logits[-1].argmax())]
-    for pos in range(n, len(greedy) - 1):
-        meta = batches.step([(0, pos, 1)])
-        step = model.compute_logits(model(greedy[pos : pos + 1], torch.tensor([pos]), kv, meta))
-        torch.testing.assert_close(step[0], ref[pos], atol=2e-3, rtol=1e-3)
-        ours_tokens.append(int(step[0].argmax()))
-    assert ours_tokens == greedy[n:].tolist()
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(ours_logits, ref, atol=2e-3, rtol=1e-3)
+    assert ref[n - 1 : -1].argmax(-1).tolist() == tokens[n:]
