@@ -24,6 +24,7 @@ from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, 
 from pagoda.engine.memory import cpu_kv_cache_bytes
 from pagoda.engine.model_runner import ModelRunner, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
+from pagoda.engine.offload import build_offload
 from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sampler import SamplingRow, sample
@@ -135,6 +136,11 @@ class LLMEngine:
             kv_dtype=kv_dtype,
             device=self.device,
         )
+        self.offload = build_offload(
+            config, self.kv, self.runner.kv_caches, identity=f"{self.fingerprint}|{kv_dtype}|{block_size}"
+        )
+        self.scheduler.offload = self.offload
+        self.scheduler.preemption_mode = config.preemption_mode
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -253,6 +259,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Finish queued disk-tier writes and release the tier's directory lock (idempotent)."""
+        if self.offload is not None:
+            self.offload.close()
+
     def add_stat_logger(self, logger: StatLogger) -> None:
         self.stat_loggers.append(logger)
 
@@ -267,6 +278,10 @@ class LLMEngine:
         )
         if sched.prefix_hits:
             it.cached_tokens_by_source["device"] = sched.prefix_hits
+        if self.offload is not None:
+            self.offload.save_evicted()  # before anything writes KV into the reused blocks
+            loaded, it.offload = self.offload.take_step_stats()
+            it.cached_tokens_by_source.update(loaded)
         if not sched.empty:
             outputs.extend(self._run(sched, it))
         it.finished_requests, self._pending_finished = self._pending_finished, []
@@ -423,6 +438,7 @@ class LLMEngine:
             num_blocks_total=kv.num_blocks,
             num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,
             num_blocks_cached=kv.num_cached_blocks,
+            offload=self.offload.snapshot() if self.offload is not None else {},
         )
 
     def _emit_stats(self, it: IterationStats) -> None:

@@ -112,6 +112,10 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.total_preemptions = 0
+        # Offload tiers (set by the engine): lower tiers extend prefix hits; "swap" pushes a preempted
+        # sequence's blocks to the host tier instead of leaving them to be recomputed.
+        self.offload = None  # pagoda.engine.offload.OffloadManager | None
+        self.preemption_mode = "recompute"
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -220,8 +224,10 @@ class Scheduler:
         if not seq.has_blocks:
             hit = self.kv.get_computed_tokens(seq.seq_id, seq.token_ids)
             seq.has_blocks = True
-            seq.num_computed_tokens = hit
             seq.prefix_lookup = (seq.num_tokens if self.kv.enable_prefix_caching else 0, hit)
+            if self.offload is not None:
+                hit += self.offload.load_prefix(seq.seq_id, seq.token_ids, hit)
+            seq.num_computed_tokens = hit
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
@@ -242,6 +248,8 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not req]
         self.running.remove(req)
         for seq in req.seqs:
+            if self.preemption_mode == "swap" and self.offload is not None and seq.has_blocks:
+                self.offload.swap_out(self.kv.get_block_table(seq.seq_id))
             self._free_seq(seq)
             seq.num_computed_tokens = 0
         req.status = SeqStatus.WAITING

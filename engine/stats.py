@@ -49,6 +49,8 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     num_prompt_tokens_per_new_request: list[int] = field(default_factory=list)
+    # Offload tiers, one step's worth: tier -> {"load_seconds": [...], "store_seconds": [...]}.
+    offload: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
 class StatLogger(Protocol):

@@ -141,6 +141,17 @@ class KVCacheManager:
         self.prefix_cache_hits += state.num_tokens
         return state.num_tokens
 
+    def append_loaded_blocks(self, seq_id: str, blocks: list[Block], hashes: list[BlockHash]) -> None:
+        """Extend ``seq_id``'s prefix hit with blocks loaded from an offload tier (each already cached under
+        its hash, one reference held for the sequence); ``hashes`` continue the chain of the hit."""
+        state = self._state(seq_id)
+        if state.num_tokens != len(state.blocks) * self.block_size or state.num_cached != len(state.blocks):
+            raise ValueError(f"seq_id {seq_id!r} has blocks beyond its prefix hit; load right after the lookup")
+        state.hashes = state.hashes[: len(state.blocks)] + list(hashes)
+        state.blocks.extend(blocks)
+        state.num_cached = len(state.blocks)
+        state.num_tokens = len(state.blocks) * self.block_size
+
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """The first ``num_computed_tokens`` of ``token_ids`` hold computed KV in ``seq_id``'s blocks:
         register each full block among them in the cache index (first holder of a hash wins)."""

@@ -1,0 +1,357 @@
+"""Disk tier: the base of the pagoda, one verified file per KV block on a local directory (the NVMe PVC).
+
+File ``<hash hex>.kv`` = ``MAGIC`` + u32 header length + JSON header + payload. The header names the
+layout version, the engine identity (model fingerprint, KV dtype, block size), the block's hash, shape,
+dtype, payload length and a BLAKE2b checksum of the payload; every read checks all of them, and anything
+that disagrees (or cannot be read) is a miss: the file is removed and ``verification_failures`` goes up.
+
+Writes never block the engine step: they run on one background thread, to a temporary name that is
+renamed into place, so a crash leaves either a whole block or a ``.tmp`` that the next start removes.
+Blocks queued but not yet written are served from memory. At start the directory is indexed by name,
+size and mtime only (no reads) so a restarted engine serves its old prefixes; leftovers beyond the
+budget are evicted oldest first. A ``flock`` on ``.lock`` keeps a second engine out of the directory.
+A directory that cannot be written (read-only, full) disables the tier with one warning; serving goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from pagoda.engine.kv_cache.hashing import BlockHash
+from pagoda.engine.offload.host_tier import tensor_bytes
+
+log = logging.getLogger("pagoda.engine.offload")
+
+MAGIC = b"PAGODAKV"
+LAYOUT_VERSION = 1
+SUFFIX = ".kv"
+_NAME = re.compile(r"^[0-9a-f]{64}\.kv$")
+_CHECKSUM_HEX = 32  # blake2b digest_size=16
+
+
+class DirectoryInUseError(RuntimeError):
+    """Another engine holds the lock on this disk-tier directory."""
+
+
+def _checksum(payload: bytes | memoryview) -> str:
+    return hashlib.blake2b(payload, digest_size=_CHECKSUM_HEX // 2).hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class DiskTier:
+    """A byte-budgeted LRU of block files. ``used_bytes`` never exceeds ``capacity_bytes``."""
+
+    name = "disk"
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, identity: str) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"kv_offload_disk_bytes must not be negative, got {capacity_bytes}")
+        self.directory = Path(directory)
+        self.capacity_bytes = int(capacity_bytes)
+        self.identity = identity
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file bytes, oldest first
+        self._pending: dict[BlockHash, torch.Tensor] = {}  # queued, not yet on disk
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock_file = None
+        self.used_bytes = 0
+        self.disabled_reason: str | None = None
+        self.evictions = 0
+        self.verification_failures = 0
+        self.write_errors = 0
+        self.store_bytes = 0
+        self.load_bytes = 0
+        self.store_seconds: list[float] = []  # drained by the manager each step
+        self._open()
+        self._worker = threading.Thread(target=self._run, name="pagoda-kv-disk", daemon=True)
+        self._worker.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- start-up -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(self.directory / ".lock", "a+")  # noqa: SIM115 - held for the tier's lifetime
+        except OSError as exc:
+            self._disable(f"cannot create {self.directory}: {exc}")
+            return
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise DirectoryInUseError(
+                f"kv_offload_disk_dir {str(self.directory)!r} is in use by another engine (its .lock is held); "
+                f"give each engine its own directory"
+            ) from None
+        self._lock_file = lock
+        probe = self.directory / f".probe-{os.getpid()}.tmp"
+        try:
+            probe.write_bytes(b"pagoda")
+            probe.unlink()
+        except OSError as exc:
+            self._disable(f"{self.directory} is not writable: {exc}")
+            return
+        self._index_existing()
+
+    def _index_existing(self) -> None:
+        """Index leftovers by name, size and mtime (no reads); evict oldest beyond the budget."""
+        found: list[tuple[float, BlockHash, int]] = []
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                if entry.name.endswith(".tmp"):
+                    _unlink(entry.path)  # an interrupted write
+                    continue
+                if not _NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime, BlockHash(bytes.fromhex(entry.name[:64])), st.st_size))
+        found.sort(key=lambda f: f[0])
+        for _, block_hash, size in found:
+            self._index[block_hash] = size
+            self.used_bytes += size
+        removed = 0
+        while self.used_bytes > self.capacity_bytes and self._index:
+            self._evict_oldest(now=True)
+            removed += 1
+        if found:
+            log.info(
+                "disk KV tier %s: %d blocks from a previous run (%d evicted to fit %d bytes)",
+                self.directory, len(self._index), removed, self.capacity_bytes,
+            )  # fmt: skip
+
+    def _disable(self, why: str) -> None:
+        if self.disabled_reason is None:
+            self.disabled_reason = why
+            log.warning("disk KV tier disabled, serving goes on without it: %s", why)
+        with self._lock:
+            self._index.clear()
+            self._pending.clear()
+            self.used_bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled_reason is None
+
+    # -- paths and format ------------------------------------------------------------------------------
+    def path_of(self, block_hash: BlockHash) -> Path:
+        return self.directory / (block_hash.hex() + SUFFIX)
+
+    def _header(self, block_hash: BlockHash, data: torch.Tensor, checksum: str) -> bytes:
+        meta = {
+            "layout": LAYOUT_VERSION,
+            "identity": self.identity,
+            "key": block_hash.hex(),
+            "shape": list(data.shape),
+            "dtype": _dtype_name(data.dtype),
+            "payload_bytes": tensor_bytes(data),
+            "checksum": checksum,
+        }
+        raw = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+        return MAGIC + struct.pack("<I", len(raw)) + raw
+
+    def file_size(self, block_hash: BlockHash, data: torch.Tensor) -> int:
+        return len(self._header(block_hash, data, "0" * _CHECKSUM_HEX)) + tensor_bytes(data)
+
+    # -- write path ------------------------------------------------------------------------------------
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def put(self, block_hash: BlockHash, data: torch.Tensor) -> bool:
+        """Queue ``data`` (a CPU tensor the tier may keep) for writing; False when it cannot be kept."""
+        if not self.enabled:
+            return False
+        size = self.file_size(block_hash, data)
+        if size > self.capacity_bytes:
+            return False
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+                return True
+            while self.used_bytes + size > self.capacity_bytes and self._index:
+                self._evict_oldest(now=False)
+            self._index[block_hash] = size
+            self.used_bytes += size
+            self._pending[block_hash] = data
+        self._jobs.put(("write", block_hash, data))
+        return True
+
+    def _evict_oldest(self, now: bool) -> None:
+        block_hash, size = self._index.popitem(last=False)
+        self.used_bytes -= size
+        self.evictions += 1
+        self._pending.pop(block_hash, None)
+        if now:
+            _unlink(self.path_of(block_hash))
+        else:
+            self._jobs.put(("delete", block_hash, None))
+
+    def _run(self) -> None:
+        while True:
+            job, block_hash, data = self._jobs.get()
+            try:
+                if job == "stop":
+                    return
+                if job == "delete":
+                    _unlink(self.path_of(block_hash))
+                elif job == "write":
+                    self._write(block_hash, data)
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, block_hash: BlockHash, data: torch.Tensor) -> None:
+        with self._lock:
+            if self._pending.get(block_hash) is not data:
+                return  # evicted (or the tier disabled) before its turn came
+        start = time.perf_counter()
+        payload = data.contiguous().view(torch.uint8).numpy().tobytes()
+        header = self._header(block_hash, data, _checksum(payload))
+        final = self.path_of(block_hash)
+        tmp = final.with_name(f"{final.name}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, final)
+        except OSError as exc:
+            _unlink(tmp)
+            self.write_errors += 1
+            why = (
+                "the disk is full"
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                else "a write failed"
+            )
+            self._disable(f"{why} in {self.directory}: {exc}")
+            return
+        with self._lock:
+            if self._pending.get(block_hash) is data:
+                del self._pending[block_hash]
+            self.store_bytes += len(header) + len(payload)
+            self.store_seconds.append(time.perf_counter() - start)
+
+    def flush(self) -> None:
+        """Wait until every queued write and delete is done (tests, benchmarks, shutdown)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and release the directory lock."""
+        if self._worker.is_alive():
+            self._jobs.put(("stop", None, None))
+            self._worker.join(timeout=30)
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # -- read path -------------------------------------------------------------------------------------
+    def get(self, block_hash: BlockHash, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The verified block, or None (a miss; a bad file is removed and counted)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if block_hash not in self._index:
+                return None
+            self._index.move_to_end(block_hash)
+            pending = self._pending.get(block_hash)
+        if pending is not None:
+            return pending
+        path = self.path_of(block_hash)
+        try:
+            raw = path.read_bytes()
+            data = self._verify(raw, block_hash, tuple(shape), dtype)
+        except (OSError, ValueError) as exc:
+            self._reject(block_hash, path, str(exc))
+            return None
+        self.load_bytes += len(raw)
+        return data
+
+    def _verify(
+        self, raw: bytes, block_hash: BlockHash, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 4:
+            raise ValueError("bad magic")
+        (hlen,) = struct.unpack_from("<I", raw, len(MAGIC))
+        start = len(MAGIC) + 4
+        try:
+            meta = json.loads(raw[start : start + hlen])
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"unreadable header: {exc}") from None
+        if not isinstance(meta, dict):
+            raise ValueError("unreadable header")
+        expect = {
+            "layout": LAYOUT_VERSION,
+            "identity": self.identity,
+            "key": block_hash.hex(),
+            "shape": list(shape),
+            "dtype": _dtype_name(dtype),
+        }
+        for field, want in expect.items():
+            if meta.get(field) != want:
+                raise ValueError(f"{field} is {meta.get(field)!r}, expected {want!r}")
+        payload = memoryview(raw)[start + hlen :]
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for dim in shape:
+            nbytes *= dim
+        if meta.get("payload_bytes") != nbytes or len(payload) != nbytes:
+            raise ValueError(f"payload has {len(payload)} bytes, expected {nbytes} (truncated?)")
+        if meta.get("checksum") != _checksum(payload):
+            raise ValueError("payload checksum mismatch")
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def _reject(self, block_hash: BlockHash, path: Path, why: str) -> None:
+        log.warning("disk KV tier: dropping %s (%s); it will be recomputed", path.name, why)
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self.used_bytes -= size
+            self.verification_failures += 1
+        _unlink(path)
+
+    # -- stats -----------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "bytes_used": float(self.used_bytes),
+            "bytes_capacity": float(self.capacity_bytes if self.enabled else 0),
+            "blocks": float(len(self._index)),
+            "load_bytes": float(self.load_bytes),
+            "store_bytes": float(self.store_bytes),
+            "evictions": float(self.evictions),
+            "verification_failures": float(self.verification_failures),
+        }
+
+    def take_store_seconds(self) -> list[float]:
+        with self._lock:
+            out, self.store_seconds = self.store_seconds, []
+        return out
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    tier = ref()
+    if tier is not None:
+        tier.close()
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
