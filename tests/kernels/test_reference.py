@@ -51,5 +51,6 @@ def test_cache_write_twin_round_trips_with_fp8_scales():
     slots = torch.tensor([0, 5, 6, 11, 2])
     reshape_and_cache_ref(k, v, cache, slots, k_scale=0.01, v_scale=0.004)
     back = cache.view(2, 12, 2, 16).float()
-    torch.testing.assert_close(back[0, slots] * 0.01, k.clamp(-4.48, 4.48), rtol=0.07, atol=1e-3)
-    torch.testing.assert_close(back[1, slots] * 0.004, v, rtol=0.07, atol=1e-3)
+    # within half an e4m3 step (1/16 relative), values past 448 x scale saturated rather than NaN
+    torch.testing.assert_close(back[0, slots] * 0.01, k.clamp(-4.48, 4.48), rtol=0.0625, atol=1e-3)
+    torch.testing.assert_close(back[1, slots] * 0.004, v.clamp(-1.792, 1.792), rtol=0.0625, atol=1e-3)
