@@ -91,6 +91,7 @@ class DiskTier:
             self.directory.mkdir(parents=True, exist_ok=True)
             lock = open(self.directory / ".lock", "a+")  # noqa: SIM115 - held for the tier's lifetime
         except OSError as exc:
+            self.write_errors += 1
             self._disable(f"cannot create {self.directory}: {exc}")
             return
         try:
@@ -107,6 +108,7 @@ class DiskTier:
             probe.write_bytes(b"pagoda")
             probe.unlink()
         except OSError as exc:
+            self.write_errors += 1
             self._disable(f"{self.directory} is not writable: {exc}")
             return
         self._index_existing()
@@ -336,6 +338,8 @@ class DiskTier:
             "store_bytes": float(self.store_bytes),
             "evictions": float(self.evictions),
             "verification_failures": float(self.verification_failures),
+            "write_errors": float(self.write_errors),
+            "disabled": float(not self.enabled),
         }
 
     def take_store_seconds(self) -> list[float]:

@@ -84,6 +84,11 @@ class HostTier:
             self.load_bytes += tensor_bytes(data)
             return data
 
+    def items(self) -> list[tuple[BlockHash, torch.Tensor]]:
+        """Oldest first (a copy of the list: safe to iterate while the tier changes)."""
+        with self._lock:
+            return list(self._blocks.items())
+
     def snapshot(self) -> dict[str, float]:
         return {
             "bytes_used": float(self.used_bytes),

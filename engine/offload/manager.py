@@ -243,6 +243,26 @@ class OffloadManager:
         if self.disk is not None:
             self.disk.flush()
 
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+    def close(self, persist: bool = True) -> None:
+        """Stop the disk writer. With ``persist``, first write the device's cached blocks and the host
+        tier down to disk, so a restart on the same directory serves every prefix this engine knew."""
+        if self.disk is None:
+            return
+        if persist and self.disk.enabled:
+            self.save_evicted()
+            pool = self.kv.block_pool
+            cached = [(bid, h) for h, bid in ((h, b.block_id) for h, b in pool.cached.items())]
+            todo = [
+                (bid, h)
+                for bid, h in cached
+                if h not in self.disk and (self.host is None or h not in self.host)
+            ]
+            for i in range(0, len(todo), 64):
+                part = todo[i : i + 64]
+                data = self._gather([bid for bid, _ in part])
+                for j, (_, block_hash) in enumerate(part):
+                    self.disk.put(block_hash, data[j])
+            if self.host is not None:
+                for block_hash, data in self.host.items():
+                    self.disk.put(block_hash, data)
+        self.disk.close()
