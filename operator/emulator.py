@@ -67,15 +67,24 @@ class _FastDispatch(kmock.RawHandler):
     """
 
     async def _handle(self, request: rendering.Request) -> Any:
-        handler = None
-        if request.resource is not None and request.resource.plural is not None:
-            handler = {
-                enums.action.LIST: self._serve_list,
-                enums.action.FETCH: self._serve_fetch,
-                enums.action.CREATE: self._serve_create,
-                enums.action.UPDATE: self._serve_update,
-                enums.action.DELETE: self._serve_delete,
-            }.get(request.action)
+        resource = request.resource
+        if resource is None or resource.plural is None or "as=Table" in request.headers.get("Accept", ""):
+            return await super()._handle(request)
+        if request.action in (enums.action.FETCH, enums.action.UPDATE, enums.action.CREATE):
+            # One dict lookup instead of kmock's scan over every stored object.
+            name = request.name
+            namespace = request.namespace
+            if request.action == enums.action.CREATE:
+                meta = (request.data or {}).get("metadata", {})
+                name, namespace = meta.get("name"), namespace or meta.get("namespace")
+            obj = self.objects._objects.get((resource, namespace, name))
+            if obj is None or (obj.deleted and request.action == enums.action.FETCH):
+                raise kmock.KubernetesObjectNotFoundError()
+            return aiohttp.web.json_response(obj.last.raw)
+        handler = {
+            enums.action.LIST: self._serve_list,
+            enums.action.DELETE: self._serve_delete,
+        }.get(request.action)
         if handler is None:
             return await super()._handle(request)
         return aiohttp.web.json_response(await handler(request))
