@@ -197,8 +197,12 @@ async def test_an_l40s_node_joining_replans_a_deployment_waiting_for_one(cluster
             what="NoMatchingNodes",
         )
         assert cluster.get(STS, "default", "wants-l40s") is None
-        assert any(
-            e["type"] == "Warning" and e["reason"] == "NoMatchingNodes" for e in cluster.events("wants-l40s")
+        await cluster.wait_for(
+            lambda: any(
+                e["type"] == "Warning" and e["reason"] == "NoMatchingNodes"
+                for e in cluster.events("wants-l40s")
+            ),
+            what="a NoMatchingNodes Event",
         )
         await cluster.add_node("gpu-l40s-1", "l40s")
         sts = await wait_sts(cluster, "wants-l40s")
