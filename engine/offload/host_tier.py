@@ -89,6 +89,14 @@ class HostTier:
         with self._lock:
             return list(self._blocks.items())
 
+    def pop_all(self) -> list[tuple[BlockHash, torch.Tensor]]:
+        """Empty the tier (no spill); oldest first."""
+        with self._lock:
+            out = list(self._blocks.items())
+            self._blocks.clear()
+            self.used_bytes = 0
+        return out
+
     def snapshot(self) -> dict[str, float]:
         return {
             "bytes_used": float(self.used_bytes),

@@ -243,6 +243,31 @@ class OffloadManager:
         if self.disk is not None:
             self.disk.flush()
 
+    def demote_cached(self, tier: str = "host") -> int:
+        """Move every unreferenced cached device block down to ``tier`` ("host", or "disk", which also
+        drains the host tier) and forget it on the device; returns the blocks moved. For benchmarks and
+        draining an idle engine; refused (0) while any block is in use."""
+        pool = self.kv.block_pool
+        if pool.num_used_blocks > 0:
+            return 0
+        target = self.host if tier == "host" else self.disk
+        if target is None:
+            raise ValueError(f"no {tier} tier is configured")
+        self.save_evicted()
+        todo = [(b.block_id, h) for h, b in pool.cached.items()]
+        for i in range(0, len(todo), 64):
+            part = todo[i : i + 64]
+            data = self._gather([bid for bid, _ in part])
+            for j, (_, block_hash) in enumerate(part):
+                target.put(block_hash, data[j])
+        if tier == "disk":
+            if self.host is not None:
+                for block_hash, data in self.host.pop_all():
+                    self.disk.put(block_hash, data)
+            self.disk.flush()
+        self.kv.reset_prefix_cache()
+        return len(todo)
+
     def close(self, persist: bool = True) -> None:
         """Stop the disk writer. With ``persist``, first write the device's cached blocks and the host
         tier down to disk, so a restart on the same directory serves every prefix this engine knew."""
