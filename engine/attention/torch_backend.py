@@ -174,8 +174,12 @@ class TorchAttentionBackend:
             out.index_copy_(0, plan.decode_rows, od)
 
         for i, p in enumerate(plan.prefills):
-            kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
-            kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)
+            if p.context_len == 0 and cache.kv.dtype == k.dtype:
+                # Nothing cached before this chunk and the cache holds exactly what was written: skip the gather.
+                kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
+            else:
+                kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
+                kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)
             qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
             if p.context_len == 0 and sliding_window is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
