@@ -75,6 +75,11 @@ class KVCacheManager:
         return self.num_used_blocks / self.num_blocks
 
     @property
+    def extra_key_bytes(self) -> bytes:
+        """The encoded extra keys, for hashing blocks the same way outside the manager."""
+        return self._extra
+
+    @property
     def num_seqs(self) -> int:
         return len(self._seqs)
 
@@ -145,8 +150,14 @@ class KVCacheManager:
         """Extend ``seq_id``'s prefix hit with blocks loaded from an offload tier (each already cached under
         its hash, one reference held for the sequence); ``hashes`` continue the chain of the hit."""
         state = self._state(seq_id)
+        if len(blocks) != len(hashes):
+            raise ValueError(
+                f"blocks and hashes must have the same length, got {len(blocks)} and {len(hashes)}"
+            )
         if state.num_tokens != len(state.blocks) * self.block_size or state.num_cached != len(state.blocks):
-            raise ValueError(f"seq_id {seq_id!r} has blocks beyond its prefix hit; load right after the lookup")
+            raise ValueError(
+                f"seq_id {seq_id!r} has blocks beyond its prefix hit; load right after the lookup"
+            )
         state.hashes = state.hashes[: len(state.blocks)] + list(hashes)
         state.blocks.extend(blocks)
         state.num_cached = len(state.blocks)

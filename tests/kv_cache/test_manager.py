@@ -322,3 +322,25 @@ def test_num_blocks_needed_counts_new_blocks_and_copies():
     assert m.num_blocks_needed("c", 7) == 1  # the copy
     assert m.num_blocks_needed("c", 13) == 3  # the copy and two new blocks
     assert m.num_blocks_needed("c", 6) == 0  # nothing new is written
+
+
+def test_blocks_loaded_from_a_lower_tier_extend_the_prefix_hit():
+    m = KVCacheManager(num_blocks=8, block_size=BS, extra_keys=("m",))
+    tokens = list(range(13))
+    hashes = hash_full_blocks(tokens, BS, m.extra_key_bytes)
+    run_prefill(m, "a", tokens[:5])  # only the first block is cached on the device
+    m.free("a")
+    assert m.get_computed_tokens("b", tokens) == 4
+    assert m.get_block_hashes("b")[:2] == hashes[:2]
+    loaded = [m.block_pool.insert_external(h) for h in hashes[1:3]]
+    assert all(b is not None and b.ref_cnt == 1 for b in loaded)
+    with pytest.raises(ValueError, match="same length"):
+        m.append_loaded_blocks("b", loaded, hashes[1:2])
+    m.append_loaded_blocks("b", loaded, hashes[1:3])
+    assert m.get_num_tokens("b") == 12 and len(m.get_block_table("b")) == 3
+    m.check_invariants()
+    assert m.allocate_slots("b", 13) and m.take_pending_copies() == []
+    m.cache_blocks("b", tokens, 13)
+    m.free("b")
+    assert m.find_cached_prefix(tokens + [1]) == 12
+    m.check_invariants()
