@@ -276,6 +276,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def save_partial(out: Path, rows: list[dict]) -> None:
+    """Runs finished so far, so an interrupted benchmark still leaves its numbers."""
+    (out / "bench_serve.partial.json").write_text(json.dumps(rows, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                     **summarize(results, duration),
                 }
             )
+            save_partial(args.out, rows)
             for c in args.concurrency:
                 results, duration = asyncio.run(run_load(url, mixed, c, f"mixed c={c} caching {tag}"))
                 rows.append(
@@ -337,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                         **summarize(results, duration),
                     }
                 )
+                save_partial(args.out, rows)
     finally:
         for proc, _ in servers.values():
             stop(proc)
