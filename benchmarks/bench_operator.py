@@ -79,20 +79,20 @@ async def throughput(cluster: Cluster, count: int) -> tuple[float, list[tuple[fl
 
     creating = asyncio.gather(*(create(n) for n in names))
     curve: list[tuple[float, int]] = []
+    pending = set(names)
     with tqdm(total=count, desc=f"reconcile {count}", unit="CR") as bar:
-        done = 0
-        while done < count:
-            await asyncio.sleep(0.1)
-            now = sum(
-                1 for n in names
+        while pending:
+            await asyncio.sleep(0.2)
+            finished = {
+                n for n in pending
                 if cluster.get(STS, "default", n) is not None
                 and ((cluster.get(INFD, "default", n) or {}).get("status") or {}).get("plan")
-            )  # fmt: skip
-            bar.update(now - done)
-            done = now
-            curve.append((time.perf_counter() - start, done))
+            }  # fmt: skip
+            pending -= finished
+            bar.update(len(finished))
+            curve.append((time.perf_counter() - start, count - len(pending)))
             if time.perf_counter() - start > 600:
-                raise TimeoutError(f"only {done}/{count} reconciled after 600 s")
+                raise TimeoutError(f"only {count - len(pending)}/{count} reconciled after 600 s")
     await creating
     return time.perf_counter() - start, curve
 

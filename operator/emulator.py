@@ -15,6 +15,7 @@ Test and benchmark helper only: it imports kmock, a dev dependency.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import uuid
 from typing import Any
@@ -226,10 +227,15 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         return len(self._requests)
 
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        key = (kmock.resource(resource), namespace, name)
+        key = (_resource(resource), namespace, name)
         if key not in self.objects or self.objects[key].deleted:
             return None
         return self.objects[key].raw
+
+
+@functools.lru_cache(maxsize=64)
+def _resource(text: str) -> kmock.resource:
+    return kmock.resource(text)
 
 
 def _age(timestamp: str | None) -> str:

@@ -10,6 +10,7 @@ kopf indexes the nodes before any handler runs, so the first reconcile already s
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,10 @@ class OperatorState:
     connection_used: kopf.ConnectionInfo | None = None  # what the login handler returned
     inventory: frozenset[NodeGPUs] | None = None
     namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    return {k: copy.deepcopy(v) for k, v in body.items()}
 
 
 def _nodes(index: Any) -> list[NodeGPUs]:
@@ -80,9 +85,9 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         gpus = node_gpus(dict(body))
         return {name: gpus} if gpus is not None else None
 
-    async def reconcile(namespace: str, name: str, index: Any) -> None:
+    async def reconcile(namespace: str, name: str, index: Any, body: dict[str, Any] | None = None) -> None:
         try:
-            await reconciler().reconcile(namespace, name, _nodes(index))
+            await reconciler().reconcile(namespace, name, _nodes(index), body)
         except ApiError as exc:
             if exc.transient:
                 raise _retry(exc) from None
@@ -91,8 +96,8 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     @kopf.on.resume(*CR, id="reconcile", backoff=10, registry=registry)
     @kopf.on.create(*CR, id="reconcile", backoff=10, registry=registry)
     @kopf.on.update(*CR, id="reconcile", backoff=10, registry=registry)
-    async def inference_deployment(namespace: str, name: str, gpu_nodes: Any, **_: Any) -> None:
-        await reconcile(namespace, name, gpu_nodes)
+    async def inference_deployment(namespace: str, name: str, body: kopf.Body, gpu_nodes: Any, **_: Any) -> None:
+        await reconcile(namespace, name, gpu_nodes, _plain(body))
 
     @kopf.on.delete(*CR, id="forget", registry=registry, optional=True)
     def forget(namespace: str, name: str, **_: Any) -> None:
@@ -111,7 +116,11 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     async def statefulset(
         event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any
     ) -> None:
-        owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
+        meta = body.get("metadata", {})
+        owner = (meta.get("labels") or {}).get(render.LABEL_OWNER)
+        if state.reconciler is not None and event.get("type") != "DELETED":
+            if state.reconciler.own_write(namespace, meta.get("name"), meta.get("resourceVersion")):
+                return  # the echo of our own write: nothing drifted
         if owner and event.get("type") is not None:
             await reconcile(namespace, owner, gpu_nodes)
 

@@ -53,6 +53,7 @@ class Reconciler:
         self._monitoring: tuple[bool, float] | None = None
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
         self.gpus: dict[tuple[str, str], tuple[str, int]] = {}
+        self._written: dict[tuple[str, str], str] = {}  # StatefulSet -> resourceVersion of our last write
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -73,12 +74,23 @@ class Reconciler:
             self._monitoring = (await self.kube.has_api("monitoring.coreos.com/v1"), now + MONITORING_TTL)
         return self._monitoring[0]
 
-    async def reconcile(self, namespace: str, name: str, nodes: Iterable[NodeGPUs]) -> Outcome | None:
-        """Bring one InferenceDeployment's children and status in line; None if it no longer exists."""
+    def own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
+        """Whether a StatefulSet event only echoes a write this operator made (nothing to correct)."""
+        return resource_version is not None and self._written.get((namespace, name)) == resource_version
+
+    async def reconcile(
+        self, namespace: str, name: str, nodes: Iterable[NodeGPUs], body: dict[str, Any] | None = None
+    ) -> Outcome | None:
+        """Bring one InferenceDeployment's children and status in line; None if it no longer exists.
+
+        `body` may be passed for an object never reconciled (no status yet); otherwise it is read fresh, as
+        another reconcile may have written its status since the caller saw it.
+        """
         async with self._lock((namespace, name)):
             started = time.perf_counter()
             try:
-                body = await self.kube.get(object_path("InferenceDeployment", namespace, name))
+                if body is None or body.get("status"):
+                    body = await self.kube.get(object_path("InferenceDeployment", namespace, name))
                 if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                     return None
                 outcome = await self._reconcile(body, list(nodes))
@@ -125,8 +137,9 @@ class Reconciler:
 
         monitor = await self.monitoring_available()
         sts_live = None
+        fresh = not old_status  # never reconciled: its children are most likely absent, create first
         for child in render.children(body, spec, decision, with_service_monitor=monitor):
-            live = await self._apply(child, outcome)
+            live = await self._apply(child, outcome, fresh=fresh)
             if child["kind"] == "StatefulSet":
                 sts_live = live
         status = ready_status(body, spec, decision, sts_live)
@@ -145,11 +158,28 @@ class Reconciler:
             await self.event(body, "Normal", "Planned", message, outcome)
         return outcome
 
-    async def _apply(self, desired: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+    async def _apply(self, desired: dict[str, Any], outcome: Outcome, *, fresh: bool = False) -> dict[str, Any]:
+        live = await self._apply_one(desired, outcome, fresh)
+        if desired["kind"] == "StatefulSet":
+            meta = desired["metadata"]
+            rv = (live.get("metadata") or {}).get("resourceVersion")
+            if rv is not None:
+                self._written[(meta["namespace"], meta["name"])] = rv
+        return live
+
+    async def _apply_one(self, desired: dict[str, Any], outcome: Outcome, fresh: bool) -> dict[str, Any]:
         kind, meta = desired["kind"], desired["metadata"]
         path = object_path(kind, meta["namespace"], meta["name"])
-        live = await self.kube.get(path)
         what = f"{kind} {meta['namespace']}/{meta['name']}"
+        if fresh:
+            try:
+                created = await self.kube.create(object_path(kind, meta["namespace"]), desired)
+                outcome.writes.append(f"created {what}")
+                return created
+            except ApiError as exc:
+                if exc.status != 409:  # 409: it exists after all, compare it below
+                    raise
+        live = await self.kube.get(path)
         if live is None:
             outcome.writes.append(f"created {what}")
             return await self.kube.create(object_path(kind, meta["namespace"]), desired)
