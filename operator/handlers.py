@@ -62,6 +62,7 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         settings.watching.client_timeout = 330
         settings.networking.error_backoffs = [1, 2, 5, 10, 20]
         settings.batching.worker_limit = 64
+        settings.batching.batch_window = 0.05  # kopf waits this long for more events on the same object
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -96,7 +97,9 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     @kopf.on.resume(*CR, id="reconcile", backoff=10, registry=registry)
     @kopf.on.create(*CR, id="reconcile", backoff=10, registry=registry)
     @kopf.on.update(*CR, id="reconcile", backoff=10, registry=registry)
-    async def inference_deployment(namespace: str, name: str, body: kopf.Body, gpu_nodes: Any, **_: Any) -> None:
+    async def inference_deployment(
+        namespace: str, name: str, body: kopf.Body, gpu_nodes: Any, **_: Any
+    ) -> None:
         await reconcile(namespace, name, gpu_nodes, _plain(body))
 
     @kopf.on.delete(*CR, id="forget", registry=registry, optional=True)

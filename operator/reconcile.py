@@ -158,7 +158,9 @@ class Reconciler:
             await self.event(body, "Normal", "Planned", message, outcome)
         return outcome
 
-    async def _apply(self, desired: dict[str, Any], outcome: Outcome, *, fresh: bool = False) -> dict[str, Any]:
+    async def _apply(
+        self, desired: dict[str, Any], outcome: Outcome, *, fresh: bool = False
+    ) -> dict[str, Any]:
         live = await self._apply_one(desired, outcome, fresh)
         if desired["kind"] == "StatefulSet":
             meta = desired["metadata"]
