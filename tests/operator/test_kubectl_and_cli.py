@@ -108,3 +108,21 @@ async def test_pagoda_operator_process_reconciles_and_serves_metrics(cluster: Cl
         proc.terminate()
         _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert b"Traceback" not in err, err.decode()[-3000:]
+
+
+async def test_pagoda_render_runs_through_the_pagoda_command_without_torch() -> None:
+    code = (
+        "import sys\n"
+        "from pagoda.engine.cli.main import main\n"
+        f"rc = main(['render', {str(EXAMPLES / 'llama-3.1-8b-h100-nvme.yaml')!r}])\n"
+        "import pagoda.operator.cli, pagoda.operator.handlers\n"
+        "assert 'torch' not in sys.modules, 'the operator imported torch'\n"
+        "raise SystemExit(rc)\n"
+    )
+    rc, out = await sh(sys.executable, "-c", code, env=dict(os.environ))
+    assert rc == 0, out
+    assert (
+        "kind: StatefulSet" in out
+        and "--kv-offload-disk-dir" in out
+        and "# InferenceDeployment llama-3-1-8b" in out
+    )

@@ -278,3 +278,37 @@ async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluste
         )
         >= 1
     )
+
+
+SERVICEMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor"},
+        "versions": [
+            {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {"type": "object"}}}
+        ],
+    },
+}
+
+
+async def test_a_servicemonitor_only_where_the_prometheus_operator_crd_exists(cluster: Cluster) -> None:
+    await cluster._call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", SERVICEMONITOR_CRD)
+    async with running_operator(cluster):
+        await cluster.create(example("cpu-default-model.yaml"))
+        monitor = await cluster.wait_for(
+            lambda: cluster.get("monitoring.coreos.com/v1/servicemonitors", "default", "smollm2-cpu"),
+            what="ServiceMonitor",
+        )
+        await cluster.settle()
+    assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "30s"}
+    service = cluster.get(SVC, "default", "smollm2-cpu")
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert all(service["metadata"]["labels"].get(k) == v for k, v in selected.items())
+    assert (
+        cluster.get(SVC, "default", "smollm2-cpu-headless")["metadata"]["labels"]["pagoda.dev/service"]
+        == "headless"
+    )
