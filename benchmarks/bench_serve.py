@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             shared = shared_prefix_workload(
                 pool, args.num_shared + 1, args.prefix_len, rng, args.shared_output
             )
-            mixed = mixed_workload(pool, args.num_mixed, rng, args.max_prompt, args.max_output)
+            # Fresh prompts per concurrency level: a repeat would hit the prefix cache of the previous pass.
+            mixed_sets = [
+                mixed_workload(pool, args.num_mixed, rng, args.max_prompt, args.max_output)
+                for _ in args.concurrency
+            ]
             tag = "on" if caching else "off"
             # One warm-up request (both servers): fills the cache where there is one, loads lazy paths everywhere.
             asyncio.run(run_load(url, shared[:1], 1, f"warm-up caching {tag}"))
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             save_partial(args.out, rows)
-            for c in args.concurrency:
+            for c, mixed in zip(args.concurrency, mixed_sets, strict=True):
                 results, duration = asyncio.run(run_load(url, mixed, c, f"mixed c={c} caching {tag}"))
                 rows.append(
                     {
