@@ -14,6 +14,7 @@ Test and benchmark helper only: it imports kmock, a dev dependency.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import functools
 import itertools
@@ -108,6 +109,32 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
                 subresources=subresources,
                 singular=kind.lower(),
             )
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock 0.8 cannot parse the cluster-wide namespace list (GET /api/v1/namespaces: its path parser
+        # fails and it answers 500, which kopf retries forever). Serve it here: the stored Namespaces, and a
+        # watch that stays open (namespaces come and go rarely in a test).
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
+            await raw_request.read()
+            if raw_request.query.get("watch") == "true":
+                response = aiohttp.web.StreamResponse()
+                await response.prepare(raw_request)
+                while True:
+                    await asyncio.sleep(3600)
+            items = [
+                obj.raw
+                for (res, _, _), obj in list(self.objects.items())
+                if res == "v1/namespaces" and not obj.deleted
+            ]
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "NamespaceList",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": items,
+                }
+            )
+        return await super().__call__(raw_request)
 
     async def _handle(self, request: rendering.Request) -> Any:
         if request.resource is not None and isinstance(request.data, dict):

@@ -312,3 +312,22 @@ async def test_a_servicemonitor_only_where_the_prometheus_operator_crd_exists(cl
         cluster.get(SVC, "default", "smollm2-cpu-headless")["metadata"]["labels"]["pagoda.dev/service"]
         == "headless"
     )
+
+
+async def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(cluster: Cluster) -> None:
+    # kmock 0.8 cannot take POST /api/v1/namespaces (nor GET, see the emulator): store them directly.
+    for ns in ("team-a", "default"):
+        cluster.emulator.objects["v1/namespaces", None, ns] = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": ns},
+        }
+    async with running_operator(cluster, namespaces=["team-a"]):
+        await cluster.create(example("cpu-default-model.yaml"), namespace="team-a")
+        await cluster.create(example("cpu-default-model.yaml"), namespace="default")
+        await cluster.wait_for(
+            lambda: cluster.get(STS, "team-a", "smollm2-cpu"), what="StatefulSet in team-a"
+        )
+        await cluster.settle()
+    assert cluster.get(STS, "default", "smollm2-cpu") is None
+    assert "status" not in cluster.get(INFD, "default", "smollm2-cpu")
