@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from pagoda.engine.kv_cache.hashing import hash_full_blocks
 from pagoda.engine.llm import LLM
 from pagoda.engine.offload.disk_tier import MAGIC
@@ -25,7 +24,7 @@ torch.set_num_threads(2)
 BLOCK = 46080 * 16  # bytes of one block of SmolLM2-135M in float32 (30 layers, 3 kv heads, 64)
 COMMON = dict(device="cpu", max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=10 * BLOCK)
 SHORT = SamplingParams(max_tokens=4, temperature=0)
-LONG = SamplingParams(max_tokens=28, temperature=0)  # 3 x (50 + 28) tokens need 15 blocks: preemption
+LONG = SamplingParams(max_tokens=40, temperature=0)  # 2 x (50 + 40) tokens need 12 of the 10 blocks
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each step aloud. "
@@ -71,7 +70,7 @@ def workload():
     assert len(ids) >= 8 * 50
     a = [ids[i * 50 : (i + 1) * 50] for i in range(4)]  # four prompts of three full blocks and a bit
     b = [ids[200 + i * 50 : 250 + i * 50] for i in range(4)]
-    swap = [ids[i * 50 + 7 : (i + 1) * 50 + 7] for i in range(3)]
+    swap = [ids[i * 50 + 7 : (i + 1) * 50 + 7] for i in range(2)]
     ref = {"a": run(llm, a), "b": run(llm, b), "swap": run(llm, swap, LONG)}
     assert tally.preemptions > 0, "the swap workload must force preemption"
     extra = llm.engine.kv.extra_keys
