@@ -23,7 +23,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ha = parser.add_mutually_exclusive_group()
     ha.add_argument("--standalone", action="store_true", help="no peering: for a single replica")
     ha.add_argument(
-        "--peering", default="pagoda-operator", help="kopf peering name for HA (default %(default)s)"
+        "--peering",
+        default=None,
+        help="kopf peering object for HA (the chart's: pagoda-operator), which must then exist; default: kopf's "
+        "'default' peering where its CRD is installed, standalone where not",
     )
     parser.add_argument(
         "--priority", type=int, default=0, help="peering priority; the highest replica is active"

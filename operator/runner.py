@@ -13,7 +13,7 @@ from pagoda.operator.handlers import OperatorState, build_registry
 class OperatorConfig:
     namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
     standalone: bool = False  # True: no peering (one replica); False: kopf peering for HA
-    peering_name: str = "pagoda-operator"
+    peering_name: str | None = None  # None: kopf's "default" peering if its CRD exists, else standalone
     priority: int = 0
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8081/healthz
     connection: kopf.ConnectionInfo | None = None  # fixed credentials; None = service account or kubeconfig
@@ -30,7 +30,7 @@ async def run(
     registry = build_registry(state)
     await kopf.operator(
         registry=registry,
-        standalone=config.standalone,
+        standalone=True if config.standalone else None,
         peering_name=None if config.standalone else config.peering_name,
         priority=config.priority,
         clusterwide=not config.namespaces,
