@@ -29,7 +29,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "'default' peering where its CRD is installed, standalone where not",
     )
     parser.add_argument(
-        "--priority", type=int, default=0, help="peering priority; the highest replica is active"
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest replica is active (default: random when peering, so replicas "
+        "never tie: kopf pauses every replica that shares the top priority)",
     )
     parser.add_argument(
         "--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint ('' to disable)"
@@ -39,6 +43,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
+
+
+def _default_priority(peering: str | None) -> int:
+    if peering is None:
+        return 0
+    import secrets
+
+    return secrets.randbelow(1_000_000) + 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=list(args.namespace),
         standalone=args.standalone,
         peering_name=args.peering,
-        priority=args.priority,
+        priority=args.priority if args.priority is not None else _default_priority(args.peering),
         liveness_endpoint=args.liveness or None,
     )
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from pagoda.operator.planning import Decision
@@ -33,6 +34,10 @@ DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-engine"
 
 
 def default_image() -> str:
+    """The engine image: $PAGODA_ENGINE_IMAGE (the chart sets it), else ours at this package's version."""
+    override = os.environ.get("PAGODA_ENGINE_IMAGE")
+    if override:
+        return override
     try:
         from importlib.metadata import version
 
@@ -307,6 +312,8 @@ def service_monitor(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]
             "metadata": _metadata(body, name),
             "spec": {
                 "selector": {"matchLabels": {**selector_labels(name), "pagoda.dev/service": "client"}},
+                # Dashboards and alerts select engine series by these pod labels.
+                "podTargetLabels": ["app.kubernetes.io/name", "app.kubernetes.io/instance"],
                 "endpoints": [
                     {"port": "http", "path": "/metrics", "interval": spec.service_monitor_interval}
                 ],
