@@ -284,7 +284,7 @@ class OpenAIServing:
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
             return gather.result()
-        except RequestFailedError as exc:
+        except (RequestFailedError, EngineDeadError) as exc:
             raise APIError(500, str(exc), code="engine_error") from exc
 
     # ------------------------------------------------------------ logprobs
@@ -420,7 +420,7 @@ class OpenAIServing:
                         "stop_reason": c.stop_reason if c.finish_reason else None,
                     }
                     yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
-        except RequestFailedError as exc:
+        except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
@@ -517,7 +517,7 @@ class OpenAIServing:
                         "stop_reason": c.stop_reason if c.finish_reason else None,
                     }
                     yield sse({**base, "choices": [choice], **extra})
-        except RequestFailedError as exc:
+        except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
