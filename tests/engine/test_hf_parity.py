@@ -40,19 +40,20 @@ TOL = 1e-3
 
 
 def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """HF generate(), greedy, returning the tokens and each step's log-probabilities."""
+    """Greedy decoding with the HF model's own forward and KV cache, no logits processors (EOS included,
+    as our side runs with ignore_eos); returns the tokens and each step's raw log-probabilities."""
+    ids = torch.tensor([prompt_ids])
+    past, tokens, logprobs = None, [], []
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    return tokens, [s[0].float().log_softmax(-1) for s in out.scores]
+        for _ in range(new_tokens):
+            out = model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = out.logits[0, -1].float().log_softmax(-1)
+            tok = int(lp.argmax())
+            tokens.append(tok)
+            logprobs.append(lp)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return tokens, logprobs
 
 
 def compare(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs) -> bool:
