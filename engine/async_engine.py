@@ -144,6 +144,9 @@ class AsyncEngine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # Only once the loop thread is gone: finish disk-tier writes and release its directory lock.
+            self.engine.close()
 
     @property
     def is_alive(self) -> bool:
