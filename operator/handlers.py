@@ -61,8 +61,7 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.networking.error_backoffs = [1, 2, 5, 10, 20]
-        settings.batching.worker_limit = 64
-        settings.batching.batch_window = 0.05  # kopf waits this long for more events on the same object
+        settings.queueing.worker_limit = 64
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
