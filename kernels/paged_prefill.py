@@ -14,7 +14,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.runtime import check_launchable, interpreting
+from pagoda.kernels.runtime import interpreting, prepare_attention
 
 
 @triton.jit
@@ -130,22 +130,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `reference.paged_prefill_attention_ref`."""
-    check_launchable(kv_cache, "kv_cache")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim must match and "
-            "num_heads must be a multiple of num_kv_heads"
-        )
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
+    q, out, num_heads, head_dim, block_size, num_kv_heads = prepare_attention(q, kv_cache, out)
     if seq_ids is None:
         seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
     n = seq_ids.shape[0]

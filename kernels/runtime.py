@@ -36,6 +36,30 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
 _INDEX_PATCHED = False
 
 
+def prepare_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Shared checks of the paged attention launchers; returns (q, out, num_heads, head_dim, block_size,
+    num_kv_heads) with q made contiguous in its last dim and out allocated if not given."""
+    check_launchable(kv_cache, "kv_cache")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim must match and "
+            "num_heads must be a multiple of num_kv_heads"
+        )
+    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    return q, out, num_heads, head_dim, block_size, num_kv_heads
+
+
 def _patch_interpreter_index() -> None:
     """Let the interpreter use a loaded scalar as a `range()` bound under NumPy >= 2.4.
 
