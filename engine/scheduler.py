@@ -143,9 +143,6 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.active_seqs) for r in self.running)
 
-    def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
-
     # ---- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
