@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import copy
 import pathlib
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -174,6 +175,50 @@ async def emulated_cluster() -> AsyncIterator[Cluster]:
             crd = yaml.safe_load(CRD_FILE.read_text())
             await c._call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
             yield c
+
+
+class ClusterThread:
+    """An emulated cluster on its own thread and event loop, for tests that drive real processes against it.
+
+    `populate(cluster)` adds nodes and objects before `with ClusterThread(populate) as c:` returns; `c.url`
+    is the API server's address.
+    """
+
+    def __init__(self, populate: Callable[[Cluster], Awaitable[None]]) -> None:
+        self.populate = populate
+        self.url: str | None = None
+        self.ready = threading.Event()
+        self.stop: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self.loop.run_until_complete(self._run())
+        except BaseException as exc:  # handed to the test in __enter__
+            self.error = exc
+            self.ready.set()
+
+    async def _run(self) -> None:
+        self.stop = asyncio.Event()
+        async with emulated_cluster() as cluster:
+            await self.populate(cluster)
+            self.url = cluster.url
+            self.ready.set()
+            await self.stop.wait()
+
+    def __enter__(self) -> ClusterThread:
+        self.thread.start()
+        assert self.ready.wait(60), "the emulated cluster never started"
+        if self.error:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stop is not None:
+            self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
 
 
 @contextlib.asynccontextmanager

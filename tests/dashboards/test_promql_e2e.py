@@ -8,12 +8,10 @@ engine pods in Kubernetes (namespace, pod, app_kubernetes_io_name, app_kubernete
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -101,52 +99,18 @@ def _load(base_url: str) -> None:
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) is not None
 
 
-class EmulatedCluster:
-    """kmock's emulated API server on a thread: GPU nodes and three InferenceDeployments, one unservable."""
+async def _populate(cluster) -> None:
+    """GPU nodes and three InferenceDeployments, one unservable."""
+    from pagoda.operator import testkit
 
-    def __init__(self) -> None:
-        self.url: str | None = None
-        self.ready = threading.Event()
-        self.stop: asyncio.Event | None = None
-        self.error: BaseException | None = None
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        try:
-            self.loop.run_until_complete(self._run())
-        except BaseException as exc:  # reported to the test
-            self.error = exc
-            self.ready.set()
-
-    async def _run(self) -> None:
-        from pagoda.operator import testkit
-
-        self.stop = asyncio.Event()
-        async with testkit.emulated_cluster() as cluster:
-            await cluster.add_node("gpu-h100-0", "h100")
-            await cluster.add_node("gpu-l4-0", "l4")
-            await cluster.create(testkit.example("llama-3.1-8b-h100-nvme.yaml"))
-            await cluster.create(testkit.example("qwen2.5-7b-l4-fp8.yaml"))
-            unservable = testkit.example("llama-3.1-70b-h100x2-tp.yaml")
-            unservable["metadata"]["name"] = "needs-b200"
-            unservable["spec"]["gpu"] = {"product": "B200", "count": 1}
-            await cluster.create(unservable)
-            self.url = cluster.url
-            self.ready.set()
-            await self.stop.wait()
-
-    def __enter__(self) -> EmulatedCluster:
-        self.thread.start()
-        assert self.ready.wait(60), "the emulated cluster never started"
-        if self.error:
-            raise self.error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.stop is not None:
-            self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(30)
+    await cluster.add_node("gpu-h100-0", "h100")
+    await cluster.add_node("gpu-l4-0", "l4")
+    await cluster.create(testkit.example("llama-3.1-8b-h100-nvme.yaml"))
+    await cluster.create(testkit.example("qwen2.5-7b-l4-fp8.yaml"))
+    unservable = testkit.example("llama-3.1-70b-h100x2-tp.yaml")
+    unservable["metadata"]["name"] = "needs-b200"
+    unservable["spec"]["gpu"] = {"product": "B200", "count": 1}
+    await cluster.create(unservable)
 
 
 def _kubeconfig(path: Path, server: str) -> Path:
@@ -178,7 +142,9 @@ def operator(tmp_path_factory, dash):
         f"--liveness=http://127.0.0.1:{health}/healthz",
     ]
     log = work / "operator.log"
-    with EmulatedCluster() as cluster:
+    from pagoda.operator import testkit
+
+    with testkit.ClusterThread(_populate) as cluster:
         env = dict(os.environ, KUBECONFIG=str(_kubeconfig(work / "kubeconfig", cluster.url)), POD_ID="op-0")
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -6,7 +6,6 @@ environment, with the same arguments the image (and, for the operator, the Helm 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -14,7 +13,6 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import tomllib
 import urllib.request
@@ -232,47 +230,12 @@ def test_operator_entrypoint_help():
         assert flag in proc.stdout, flag
 
 
-class _Cluster:
-    """kmock's emulated API server (with the CRD and a GPU node) on a thread, for the operator process."""
+async def _populate(cluster) -> None:
+    """A GPU node and one InferenceDeployment for the operator process to reconcile."""
+    from pagoda.operator import testkit
 
-    def __init__(self) -> None:
-        self.url: str | None = None
-        self.ready = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        self.stop: asyncio.Event | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        try:
-            self.loop.run_until_complete(self._run())
-        except BaseException as exc:
-            self.error = exc
-            self.ready.set()
-
-    async def _run(self) -> None:
-        from pagoda.operator import testkit
-
-        self.stop = asyncio.Event()
-        async with testkit.emulated_cluster() as cluster:
-            await cluster.add_node("gpu-l4-0", "l4")
-            await cluster.create(testkit.example("qwen2.5-7b-l4-fp8.yaml"))
-            self.url = cluster.url
-            self.cluster = cluster
-            self.ready.set()
-            await self.stop.wait()
-
-    def __enter__(self) -> _Cluster:
-        self.thread.start()
-        assert self.ready.wait(60), "the emulated cluster never started"
-        if self.error:
-            raise self.error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.stop is not None:
-            self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(30)
+    await cluster.add_node("gpu-l4-0", "l4")
+    await cluster.create(testkit.example("qwen2.5-7b-l4-fp8.yaml"))
 
 
 def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
@@ -286,7 +249,9 @@ def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
     }
     args = [next((new for old, new in replace.items() if a.startswith(old)), a) for a in args]
     assert set(replace) <= {a.split("=")[0] + "=" for a in args}, args
-    with _Cluster() as cluster:
+    from pagoda.operator import testkit
+
+    with testkit.ClusterThread(_populate) as cluster:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
             yaml.safe_dump(
