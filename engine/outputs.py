@@ -1,4 +1,12 @@
-"""What the engine hands back for a request: cumulative, so a stream takes deltas by length."""
+"""What the engine hands back for a request.
+
+`LLMEngine.step()` returns deltas: each CompletionOutput carries only the tokens, text and logprobs that
+sequence produced in that step (a sequence that did not progress is left out), plus its running
+`cumulative_logprob` and `finish_reason`. `RequestOutput.add` folds a later delta into an earlier output,
+so a consumer that wants whole outputs (``LLM.generate``, a non-streaming response, a slow stream reader
+coalescing what it has not read yet) keeps one object per request and the engine never copies a
+request's whole output per step.
+"""
 
 from __future__ import annotations
 
@@ -50,3 +58,33 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold the delta ``later`` (same request, a later step) into this output, in place."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            mine = by_index.get(new.index)
+            if mine is None:
+                mine = CompletionOutput(
+                    index=new.index,
+                    text="",
+                    token_ids=[],
+                    logprobs=[] if new.logprobs is not None else None,
+                )
+                self.outputs.append(mine)
+                by_index[new.index] = mine
+            mine.text += new.text
+            mine.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if mine.logprobs is None:
+                    mine.logprobs = []
+                mine.logprobs.extend(new.logprobs)
+            mine.cumulative_logprob = new.cumulative_logprob
+            mine.finish_reason = new.finish_reason
+            mine.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        if later.metrics is not None:
+            self.metrics = later.metrics
+        self.extra.update(later.extra)

@@ -4,19 +4,23 @@ The scheduler drives it in this order for a sequence:
 
 1. ``get_computed_tokens`` once when the sequence (re)starts: the cached prefix becomes its first blocks;
 2. before each step ``allocate_slots(seq, total_tokens_after_the_step)``; the tokens from the previous total
-   up to the new one are the ones the step writes, and a shared block among them is copied first
-   (``take_pending_copies`` hands the copies to the model runner, to run in order before the forward);
+   up to the new one are the ones the step writes, and a shared block among them is copied first;
 3. after each step ``cache_blocks(seq, token_ids, num_computed_tokens)`` registers the blocks that became full;
 4. ``fork`` for extra samples (n > 1), ``free`` when the sequence finishes, is aborted or preempted.
+
+Every device-cache write that is not a forward (copy-on-write copies, saves of evicted blocks down a tier,
+loads from a tier) is recorded in one ordered log, ``take_ops`` hands it to the model runner with the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from pagoda.engine.kv_cache.block_pool import Block, BlockPool, EvictHook
 from pagoda.engine.kv_cache.hashing import BlockHash, encode_extra_keys, hash_block_tokens, hash_full_blocks
+from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, KVOpLog, LoadBlock, SaveBlock
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -41,7 +45,10 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         extra_keys: tuple[str, ...] = (),
         on_evict: EvictHook | None = None,
+        should_save: Callable[[BlockHash], bool] | None = None,
     ) -> None:
+        """``on_evict`` observes every eviction; ``should_save(hash)`` says whether an evicted block's KV
+        goes down a tier (a SaveBlock op, ordered before anything that reuses the block)."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
@@ -49,9 +56,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = tuple(extra_keys)
         self._extra = encode_extra_keys(self.extra_keys)
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, on_evict)
+        self._observer = on_evict
+        self._should_save = should_save
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, self._on_evict)
         self._seqs: dict[str, _SeqState] = {}
-        self._pending_copies: list[tuple[int, int]] = []
+        self._ops = KVOpLog()
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
 
@@ -99,6 +108,12 @@ class KVCacheManager:
         """Chained hashes of the full blocks of ``seq_id`` known so far (for the offload tiers)."""
         state = self._seqs.get(seq_id)
         return [] if state is None else list(state.hashes)
+
+    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        if self._observer is not None:
+            self._observer(block_id, block_hash)
+        if self._should_save is not None and self._should_save(block_hash):
+            self._ops.append(SaveBlock(block_id, block_hash))
 
     # -- prefix cache -------------------------------------------------------------------------------------
     def _max_hit_blocks(self, num_tokens: int) -> int:
@@ -230,17 +245,49 @@ class KVCacheManager:
         fresh = self.block_pool.get_new_blocks(num_new + len(cow))
         for i, dst in zip(cow, fresh, strict=False):
             src = state.blocks[i]
-            self._pending_copies.append((src.block_id, dst.block_id))
+            self._ops.append(CopyBlock(src.block_id, dst.block_id))
             state.blocks[i] = dst
             self.block_pool.free_blocks([src])
         state.blocks.extend(fresh[len(cow) :])
         state.num_tokens = max(state.num_tokens, num_tokens)
         return True
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) block copies recorded since the last call; run them in this order before the forward."""
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+    def take_ops(self) -> list[KVOp]:
+        """Device-cache writes recorded since the last call; run them in this order before the forward."""
+        return self._ops.take()
+
+    @property
+    def num_pending_ops(self) -> int:
+        return len(self._ops)
+
+    def save_blocks(self, seq_id: str) -> list[SaveBlock]:
+        """Record saves of ``seq_id``'s cached full blocks (swap preemption), before it frees them."""
+        state = self._seqs.get(seq_id)
+        if state is None or self._should_save is None:
+            return []
+        saves = [
+            SaveBlock(b.block_id, b.block_hash)
+            for b in state.blocks[: state.num_cached]
+            if b.block_hash is not None and self._should_save(b.block_hash)
+        ]
+        for op in saves:
+            self._ops.append(op)
+        return saves
+
+    def load_blocks(self, seq_id: str, hashes: list[BlockHash], data: list[torch.Tensor]) -> int:
+        """Extend ``seq_id``'s prefix hit with KV from a lower tier: each block is allocated, registered under
+        its hash and filled by a LoadBlock op (ordered after the saves its allocation caused). Returns the
+        number of blocks loaded (fewer when the pool runs out)."""
+        blocks: list[Block] = []
+        for block_hash, tensor in zip(hashes, data, strict=True):
+            block = self.block_pool.insert_external(block_hash)
+            if block is None:
+                break
+            self._ops.append(LoadBlock(block.block_id, tensor))
+            blocks.append(block)
+        if blocks:
+            self.append_loaded_blocks(seq_id, blocks, hashes[: len(blocks)])
+        return len(blocks)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` shares all of ``parent_id``'s blocks; the first write into a shared block copies it."""
@@ -262,6 +309,7 @@ class KVCacheManager:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
+            self._ops.drop_copies_into({b.block_id for b in state.blocks if b.ref_cnt == 0})
 
     def _state(self, seq_id: str) -> _SeqState:
         state = self._seqs.get(seq_id)

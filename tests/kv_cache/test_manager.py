@@ -1,8 +1,13 @@
 import pytest
 from pagoda.engine.kv_cache.hashing import hash_full_blocks
 from pagoda.engine.kv_cache.manager import KVCacheManager
+from pagoda.engine.kv_cache.ops import CopyBlock, LoadBlock
 
 BS = 4
+
+
+def take_copies(m: KVCacheManager) -> list[tuple[int, int]]:
+    return [(op.src, op.dst) for op in m.take_ops() if isinstance(op, CopyBlock)]
 
 
 def run_prefill(m: KVCacheManager, seq: str, tokens: list[int]) -> int:
@@ -21,7 +26,7 @@ def snapshot(m: KVCacheManager, seqs: list[str]):
         dict(m.block_pool.cached),
         m.num_free_blocks,
         m.num_cached_blocks,
-        list(m._pending_copies),
+        m.num_pending_ops,
     )
 
 
@@ -44,7 +49,7 @@ def test_prefix_hit_across_sequences_with_the_same_prefix():
     assert [m.block_pool.blocks[i].ref_cnt for i in m.get_block_table("b")] == [2, 2]
     assert m.allocate_slots("b", 10)
     assert m.get_block_table("b")[2] not in m.get_block_table("a")
-    assert m.take_pending_copies() == []  # the shared blocks are full: never written, never copied
+    assert take_copies(m) == []  # the shared blocks are full: never written, never copied
     m.check_invariants()
 
 
@@ -129,12 +134,12 @@ def test_copy_on_write_after_fork():
     assert m.allocate_slots("c", 7)  # writes token 6 into the shared half-full block
     ct = m.get_block_table("c")
     assert ct[0] == pt[0] and ct[1] != pt[1]
-    assert m.take_pending_copies() == [(pt[1], ct[1])]
-    assert m.take_pending_copies() == []
+    assert take_copies(m) == [(pt[1], ct[1])]
+    assert take_copies(m) == []
     assert m.get_block_table("p") == pt
     assert m.block_pool.blocks[pt[1]].ref_cnt == 1 and m.block_pool.blocks[pt[0]].ref_cnt == 2
     assert m.allocate_slots("p", 7)  # the parent now owns its block alone: write in place
-    assert m.take_pending_copies() == [] and m.get_block_table("p") == pt
+    assert take_copies(m) == [] and m.get_block_table("p") == pt
     m.check_invariants()
     m.free("p")
     m.free("c")
@@ -147,7 +152,7 @@ def test_fork_on_a_block_boundary_needs_no_copy():
     run_prefill(m, "p", list(range(8)))
     m.fork("p", "c")
     assert m.allocate_slots("c", 9) and m.allocate_slots("p", 9)
-    assert m.take_pending_copies() == []
+    assert take_copies(m) == []
     assert m.get_block_table("c")[:2] == m.get_block_table("p")[:2]
     assert m.get_block_table("c")[2] != m.get_block_table("p")[2]
     m.check_invariants()
@@ -160,7 +165,7 @@ def test_many_forks_each_copy_once():
         m.fork("p", f"c{i}")
     for s in ["c0", "c1", "c2", "p"]:
         assert m.allocate_slots(s, 6)
-    copies = m.take_pending_copies()
+    copies = take_copies(m)
     src = m.get_block_table("p")[1]
     assert len(copies) == 3 and {c[0] for c in copies} == {src}
     assert len({c[1] for c in copies}) == 3
@@ -339,8 +344,46 @@ def test_blocks_loaded_from_a_lower_tier_extend_the_prefix_hit():
     m.append_loaded_blocks("b", loaded, hashes[1:3])
     assert m.get_num_tokens("b") == 12 and len(m.get_block_table("b")) == 3
     m.check_invariants()
-    assert m.allocate_slots("b", 13) and m.take_pending_copies() == []
+    assert m.allocate_slots("b", 13) and take_copies(m) == []
     m.cache_blocks("b", tokens, 13)
     m.free("b")
     assert m.find_cached_prefix(tokens + [1]) == 12
+    m.check_invariants()
+
+
+def test_freeing_a_copy_target_drops_its_pending_copy():
+    """A copy-on-write whose target block is freed before the copy ran must not run later: the block may
+    meanwhile hold other KV (e.g. loaded from a tier), which the stale copy would overwrite."""
+    m = KVCacheManager(num_blocks=8, block_size=BS)
+    run_prefill(m, "p", list(range(6)))
+    m.fork("p", "c")
+    assert m.allocate_slots("c", 7)  # records a copy into c's fresh block
+    assert m.num_pending_ops == 1
+    m.free("c")
+    assert m.take_ops() == []
+    m.check_invariants()
+
+
+def test_copy_then_free_then_load_into_the_same_block_keeps_the_loaded_kv():
+    """The ordering bug: a copy-on-write recorded for a block, the block freed (its sequence preempted in
+    the same schedule) and reused for a tier load. Applying the recorded ops in order must leave the
+    loaded KV in the block, never the stale copy."""
+    m = KVCacheManager(num_blocks=3, block_size=BS, should_save=lambda h: True)
+    run_prefill(m, "p", list(range(6)))  # one full block, one half-full block
+    m.take_ops()
+    m.fork("p", "c")
+    assert m.allocate_slots("c", 7)  # copy p's half-full block into the last free block
+    (copy,) = m._ops.ops
+    m.free("c")
+    other = hash_full_blocks(list(range(50, 54)), BS, m.extra_key_bytes)
+    m.get_computed_tokens("q", list(range(50, 55)))
+    assert m.load_blocks("q", other, ["loaded"]) == 1
+    assert m.get_block_table("q") == [copy.dst]  # the freed copy target was reused for the load
+    mem = {b: f"kv{b}" for b in range(3)}
+    for op in m.take_ops():
+        if isinstance(op, CopyBlock):
+            mem[op.dst] = mem[op.src]
+        elif isinstance(op, LoadBlock):
+            mem[op.block_id] = op.data
+    assert mem[copy.dst] == "loaded"
     m.check_invariants()

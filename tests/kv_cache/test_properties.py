@@ -3,6 +3,11 @@
 Every slot of the simulated cache holds the prefix that produced it (the KV at position p depends on
 tokens 0..p), so a wrong prefix hit, a missed copy-on-write, or a block reused while still referenced shows
 up as a sequence reading back KV that is not its own.
+
+Blocks also leave and re-enter the device through a simulated lower tier (an external writer): evicted
+cached blocks are saved, later sequences load their prefix from it. Device writes other than the forward
+(copies, saves, loads) are applied only when a step runs, in the order the manager recorded them, as the
+model runner does; the read-back check looks at the memory as it will be once the pending writes ran.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from dataclasses import dataclass, field
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from pagoda.engine.kv_cache.hashing import hash_full_blocks
 from pagoda.engine.kv_cache.manager import KVCacheManager
+from pagoda.engine.kv_cache.ops import CopyBlock, LoadBlock, SaveBlock
 
 TOKENS = st.integers(min_value=0, max_value=2)  # a tiny vocabulary: prefixes collide often
 
@@ -39,7 +46,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             enable_prefix_caching=prefix_caching,
             extra_keys=("test-model", "auto"),
             on_evict=lambda bid, bh: self.evicted.append(bid),
+            should_save=lambda bh: True,
         )
+        self.tier: dict[bytes, list[tuple[int, ...] | None]] = {}
         self.bs = block_size
         self.mem: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: dict[str, Seq] = {}
@@ -67,6 +76,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(self.m.get_block_table(seq_id)) == computed // self.bs
         self.seqs[seq_id] = Seq(list(tokens), computed, family)
 
+    def _simulate(self, ops, mem, tier) -> None:
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                mem[op.dst] = list(mem[op.src])
+            elif isinstance(op, SaveBlock):
+                tier[op.block_hash] = list(mem[op.block_id])
+            elif isinstance(op, LoadBlock):
+                mem[op.block_id] = list(op.data)
+
+    def _apply_ops(self) -> None:
+        """What the model runner does before a forward: the recorded writes, in order."""
+        self._simulate(self.m.take_ops(), self.mem, self.tier)
+
     def _state(self):
         return (
             {s: self.m.get_block_table(s) for s in self.seqs},
@@ -75,7 +97,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.m.num_free_blocks,
             self.m.num_cached_blocks,
             list(self.evicted),
-            list(self.m._pending_copies),
+            self.m.num_pending_ops,
         )
 
     # -- rules --------------------------------------------------------------------------------------------
@@ -101,8 +123,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not ok:
             assert self._state() == before, "a failed allocation changed something"
             return
-        for src, dst in self.m.take_pending_copies():
-            self.mem[dst] = list(self.mem[src])
+        self._apply_ops()
         table = self.m.get_block_table(seq_id)
         assert len(table) == -(-target // self.bs)
         for pos in range(seq.computed, target):
@@ -112,6 +133,28 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.mem[block.block_id][pos % self.bs] = tuple(seq.tokens[: pos + 1])
         seq.computed = target
         self.m.cache_blocks(seq_id, seq.tokens, seq.computed)
+
+    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=20))
+    def start_loading_from_tier(self, prompt: list[int]) -> None:
+        """A new sequence extends its device prefix hit with blocks from the lower tier (the offload path)."""
+        self.next_family += 1
+        seq_id = self._new_id()
+        self._start(seq_id, prompt, self.next_family)
+        seq = self.seqs[seq_id]
+        max_blocks = (len(prompt) - 1) // self.bs
+        hashes = hash_full_blocks(prompt, self.bs, self.m.extra_key_bytes)[:max_blocks]
+        first = seq.computed // self.bs
+        todo_hashes, todo_data = [], []
+        for block_hash in hashes[first:]:
+            if block_hash not in self.tier or self.m.block_pool.get_cached_block(block_hash) is not None:
+                break
+            todo_hashes.append(block_hash)
+            todo_data.append(list(self.tier[block_hash]))
+        if not todo_hashes or not self.m.enable_prefix_caching:
+            return
+        loaded = self.m.load_blocks(seq_id, todo_hashes, todo_data)
+        seq.computed += loaded * self.bs
+        assert len(self.m.get_block_table(seq_id)) == seq.computed // self.bs
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -211,10 +254,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def every_sequence_reads_back_its_own_kv(self) -> None:
         if not hasattr(self, "m"):
             return
+        mem = [list(b) for b in self.mem]
+        self._simulate(list(self.m._ops.ops), mem, dict(self.tier))
         for seq_id, seq in self.seqs.items():
             table = self.m.get_block_table(seq_id)
             for pos in range(seq.computed):
-                got = self.mem[table[pos // self.bs]][pos % self.bs]
+                got = mem[table[pos // self.bs]][pos % self.bs]
                 assert got == tuple(seq.tokens[: pos + 1]), f"{seq_id} reads wrong KV at position {pos}"
 
     def teardown(self) -> None:

@@ -1,0 +1,63 @@
+"""Writes to the device KV cache that are not a forward: copy-on-write copies, saves down a tier, loads.
+
+The scheduler records them while it plans a step, in the order the bookkeeping happened (a block evicted
+for reuse is saved before whatever is then copied or loaded into it); the model runner executes the list in
+that order before the step's forward, also when the step schedules no tokens. One ordered list is what
+keeps a stale copy from landing on top of a block that was since freed and reloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from pagoda.engine.kv_cache.hashing import BlockHash
+
+
+@dataclass(frozen=True)
+class CopyBlock:
+    """Copy-on-write: block ``dst`` gets the KV of block ``src`` (every layer, K and V)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class SaveBlock:
+    """Read block ``block_id`` (about to be reused, or swapped out) to the host, to store under its hash."""
+
+    block_id: int
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, eq=False)
+class LoadBlock:
+    """Write host KV ``data`` ([layers, 2, block_size, kv_heads, head_dim]) into block ``block_id``."""
+
+    block_id: int
+    data: torch.Tensor
+
+
+KVOp = CopyBlock | SaveBlock | LoadBlock
+
+
+@dataclass
+class KVOpLog:
+    """The ops recorded since the last ``take``, in order."""
+
+    ops: list[KVOp] = field(default_factory=list)
+
+    def append(self, op: KVOp) -> None:
+        self.ops.append(op)
+
+    def drop_copies_into(self, block_ids: set[int]) -> None:
+        """A freed block's pending copy-on-write is moot: nothing will read what it would have copied."""
+        if block_ids and self.ops:
+            self.ops = [op for op in self.ops if not (isinstance(op, CopyBlock) and op.dst in block_ids)]
+
+    def take(self) -> list[KVOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def __len__(self) -> int:
+        return len(self.ops)
