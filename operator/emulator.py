@@ -7,7 +7,10 @@ subclass adds what a real API server does and kubectl or the operator can observ
   names from `generateName` (kopf posts Events that way);
 - a CustomResourceDefinition, once created, makes its resource discoverable (`/apis/<group>/<version>`);
 - `Accept: application/json;as=Table` (what `kubectl get` asks for) answers a `meta.k8s.io/v1` Table
-  using the CRD's `additionalPrinterColumns`.
+  using the CRD's `additionalPrinterColumns`;
+- PUT (a full replace, which kmock does not serve): the stored object becomes the body, keeping what the
+  server owns (uid, creation time, status), and a `metadata.resourceVersion` that is not the current one
+  is refused with 409 Conflict, as a real API server does for an update.
 
 Test and benchmark helper only: it imports kmock, a dev dependency.
 """
@@ -15,6 +18,7 @@ Test and benchmark helper only: it imports kmock, a dev dependency.
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import functools
 import itertools
@@ -137,6 +141,8 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         return await super().__call__(raw_request)
 
     async def _handle(self, request: rendering.Request) -> Any:
+        if request.method == enums.method.PUT and request.resource is not None and request.name:
+            return aiohttp.web.json_response(await self._replace(request))
         if request.resource is not None and isinstance(request.data, dict):
             data = request.data
             meta = data.setdefault("metadata", {}) if request.action == enums.action.CREATE else None
@@ -163,6 +169,46 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
                                 int(current.get("metadata", {}).get("generation", 1)) + 1
                             )
         return await super()._handle(request)
+
+    async def _replace(self, request: rendering.Request) -> dict[str, Any]:
+        """PUT: replace the object (or its status), checking the resourceVersion the client last saw."""
+        data = request.data
+        if not isinstance(data, dict):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body must be an object")
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise kmock.KubernetesObjectNotFoundError()
+            current = copy.deepcopy(self.objects[key].raw)
+            old_meta = current.get("metadata", {})
+            meta = data.get("metadata") or {}
+            if meta.get("name", request.name) != request.name:
+                raise kmock.KubernetesError(
+                    status=400, reason="BadRequest", message="metadata.name does not match the URL"
+                )
+            wanted = meta.get("resourceVersion")
+            if wanted and wanted != old_meta.get("resourceVersion"):
+                raise kmock.KubernetesError(
+                    status=409,
+                    reason="Conflict",
+                    message=f"Operation cannot be fulfilled on {request.resource.plural} {request.name!r}: the "
+                    "object has been modified; please apply your changes to the latest version and try again",
+                )
+            if request.subresource == "status":
+                new = {**current, "status": data.get("status")}
+            else:
+                new = {k: v for k, v in data.items() if k != "status"}
+                if "status" in current:
+                    new["status"] = current["status"]
+                kept = ("uid", "creationTimestamp", "deletionTimestamp", "generation", "namespace", "name")
+                new["metadata"] = {**meta, **{k: old_meta[k] for k in kept if k in old_meta}}
+                if new.get("spec") != current.get("spec"):
+                    new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
+            new.setdefault("metadata", {})["resourceVersion"] = str(next(self._rv))
+            self.objects[key].create(new)
+            raw = self.objects[key].raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+            return raw
 
     def _register_crd(self, crd: dict[str, Any]) -> None:
         spec = crd.get("spec", {})

@@ -1,7 +1,8 @@
 """A small asyncio Kubernetes client: the handful of calls the reconciler makes, as JSON, over aiohttp.
 
 It uses the credentials kopf logged in with (kopf.ConnectionInfo), so the operator has one identity.
-Writes are JSON merge patches and plain creates: every API server (and kmock's emulator) speaks them.
+Children are written whole (create, or replace with the resourceVersion last read), so a key the operator
+stops rendering disappears; the status subresource takes JSON merge patches.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ class Kube:
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", path, json=body) or {}
+
+    async def replace(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT: the object becomes `body`; 409 when its metadata.resourceVersion is no longer current."""
+        return await self._call("PUT", path, json=body) or {}
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("PATCH", path, json=body, content_type="application/merge-patch+json") or {}

@@ -2,12 +2,16 @@
 when nothing changed.
 
 Reads are cheap, writes are not: every child is fetched and compared with what it should be (the hash
-annotation plus a field-by-field check that catches hand edits), and only a difference is written.
+annotation plus a field-by-field check that catches hand edits), and only a difference is written. A write
+replaces the whole child (PUT with the resourceVersion just read), never merges into it: a key the operator
+stops rendering (a GPU nodeSelector after a switch to CPU) must leave the live object, and a concurrent
+writer gets a 409 and a retry rather than a silent mix of both versions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Iterable
@@ -26,6 +30,10 @@ log = logging.getLogger("pagoda.operator")
 # StatefulSet fields the API server refuses to change: a change means delete (orphaning pods) and create.
 IMMUTABLE_STS = ("selector", "serviceName", "podManagementPolicy", "volumeClaimTemplates")
 MONITORING_TTL = 60.0
+# Maps the operator renders whole: a key someone adds there is drift (elsewhere the server adds defaults).
+OWNED_MAPS = (("spec", "template", "spec", "nodeSelector"),)
+# Fields the API server fills in and a replace must carry over (immutable once set).
+SERVER_FILLED = {"Service": ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy")}
 
 
 def is_subset(desired: Any, live: Any) -> bool:
@@ -35,6 +43,40 @@ def is_subset(desired: Any, live: Any) -> bool:
     if isinstance(desired, list):
         return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
     return desired == live
+
+
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj or None
+
+
+def in_sync(desired: dict[str, Any], live: dict[str, Any]) -> bool:
+    """Whether `live` is what the operator rendered: same hash, our values, no extra keys in maps we own."""
+    meta = desired["metadata"]
+    live_hash = (live.get("metadata", {}).get("annotations") or {}).get(render.HASH_ANNOTATION)
+    return (
+        live_hash == meta["annotations"][render.HASH_ANNOTATION]
+        and is_subset(desired["spec"], live.get("spec"))
+        and is_subset(meta, live.get("metadata"))
+        and all(_at(desired, path) == _at(live, path) for path in OWNED_MAPS)
+    )
+
+
+def replacement(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """`desired` as a whole replacement for `live`: with the resourceVersion read (a concurrent write then
+    fails with 409 instead of being lost), other controllers' finalizers and the fields the server filled."""
+    body = copy.deepcopy(desired)
+    live_meta = live.get("metadata") or {}
+    if live_meta.get("resourceVersion"):
+        body["metadata"]["resourceVersion"] = live_meta["resourceVersion"]
+    if live_meta.get("finalizers"):
+        body["metadata"]["finalizers"] = list(live_meta["finalizers"])
+    live_spec = live.get("spec") or {}
+    for key in SERVER_FILLED.get(desired["kind"], ()):
+        if key not in body["spec"] and key in live_spec:
+            body["spec"][key] = copy.deepcopy(live_spec[key])
+    return body
 
 
 @dataclass
@@ -185,14 +227,10 @@ class Reconciler:
         if live is None:
             outcome.writes.append(f"created {what}")
             return await self.kube.create(object_path(kind, meta["namespace"]), desired)
+        if in_sync(desired, live):
+            return live
         live_hash = (live.get("metadata", {}).get("annotations") or {}).get(render.HASH_ANNOTATION)
         want_hash = meta["annotations"][render.HASH_ANNOTATION]
-        if (
-            live_hash == want_hash
-            and is_subset(desired["spec"], live.get("spec"))
-            and is_subset(meta, live.get("metadata"))
-        ):
-            return live
         if kind == "StatefulSet" and any(
             not is_subset(desired["spec"].get(f), live.get("spec", {}).get(f)) for f in IMMUTABLE_STS
         ):
@@ -200,12 +238,8 @@ class Reconciler:
             outcome.writes.append(f"recreated {what} (immutable fields changed)")
             await self.kube.delete(path, orphan=True)
             return await self.kube.create(object_path(kind, meta["namespace"]), desired)
-        outcome.writes.append(f"patched {what}" + (" (drift)" if live_hash == want_hash else ""))
-        patch = {
-            "metadata": {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta},
-            "spec": desired["spec"],
-        }
-        return await self.kube.merge_patch(path, patch)
+        outcome.writes.append(f"replaced {what}" + (" (drift)" if live_hash == want_hash else ""))
+        return await self.kube.replace(path, replacement(desired, live))
 
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any], outcome: Outcome) -> None:
         patch = merge_patch(body.get("status") or {}, status)
