@@ -19,6 +19,7 @@ import kopf
 from pagoda.operator import render
 from pagoda.operator.discovery import NodeGPUs, node_gpus
 from pagoda.operator.kube import ApiError, Kube
+from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.reconcile import Reconciler
 
 log = logging.getLogger("pagoda.operator")
@@ -34,6 +35,7 @@ class OperatorState:
     connection_used: kopf.ConnectionInfo | None = None  # what the login handler returned
     inventory: frozenset[NodeGPUs] | None = None
     namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
+    metrics: OperatorMetrics = DEFAULT
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
 
     def reconciler() -> Reconciler:
         if state.reconciler is None:
-            state.reconciler = Reconciler(Kube.from_connection(state.connection_used))
+            state.reconciler = Reconciler(Kube.from_connection(state.connection_used), state.metrics)
         return state.reconciler
 
     @kopf.index("", "v1", "nodes", id="gpu_nodes", registry=registry)

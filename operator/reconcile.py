@@ -18,9 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.operator import metrics, render
+from pagoda.operator import render
 from pagoda.operator.discovery import NodeGPUs, pools
 from pagoda.operator.kube import ApiError, Kube, object_path
+from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.planning import decide
 from pagoda.operator.spec import SpecError, parse_spec
 from pagoda.operator.status import condition, error_status, merge_patch, ready_status
@@ -89,8 +90,9 @@ class Outcome:
 class Reconciler:
     """Reconciles InferenceDeployments; one at a time per object, any number of objects at once."""
 
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, metrics: OperatorMetrics = DEFAULT) -> None:
         self.kube = kube
+        self.metrics = metrics
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._monitoring: tuple[bool, float] | None = None
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
@@ -108,7 +110,7 @@ class Reconciler:
         self._locks.pop(key, None)
         self.conditions.pop(key, None)
         self.gpus.pop(key, None)
-        metrics.publish(self.conditions, self.gpus)
+        self.metrics.publish(self.conditions, self.gpus)
 
     async def monitoring_available(self) -> bool:
         now = time.monotonic()
@@ -137,18 +139,18 @@ class Reconciler:
                     return None
                 outcome = await self._reconcile(body, list(nodes))
             except ApiError as exc:
-                metrics.RECONCILES.labels("error").inc()
-                metrics.RECONCILE_ERRORS.labels(f"http_{exc.status}").inc()
+                self.metrics.reconciles.labels("error").inc()
+                self.metrics.reconcile_errors.labels(f"http_{exc.status}").inc()
                 raise
             except Exception as exc:
-                metrics.RECONCILES.labels("error").inc()
-                metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+                self.metrics.reconciles.labels("error").inc()
+                self.metrics.reconcile_errors.labels(type(exc).__name__).inc()
                 raise
             finally:
-                metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
-            metrics.RECONCILES.labels("success").inc()
+                self.metrics.reconcile_duration.observe(time.perf_counter() - started)
+            self.metrics.reconciles.labels("success").inc()
             if outcome.error is not None:
-                metrics.RECONCILE_ERRORS.labels(outcome.error.reason).inc()
+                self.metrics.reconcile_errors.labels(outcome.error.reason).inc()
             if outcome.status is not None:
                 key = (namespace, name)
                 self.conditions[key] = {c["type"]: c["status"] for c in outcome.status.get("conditions", [])}
@@ -158,7 +160,7 @@ class Reconciler:
                     self.gpus[key] = (gpu["product"], replicas * int(gpu.get("count") or 0))
                 else:
                     self.gpus.pop(key, None)
-                metrics.publish(self.conditions, self.gpus)
+                self.metrics.publish(self.conditions, self.gpus)
             return outcome
 
     async def _reconcile(self, body: dict[str, Any], nodes: list[NodeGPUs]) -> Outcome:

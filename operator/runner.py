@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import kopf
 from pagoda.operator.handlers import OperatorState, build_registry
+from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 
 
 @dataclass
@@ -17,6 +18,7 @@ class OperatorConfig:
     priority: int = 0
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8081/healthz
     connection: kopf.ConnectionInfo | None = None  # fixed credentials; None = service account or kubeconfig
+    metrics: OperatorMetrics = DEFAULT  # tests pass a fresh one to count only their own operator
 
 
 async def run(
@@ -26,7 +28,9 @@ async def run(
     ready_flag: asyncio.Event | None = None,
 ) -> OperatorState:
     """Run until `stop_flag` is set (or the operator is signalled); returns the state for inspection."""
-    state = OperatorState(connection=config.connection, namespaces=list(config.namespaces))
+    state = OperatorState(
+        connection=config.connection, namespaces=list(config.namespaces), metrics=config.metrics
+    )
     registry = build_registry(state)
     await kopf.operator(
         registry=registry,

@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 import pytest
-from pagoda.operator import metrics
+from pagoda.operator.metrics import OperatorMetrics
 from pagoda.operator.render import HASH_ANNOTATION, KV_DIR
 from pagoda.operator.testkit import INFD, STS, Cluster, example, running_operator
 
@@ -41,7 +41,8 @@ async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(clu
     await cluster.add_node("cpu-1", None)
     await cluster.add_node("gpu-h100-1", "h100")
     await cluster.add_node("gpu-l4-1", "l4")
-    async with running_operator(cluster):
+    m = OperatorMetrics()  # a registry only this operator writes to: its values are this test's alone
+    async with running_operator(cluster, metrics=m):
         for file in ("cpu-default-model.yaml", "llama-3.1-8b-h100-nvme.yaml", "llama-3.1-70b-h100x2-tp.yaml",
                      "qwen2.5-7b-l4-fp8.yaml"):  # fmt: skip
             await cluster.create(example(file))
@@ -88,14 +89,19 @@ async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(clu
     assert cluster.get(INFD, "default", "llama-3-1-8b")["status"]["gpu"]["nodes"] == ["gpu-h100-1"]
     # No Prometheus Operator in this cluster: no ServiceMonitor.
     assert cluster.objects("monitoring.coreos.com/v1/servicemonitors") == []
-    # The operator's own metrics saw it all.
-    assert metrics.REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) >= 4
-    assert (
-        metrics.REGISTRY.get_sample_value(
-            "pagoda_operator_gpus_requested", {"product": "NVIDIA-H100-80GB-HBM3"}
-        )
-        >= 4
-    )
+    # The operator's own metrics saw it all, and nothing else.
+    successes = m.value("pagoda_operator_reconciles_total", {"result": "success"})
+    assert successes >= 4  # each object once, plus no-op reconciles on StatefulSet events
+    assert m.value("pagoda_operator_reconciles_total", {"result": "error"}) == 0
+    assert m.value("pagoda_operator_reconcile_duration_seconds_count") == successes
+    # 8B: 2 replicas x 1 GPU, 70B: 1 replica x 2 GPUs; Qwen: 1 x 1 L4; the CPU pods request none.
+    assert m.value("pagoda_operator_gpus_requested", {"product": "NVIDIA-H100-80GB-HBM3"}) == 4
+    assert m.value("pagoda_operator_gpus_requested", {"product": "NVIDIA-L4"}) == 1
+    assert m.value("pagoda_operator_gpus_requested", {"product": "cpu"}) == 0
+    deployments = "pagoda_operator_inference_deployments"
+    assert m.value(deployments, {"condition": "Degraded", "status": "False"}) == 4
+    assert m.value(deployments, {"condition": "Ready", "status": "False"}) == 4  # no kubelet: not ready
+    assert m.value(deployments, {"condition": "Ready", "status": "True"}) == 0
 
 
 async def test_h100_l4_and_a100_get_different_correct_plans(cluster: Cluster) -> None:
@@ -241,7 +247,8 @@ INVALID = {
 async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluster: Cluster) -> None:
     await cluster.add_node("gpu-l4-1", "l4")
     await cluster.add_node("gpu-a100-1", "a100")
-    async with running_operator(cluster) as operator:
+    m = OperatorMetrics()
+    async with running_operator(cluster, metrics=m) as operator:
         for name, (spec, _) in INVALID.items():
             await cluster.create(
                 {
@@ -272,12 +279,12 @@ async def test_invalid_specs_get_a_condition_and_an_event_and_no_hot_loop(cluste
         await cluster.create(llama8b("fine", "NVIDIA-L4"))
         await wait_sts(cluster, "fine")
         await cluster.settle()
-    assert (
-        metrics.REGISTRY.get_sample_value(
-            "pagoda_operator_reconcile_errors_total", {"reason": "ModelTooLarge"}
-        )
-        >= 1
-    )
+    # One reconcile per invalid object, each counted under its reason; the valid one has no error.
+    for _, reason in INVALID.values():
+        assert m.value("pagoda_operator_reconcile_errors_total", {"reason": reason}) == 1, reason
+    deployments = "pagoda_operator_inference_deployments"
+    assert m.value(deployments, {"condition": "Degraded", "status": "True"}) == len(INVALID)
+    assert m.value(deployments, {"condition": "Degraded", "status": "False"}) == 1
 
 
 SERVICEMONITOR_CRD = {
