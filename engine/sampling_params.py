@@ -66,6 +66,24 @@ class SamplingParams:
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
 
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field when a token id lies outside [0, vocab_size).
+
+        The schema only bounds ids by int32; an id past the vocabulary would index past the logits inside
+        the engine step and fail every request in the batch, so it has to be refused at the door.
+        """
+        for name in ("stop_token_ids",):
+            ids = getattr(self, name) or []
+            bad = next(
+                (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
+                None,
+            )
+            if bad is not None:
+                raise ValueError(
+                    f"{name} contains {bad!r}, which is outside the vocabulary: token ids are integers "
+                    f"in [0, {vocab_size})"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -1,9 +1,19 @@
-"""Sampling: seeded reproducibility inside batches, n > 1, stop handling, logprobs, bad input."""
+"""Sampling: seeded reproducibility inside batches, n > 1, stop handling, logprobs, bad input, and what
+top-k / top-p / min-p actually keep (the sampler on known distributions, over many seeds)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
+import torch
 from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.sampler import SamplingRow, sample
+
+# A known next-token distribution over a 10-token vocabulary, most likely first.
+PROBS = [0.30, 0.25, 0.15, 0.10, 0.08, 0.05, 0.04, 0.02, 0.007, 0.003]
+DRAWS = 3000
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +146,85 @@ def test_prompt_longer_than_context(llm):
 def test_unknown_model_path():
     with pytest.raises(ValueError, match="/no/such/model"):
         LLM("/no/such/model", device="cpu")
+
+
+# ---------------------------------------------------------------- filters, on a known distribution
+
+
+def draw(params: SamplingParams, draws: int = DRAWS) -> Counter:
+    """Sample `draws` times from PROBS, one seed per row, and count the tokens drawn."""
+    logits = torch.tensor([math.log(p) for p in PROBS]).repeat(draws, 1)
+    rows = [
+        SamplingRow(params, [1], [], torch.Generator().manual_seed(seed), stop_ids=[])
+        for seed in range(draws)
+    ]
+    return Counter(sample(logits, rows).token_ids)
+
+
+def assert_draws_follow(counts: Counter, kept: list[int], temperature: float = 1.0) -> None:
+    """Only `kept` tokens appear, each of them does, at the renormalised probability (within 4 sigma)."""
+    assert set(counts) <= set(kept), f"sampled outside the kept set {kept}: {sorted(set(counts) - set(kept))}"
+    weights = {t: PROBS[t] ** (1.0 / temperature) for t in kept}
+    total = sum(weights.values())
+    n = sum(counts.values())
+    for t in kept:
+        p = weights[t] / total
+        sigma = math.sqrt(p * (1 - p) / n)
+        assert abs(counts[t] / n - p) <= 4 * sigma + 1e-9, (t, counts[t] / n, p)
+
+
+@pytest.mark.parametrize(("top_k", "kept"), [(1, [0]), (3, [0, 1, 2]), (5, [0, 1, 2, 3, 4])])
+def test_top_k_never_samples_outside_the_k_most_likely(top_k, kept):
+    assert_draws_follow(draw(SamplingParams(temperature=1.0, top_k=top_k)), kept)
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [
+        (0.29, [0]),  # the first token alone holds 0.30
+        (0.54, [0, 1]),  # 0.30 + 0.25 = 0.55 already reaches it: token 2 is outside the nucleus
+        (0.56, [0, 1, 2]),
+        (0.78, [0, 1, 2, 3]),  # 0.30 + 0.25 + 0.15 = 0.70 < 0.78, so token 3 is needed
+    ],
+)
+def test_top_p_never_samples_outside_the_nucleus(top_p, kept):
+    assert_draws_follow(draw(SamplingParams(temperature=1.0, top_p=top_p)), kept)
+
+
+@pytest.mark.parametrize(
+    ("min_p", "kept"),
+    [
+        (0.30, [0, 1, 2, 3]),  # threshold 0.09: 0.10 stays, 0.08 goes
+        (0.60, [0, 1]),  # threshold 0.18
+        (1.00, [0]),
+    ],
+)
+def test_min_p_never_samples_below_the_threshold(min_p, kept):
+    assert_draws_follow(draw(SamplingParams(temperature=1.0, min_p=min_p)), kept)
+
+
+def test_filters_compose_after_temperature():
+    # At temperature 0.5 the distribution sharpens to p^2 renormalised (0.09, 0.0625, 0.0225, ... over
+    # 0.196; over 0.191 once top_k=5 cut the tail): token 0 holds 0.47, tokens 0-1 hold 0.80, so top_p
+    # 0.75 keeps exactly {0, 1}; at temperature 1 it would keep {0, 1, 2, 3}.
+    counts = draw(SamplingParams(temperature=0.5, top_p=0.75, top_k=5))
+    assert_draws_follow(counts, [0, 1], temperature=0.5)
+    # top-k first, then top-p on what is left: with k = 2 the nucleus of 0.99 is still {0, 1}.
+    counts = draw(SamplingParams(temperature=1.0, top_k=2, top_p=0.99))
+    assert_draws_follow(counts, [0, 1])
+
+
+def test_unfiltered_sampling_reaches_the_tail():
+    counts = draw(SamplingParams(temperature=1.0), draws=6000)
+    assert_draws_follow(counts, list(range(10)))
+
+
+# ---------------------------------------------------------------- token ids outside the vocabulary
+
+
+@pytest.mark.parametrize("bad", [49152, 2**31 - 1, -1])
+def test_validate_token_ids_names_the_field(bad):
+    params = SamplingParams(stop_token_ids=[2, bad], min_tokens=1)
+    with pytest.raises(ValueError, match=r"^stop_token_ids contains .*\[0, 49152\)"):
+        params.validate_token_ids(49152)
+    SamplingParams(stop_token_ids=[0, 49151]).validate_token_ids(49152)  # the edges are fine
