@@ -232,8 +232,14 @@ class PrometheusStatLogger:
             ):
                 family.labels(**lb, tier=tier)
         self._offload_last: dict[tuple[str, str], float] = {}
-        # Sliding window for the hit ratio: (queries, hits, new requests) per step.
+        self._step_failures = counter(
+            "pagoda:engine_step_failures",
+            "Engine steps that raised; every request in the batch failed with them. Should stay 0.",
+        ).labels(**lb)
+        # Sliding window for the hit ratio: (queries, hits, new requests) per step with lookups.
         self._window: deque[tuple[int, int, int]] = deque()
+        self._window_queries = 0
+        self._window_hits = 0
         self._window_requests = 0
         self._window_size = hit_ratio_window
 
@@ -294,16 +300,35 @@ class PrometheusStatLogger:
             self.tpot.observe(fin.decode_time / (fin.num_generation_tokens - 1))
 
     def _update_hit_ratio(self, it: IterationStats) -> None:
+        """Hit ratio over the newest `hit_ratio_window` requests admitted (whole steps at the edge).
+
+        Steps that looked up tokens without admitting a new request (a preempted request coming back)
+        still count as entries, and the window never holds more than `hit_ratio_window` entries either,
+        so memory stays bounded and the gauge stays windowed whatever the producer reports.
+        """
         new_requests = len(it.num_prompt_tokens_per_new_request)
         if it.prefix_cache_queries == 0 and new_requests == 0:
             return
-        self._window.append((it.prefix_cache_queries, it.prefix_cache_hits, new_requests))
-        self._window_requests += new_requests
-        while len(self._window) > 1 and self._window_requests - self._window[0][2] >= self._window_size:
-            self._window_requests -= self._window.popleft()[2]
-        queries = sum(q for q, _, _ in self._window)
-        hits = sum(h for _, h, _ in self._window)
-        self.hit_ratio.set(hits / queries if queries else 0.0)
+        entry = (it.prefix_cache_queries, it.prefix_cache_hits, new_requests)
+        self._window.append(entry)
+        self._window_queries += entry[0]
+        self._window_hits += entry[1]
+        self._window_requests += entry[2]
+        while len(self._window) > 1 and (
+            self._window_requests - self._window[0][2] >= self._window_size
+            or len(self._window) > self._window_size
+        ):
+            q, h, r = self._window.popleft()
+            self._window_queries -= q
+            self._window_hits -= h
+            self._window_requests -= r
+        queries = self._window_queries
+        self.hit_ratio.set(self._window_hits / queries if queries else 0.0)
+
+    @property
+    def hit_ratio_window_steps(self) -> int:
+        """How many step entries the hit-ratio window holds now (bounded by `hit_ratio_window`)."""
+        return len(self._window)
 
     def _record_offload(self, s: SchedulerStats, it: IterationStats) -> None:
         for tier, values in (s.offload or {}).items():
@@ -325,6 +350,10 @@ class PrometheusStatLogger:
                     _inc(self._offload_counters[key].labels(**self.labels, tier=tier), value)
 
     # ------------------------------------------------------------ server side
+
+    def step_failed(self, error: BaseException | None = None) -> None:
+        """Count an engine step that raised (AsyncEngine calls this from its loop thread)."""
+        self._step_failures.inc()
 
     def admission_rejected(self, reason: str) -> None:
         self._rejections.labels(**self.labels, reason=reason).inc()

@@ -79,6 +79,41 @@ def test_hit_ratio_is_over_the_last_n_requests() -> None:
     assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 1.0
 
 
+def test_hit_ratio_window_counts_requests_not_steps() -> None:
+    e = PrometheusStatLogger("m", max_model_len=64, hit_ratio_window=4)
+    # One step admits 4 requests that all miss, the next 4 that all hit: only the newest 4 count.
+    e.record(SchedulerStats(), IterationStats(prefix_cache_queries=40, prefix_cache_hits=0,
+                                              num_prompt_tokens_per_new_request=[10] * 4))  # fmt: skip
+    assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 0.0
+    e.record(SchedulerStats(), IterationStats(prefix_cache_queries=40, prefix_cache_hits=40,
+                                              num_prompt_tokens_per_new_request=[10] * 4))  # fmt: skip
+    assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 1.0
+    # 2 more requests half-hit: the window is the 2 newest of the all-hit step plus these 2.
+    e.record(SchedulerStats(), IterationStats(prefix_cache_queries=20, prefix_cache_hits=10,
+                                              num_prompt_tokens_per_new_request=[10] * 2))  # fmt: skip
+    assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 50 / 60  # the 4-request step stays whole
+
+
+def test_hit_ratio_window_stays_bounded_when_steps_report_no_new_requests() -> None:
+    """Lookups with no request count (re-admitted preempted requests, or a producer that never fills the
+    list) must not grow the window forever into a lifetime average."""
+    e = PrometheusStatLogger("m", max_model_len=64, hit_ratio_window=100)
+    for _ in range(5000):  # a long history of misses...
+        e.record(SchedulerStats(), IterationStats(prefix_cache_queries=16, prefix_cache_hits=0))
+    for _ in range(500):  # ...then a run of hits longer than the window
+        e.record(SchedulerStats(), IterationStats(prefix_cache_queries=16, prefix_cache_hits=16))
+    assert samples(e)[("pagoda:prefix_cache_hit_ratio", ())] == 1.0
+    assert e.hit_ratio_window_steps <= 100
+
+
+def test_step_failures_are_counted() -> None:
+    e = PrometheusStatLogger("m", max_model_len=64)
+    assert samples(e)[("pagoda:engine_step_failures_total", ())] == 0
+    e.step_failed()
+    e.step_failed()
+    assert samples(e)[("pagoda:engine_step_failures_total", ())] == 2
+
+
 def test_offload_series_are_read_generically() -> None:
     e = PrometheusStatLogger("m", max_model_len=64)
     snap = {
