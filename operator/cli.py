@@ -41,6 +41,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 to disable)"
     )
+    parser.add_argument(
+        "--allowed-image",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="allow spec.image values matching this glob (repeatable; a bare repository allows any tag); "
+        "without any, every image is allowed. A refused InferenceDeployment gets Ready=False, reason "
+        "ImageNotAllowed, and no pods",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         peering_name=args.peering,
         priority=args.priority if args.priority is not None else _default_priority(args.peering),
         liveness_endpoint=args.liveness or None,
+        allowed_images=list(args.allowed_image),
     )
     try:
         asyncio.run(run(config))

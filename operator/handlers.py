@@ -36,6 +36,7 @@ class OperatorState:
     inventory: frozenset[NodeGPUs] | None = None
     namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
     metrics: OperatorMetrics = DEFAULT
+    allowed_images: tuple[str, ...] = ()  # spec.image allow-list; empty allows any
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -79,7 +80,9 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
 
     def reconciler() -> Reconciler:
         if state.reconciler is None:
-            state.reconciler = Reconciler(Kube.from_connection(state.connection_used), state.metrics)
+            state.reconciler = Reconciler(
+                Kube.from_connection(state.connection_used), state.metrics, state.allowed_images
+            )
         return state.reconciler
 
     @kopf.index("", "v1", "nodes", id="gpu_nodes", registry=registry)

@@ -14,12 +14,13 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.operator import render
 from pagoda.operator.discovery import NodeGPUs, pools
+from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.planning import decide
@@ -90,9 +91,12 @@ class Outcome:
 class Reconciler:
     """Reconciles InferenceDeployments; one at a time per object, any number of objects at once."""
 
-    def __init__(self, kube: Kube, metrics: OperatorMetrics = DEFAULT) -> None:
+    def __init__(
+        self, kube: Kube, metrics: OperatorMetrics = DEFAULT, allowed_images: Sequence[str] = ()
+    ) -> None:
         self.kube = kube
         self.metrics = metrics
+        self.allowed_images = tuple(allowed_images)  # empty: any spec.image
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._monitoring: tuple[bool, float] | None = None
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
@@ -168,6 +172,7 @@ class Reconciler:
         old_status = body.get("status") or {}
         try:
             spec = parse_spec(body.get("spec"))
+            check_image(spec.image, self.allowed_images)  # before anything is created or changed
             decision = decide(spec, pools(nodes))
         except SpecError as err:
             outcome.error = err

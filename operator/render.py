@@ -228,6 +228,8 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token to steal from a compromised pod.
+        "automountServiceAccountToken": False,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 1000,

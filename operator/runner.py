@@ -19,6 +19,7 @@ class OperatorConfig:
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8081/healthz
     connection: kopf.ConnectionInfo | None = None  # fixed credentials; None = service account or kubeconfig
     metrics: OperatorMetrics = DEFAULT  # tests pass a fresh one to count only their own operator
+    allowed_images: list[str] = field(default_factory=list)  # spec.image allow-list (globs); empty = any
 
 
 async def run(
@@ -29,7 +30,10 @@ async def run(
 ) -> OperatorState:
     """Run until `stop_flag` is set (or the operator is signalled); returns the state for inspection."""
     state = OperatorState(
-        connection=config.connection, namespaces=list(config.namespaces), metrics=config.metrics
+        connection=config.connection,
+        namespaces=list(config.namespaces),
+        metrics=config.metrics,
+        allowed_images=tuple(config.allowed_images),
     )
     registry = build_registry(state)
     await kopf.operator(

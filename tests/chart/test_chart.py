@@ -138,6 +138,23 @@ def _args(objs: list[dict]) -> list[str]:
     return _by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_engine_image_allow_list_reaches_the_operator(helm, tmp_path):
+    assert not [a for a in _args(helm.render()) if a.startswith("--allowed-image")]  # default: any image
+    values = tmp_path / "values.yaml"
+    patterns = ["registry.corp/ml/*", "ghcr.io/pagoda-llm/pagoda-engine"]
+    values.write_text(yaml.safe_dump({"engine": {"allowedImages": patterns}}))
+    for mode in ([], helm.namespaced):
+        args = _args(helm.render(*mode, "-f", str(values)))
+        assert [a for a in args if a.startswith("--allowed-image")] == [
+            f"--allowed-image={p}" for p in patterns
+        ]
+    # and exactly those strings reach the operator's own parser
+    from pagoda.operator.cli import parse_args
+
+    parsed = parse_args([a for a in _args(helm.render("-f", str(values))) if a.startswith("--allowed-image")])
+    assert parsed.allowed_image == patterns
+
+
 def test_standalone_by_default_peering_when_enabled(helm):
     objs = helm.render()
     assert "--standalone" in _args(objs) and "--all-namespaces" in _args(objs)
@@ -312,6 +329,8 @@ BAD_VALUES = [
     ({"serviceMonitor": {"interval": 30}}, "interval"),
     ({"operator": {"peering": {"priority": "high"}}}, "priority"),
     ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "namespaces"),
+    ({"engine": {"allowedImages": "registry.corp/*"}}, "allowedImages"),
+    ({"engine": {"allowedImages": [""]}}, "allowedImages"),
 ]
 
 

@@ -178,3 +178,19 @@ def test_render_cli_fails_clearly_on_an_unservable_spec(tmp_path, capsys: pytest
     assert render_main([str(cr_file), "--gpu", "A100"]) == 1
     err = capsys.readouterr().err
     assert "spec.engine.kvCacheDtype" in err and "8.9" in err
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_engine_pods_get_no_service_account_token(name: str) -> None:
+    """The engine never calls the Kubernetes API: a mounted token would only be something to steal."""
+    sts = rendered(name)[-1]
+    assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_crd_says_what_creating_an_inference_deployment_allows() -> None:
+    """spec.image, apiKeySecretRef and pvc:// sources are powers: the CRD's descriptions must say so."""
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert "allow-list" in spec["image"]["description"] and "any code" in spec["image"]["description"]
+    assert "any Secret" in spec["apiKeySecretRef"]["description"]
+    assert "any PersistentVolumeClaim" in spec["model"]["properties"]["source"]["description"]
