@@ -24,9 +24,18 @@ from pagoda.operator.discovery import GPUPool, matching_pools
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import InferenceSpec, SpecError
 
+KiB = 1 << 10
 GiB = 1 << 30
 CPU_DEFAULT_MEMORY = 4 * GiB  # a CPU pod with no memory limit gets this much (the KV cache lives in it)
+GPU_POD_BASE_MEMORY = 16 * GiB  # a GPU pod with no memory limit: this for the engine, plus the host KV tier
 DISK_FS_SHARE = 0.95
+# --max-num-queued-reqs (docs/operator.md): requests waiting beyond two full batches only add latency a client
+# cannot see, where a 503 + Retry-After lets it go to another replica; and each waiting request holds its
+# prompt (text, token ids, block hashes: about 64 bytes per token at worst) plus its request state and buffers.
+QUEUE_BATCHES = 2
+QUEUED_BYTES_PER_TOKEN = 64
+QUEUED_BYTES_PER_REQUEST = 16 * KiB
+QUEUE_MEMORY_DIVISOR = 16  # the queue may hold 1/16 of the memory the RAM-resident KV leaves in the pod
 
 
 @dataclass
@@ -40,7 +49,17 @@ class Decision:
     gpu_reason: str = ""
     nvme_bytes: int | None = None  # the per-pod PVC size when NVMe offload is on
     disk_tier_bytes: int = 0
-    memory_limit_bytes: int | None = None
+    memory_limit_bytes: int | None = None  # the user's (spec.resources), or the CPU default
+    pod_memory_bytes: int = 0  # what the pod may use: the user's limit, else what the operator requests
+    max_num_queued_reqs: int = 1
+    queue_reason: str = ""
+
+    def status_plan(self) -> dict[str, Any]:
+        """The engine plan as status.plan shows it, the operator's own choices included."""
+        out = self.plan.to_dict()
+        out["max_num_queued_reqs"] = self.max_num_queued_reqs
+        out["reasons"] = {**out.get("reasons", {}), "max_num_queued_reqs": self.queue_reason}
+        return out
 
     def status_gpu(self, count: int) -> dict[str, Any]:
         if self.gpu is None:
@@ -192,6 +211,42 @@ def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
     return new, pvc, disk
 
 
+def pod_memory_bytes(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> int:
+    """The engine pod's memory: the user's limit (or request), else what the operator will request."""
+    if spec.memory_limit_bytes is not None:
+        return spec.memory_limit_bytes
+    if gpu is None:
+        return CPU_DEFAULT_MEMORY
+    return GPU_POD_BASE_MEMORY + (p.kv_offload_host_bytes or 0)
+
+
+def queue_limit(p: Plan, pod_memory: int) -> tuple[int, str]:
+    """--max-num-queued-reqs: two batches deep, as far as the pod's memory holds their prompts."""
+    ram_kv = (p.kv_cache_memory_bytes or 0) if p.device == "cpu" else (p.kv_offload_host_bytes or 0)
+    budget = max(pod_memory - ram_kv, 0) // QUEUE_MEMORY_DIVISOR
+    per_request = p.max_model_len * QUEUED_BYTES_PER_TOKEN + QUEUED_BYTES_PER_REQUEST
+    by_memory = budget // per_request
+    by_batches = QUEUE_BATCHES * p.max_num_seqs
+    limit = max(1, min(by_batches, by_memory))
+    where = "KV cache" if p.device == "cpu" else "host KV tier"
+    why = (
+        f"{QUEUE_BATCHES} x max_num_seqs ({by_batches})"
+        if by_batches <= by_memory
+        else f"1/{QUEUE_MEMORY_DIVISOR} of the {format_quantity(max(pod_memory - ram_kv, 0))} the {where} leaves "
+        f"in the pod holds {by_memory} waiting prompts of up to {p.max_model_len} tokens "
+        f"({per_request} B each)"
+    )
+    return limit, f"{why}; more waiting requests get 503 with Retry-After"
+
+
+def _finish(decision: Decision, spec: InferenceSpec) -> Decision:
+    decision.pod_memory_bytes = pod_memory_bytes(spec, decision.plan, decision.gpu)
+    decision.max_num_queued_reqs, decision.queue_reason = queue_limit(
+        decision.plan, decision.pod_memory_bytes
+    )
+    return decision
+
+
 def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
     """The GPU and the plan for `spec` on the nodes' `available` pools; raises SpecError when unservable."""
     shape = model_shape(spec)
@@ -203,8 +258,8 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
         p = _apply_overrides(spec, p, None)
         p, nvme, disk = _offload(spec, p)
         memory = spec.memory_limit_bytes or CPU_DEFAULT_MEMORY
-        return Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme, disk_tier_bytes=disk,
-                        memory_limit_bytes=memory)  # fmt: skip
+        return _finish(Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme,
+                                disk_tier_bytes=disk, memory_limit_bytes=memory), spec)  # fmt: skip
 
     if spec.gpu.product:
         try:
@@ -269,6 +324,7 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
     p = _apply_overrides(spec, p, pool.info)
     p, nvme, disk = _offload(spec, p)
     info = dataclasses.replace(pool.info, count=spec.gpu.count)
-    return Decision(
-        p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes
+    return _finish(
+        Decision(p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes),
+        spec,
     )

@@ -115,6 +115,7 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         args += ["--revision", model.revision]
     plan = decision.plan
     args += plan.to_engine_args()
+    args += ["--max-num-queued-reqs", str(decision.max_num_queued_reqs)]
     args.append(
         "--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching"
     )
@@ -127,12 +128,8 @@ def _resources(spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
     requests = dict(spec.resources.get("requests", {}))
     limits = dict(spec.resources.get("limits", {}))
     if "memory" not in requests and "memory" not in limits:
-        # Room for the host-RAM KV tier plus the engine itself.
-        if decision.gpu is None:
-            memory = format_quantity(decision.memory_limit_bytes or 4 << 30)
-        else:
-            memory = format_quantity((16 << 30) + (decision.plan.kv_offload_host_bytes or 0))
-        requests["memory"] = limits["memory"] = memory
+        # The engine itself plus the KV it keeps in RAM (planning.pod_memory_bytes).
+        requests["memory"] = limits["memory"] = format_quantity(decision.pod_memory_bytes)
     requests.setdefault("cpu", "1" if decision.gpu is None else "4")
     if decision.gpu is not None:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpu.count)

@@ -65,6 +65,7 @@ def _comment(decision: Decision, name: str) -> str:
             continue
         why = plan.reasons.get(key, "")
         lines.append(f"  {key}: {value}" + (f"  -- {why}" if why else ""))
+    lines.append(f"  max_num_queued_reqs: {decision.max_num_queued_reqs}  -- {decision.queue_reason}")
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(f"# {line}" for line in lines)
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pagoda render: {name}: {exc}", file=sys.stderr)
             failed = True
             continue
-        results.append({"name": name, "gpu": decision.status_gpu(spec.gpu.count), "plan": decision.plan.to_dict(),
+        results.append({"name": name, "gpu": decision.status_gpu(spec.gpu.count), "plan": decision.status_plan(),
                         "children": objects})  # fmt: skip
         out.append(_comment(decision, name))
         out.extend("---\n" + yaml.safe_dump(obj, sort_keys=False).rstrip() for obj in objects)

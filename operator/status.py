@@ -97,7 +97,7 @@ def ready_status(
             {"Ready": readiness, "Progressing": progressing, "Degraded": degraded},
             generation,
         ),
-        "plan": decision.plan.to_dict(),
+        "plan": decision.status_plan(),
         "gpu": decision.status_gpu(spec.gpu.count),
         "replicas": current,
         "readyReplicas": ready,

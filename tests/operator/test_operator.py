@@ -79,6 +79,10 @@ async def test_examples_become_children_with_plans_for_the_gpus_on_the_nodes(clu
         assert cluster.condition(name, "Degraded")["status"] == "False"
         assert cluster.condition(name, "Ready")["reason"] == "PodsNotReady"  # no kubelet in the emulator
         assert status["plan"]["max_model_len"] > 0 and status["plan"]["reasons"]["max_model_len"]
+        # The queue limit is planned, shown with its reason, and given to every engine pod.
+        sts = cluster.get(STS, "default", name)
+        assert int(flag(sts, "--max-num-queued-reqs")) == status["plan"]["max_num_queued_reqs"] >= 1
+        assert "503" in status["plan"]["reasons"]["max_num_queued_reqs"]
         assert status["observedGeneration"] == 1 and status["selector"].startswith("app.kubernetes.io/")
         uid = infd["metadata"]["uid"]
         for resource, child in ((SVC, name), (SVC, f"{name}-headless"), (PDB, name), (STS, name)):

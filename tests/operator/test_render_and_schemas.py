@@ -145,6 +145,7 @@ def test_render_cli_prints_children_and_plan(capsys: pytest.CaptureFixture[str])
     assert render_main([str(EXAMPLES / "qwen2.5-7b-l4-fp8.yaml")]) == 0
     out = capsys.readouterr().out
     assert "# InferenceDeployment qwen2-5-7b" in out and "kv_cache_dtype: fp8" in out
+    assert "#   max_num_queued_reqs: " in out
     docs = [d for d in yaml.safe_load_all(out) if d]
     assert [d["kind"] for d in docs] == ["Service", "Service", "PodDisruptionBudget", "StatefulSet"]
     assert docs[-1]["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
@@ -194,3 +195,43 @@ def test_the_crd_says_what_creating_an_inference_deployment_allows() -> None:
     assert "allow-list" in spec["image"]["description"] and "any code" in spec["image"]["description"]
     assert "any Secret" in spec["apiKeySecretRef"]["description"]
     assert "any PersistentVolumeClaim" in spec["model"]["properties"]["source"]["description"]
+
+
+def _queue_rule(plan: dict[str, Any], pod_memory: int) -> int:
+    """docs/operator.md: two batches deep, bounded by 1/16 of the memory the KV cache leaves in the pod."""
+    ram_kv = plan["kv_cache_memory_bytes"] if plan["device"] == "cpu" else plan["kv_offload_host_bytes"]
+    budget = (pod_memory - ram_kv) // 16
+    per_request = plan["max_model_len"] * 64 + 16 * 1024
+    return max(1, min(2 * plan["max_num_seqs"], budget // per_request))
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_every_engine_pod_gets_a_queue_limit_from_the_plan(name: str) -> None:
+    """Unbounded queues grow until the pod is OOM-killed: the operator always sets --max-num-queued-reqs."""
+    body = example(name)
+    spec = parse_spec(body["spec"])
+    decision = decide(spec, ALL_POOLS)
+    sts = rendered(name)[-1]
+    args = _container(sts)["args"]
+    limit = int(_flag(args, "--max-num-queued-reqs"))
+    memory = _container(sts)["resources"]["limits"]["memory"]
+    from pagoda.operator.quantity import parse_quantity
+
+    assert limit == _queue_rule(decision.plan.to_dict(), parse_quantity(memory))
+    assert 1 <= limit <= 2 * decision.plan.max_num_seqs
+    # extraArgs come last, so a user's own --max-num-queued-reqs wins (argparse keeps the last one).
+    assert args.index("--max-num-queued-reqs") < len(args) - len(spec.engine.extra_args)
+
+
+def test_the_queue_limit_shrinks_with_the_memory_and_grows_with_the_batch() -> None:
+    small = parse_spec({"gpu": {"count": 0}, "resources": {"limits": {"memory": "3Gi"}}})
+    large = parse_spec({"gpu": {"count": 0}, "resources": {"limits": {"memory": "32Gi"}}})
+    few = parse_spec({"gpu": {"count": 0}, "resources": {"limits": {"memory": "32Gi"}},
+                      "engine": {"maxNumSeqs": 4}})  # fmt: skip
+    limits = {}
+    for key, spec in (("small", small), ("large", large), ("few", few)):
+        d = decide(spec, {})
+        limits[key] = d.max_num_queued_reqs
+        assert "503" in d.queue_reason
+    assert limits["small"] < limits["large"]
+    assert limits["few"] == 8  # two batches of 4: memory is no limit here
