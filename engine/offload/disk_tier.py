@@ -7,6 +7,10 @@ that disagrees (or cannot be read) is a miss: the file is removed and ``verifica
 
 Writes never block the engine step: they run on one background thread, to a temporary name that is
 renamed into place, so a crash leaves either a whole block or a ``.tmp`` that the next start removes.
+No open ever follows a symlink out of the directory (the volume may be shared, or writable by a process
+the engine does not trust): new files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random
+temporary name, block files are read with ``O_NOFOLLOW`` and only if they are regular files (a planted
+link or FIFO is a miss, and is removed), and the lock file is never opened through a link.
 Blocks queued but not yet written are served from memory. At start the directory is indexed by name,
 size and mtime only (no reads) so a restarted engine serves its old prefixes; leftovers beyond the
 budget are evicted oldest first. A ``flock`` on ``.lock`` keeps a second engine out of the directory.
@@ -24,6 +28,8 @@ import logging
 import os
 import queue
 import re
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -44,6 +50,11 @@ _NAME = re.compile(r"^[0-9a-f]{64}\.kv$")
 _CHECKSUM_HEX = 32  # blake2b digest_size=16
 
 
+# Never through a symlink; not inherited by child processes; a FIFO or device cannot block the open.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class DirectoryInUseError(RuntimeError):
     """Another engine holds the lock on this disk-tier directory."""
 
@@ -54,6 +65,28 @@ def _checksum(payload: bytes | memoryview) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _temporary(path: Path) -> Path:
+    """A fresh name next to `path` that nobody can have planted a link at in advance."""
+    return path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
+
+
+def _write_new(path: Path, *chunks: bytes) -> None:
+    """Create `path` (it must not exist, not even as a link) and write `chunks` to it."""
+    fd = os.open(path, _CREATE_FLAGS, 0o600)
+    with open(fd, "wb", closefd=True) as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of `path` if it is a regular file in its own right: a symlink, FIFO or device raises."""
+    fd = os.open(path, _READ_FLAGS)
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return f.read()
 
 
 class DiskTier:
@@ -89,10 +122,18 @@ class DiskTier:
     def _open(self) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            lock = open(self.directory / ".lock", "a+")  # noqa: SIM115 - held for the tier's lifetime
         except OSError as exc:
             self.write_errors += 1
             self._disable(f"cannot create {self.directory}: {exc}")
+            return
+        lock_path = self.directory / ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            lock = open(fd, "r+b", buffering=0, closefd=True)  # noqa: SIM115 - held for the tier's lifetime
+        except OSError as exc:
+            self.write_errors += 1
+            why = " (a symlink: not followed)" if lock_path.is_symlink() else ""
+            self._disable(f"cannot open the lock file {lock_path}{why}: {exc}")
             return
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -103,9 +144,9 @@ class DiskTier:
                 f"give each engine its own directory"
             ) from None
         self._lock_file = lock
-        probe = self.directory / f".probe-{os.getpid()}.tmp"
+        probe = _temporary(self.directory / ".probe")
         try:
-            probe.write_bytes(b"pagoda")
+            _write_new(probe, b"pagoda")
             probe.unlink()
         except OSError as exc:
             self.write_errors += 1
@@ -229,12 +270,10 @@ class DiskTier:
         payload = data.contiguous().view(torch.uint8).numpy().tobytes()
         header = self._header(block_hash, data, _checksum(payload))
         final = self.path_of(block_hash)
-        tmp = final.with_name(f"{final.name}.{threading.get_ident()}.tmp")
+        tmp = _temporary(final)
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, final)
+            _write_new(tmp, header, payload)
+            os.replace(tmp, final)  # a link planted at `final` is replaced, never written through
         except OSError as exc:
             _unlink(tmp)
             self.write_errors += 1
@@ -278,7 +317,7 @@ class DiskTier:
             return pending
         path = self.path_of(block_hash)
         try:
-            raw = path.read_bytes()
+            raw = _read_regular(path)
             data = self._verify(raw, block_hash, tuple(shape), dtype)
         except (OSError, ValueError) as exc:
             self._reject(block_hash, path, str(exc))

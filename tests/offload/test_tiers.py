@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,91 @@ def test_a_file_that_vanished_is_a_miss(disk):
     tier.path_of(key(1)).unlink()
     assert tier.get(key(1), SHAPE, torch.float32) is None
     assert tier.verification_failures == 1
+
+
+# ---- planted links: the tier never follows a symlink out of its directory ---------------------------
+
+
+def test_a_block_file_replaced_by_a_symlink_is_a_miss(disk, tmp_path):
+    """A link planted at a block's name is never read through, even to a valid copy of that very block."""
+    tier = disk()
+    tier.put(key(1), block(1))
+    tier.flush()
+    tier.close()
+    outside = tmp_path / "elsewhere.kv"
+    tier_dir = tmp_path / "kv"
+    path = tier_dir / tier.path_of(key(1)).name
+    outside.write_bytes(path.read_bytes())  # a well-formed block file, outside the directory
+    path.unlink()
+    path.symlink_to(outside)
+    tier = disk()  # a restart does not index the link...
+    assert key(1) not in tier
+    tier.close()
+    tier = disk()
+    tier.put(key(2), block(2))
+    tier.flush()
+    path2 = tier.path_of(key(2))
+    outside2 = tmp_path / "elsewhere2.kv"
+    outside2.write_bytes(path2.read_bytes())
+    path2.unlink()
+    path2.symlink_to(outside2)  # ...and a link swapped in behind an indexed block is not followed
+    assert tier.get(key(2), SHAPE, torch.float32) is None
+    assert tier.verification_failures == 1 and key(2) not in tier
+    assert not path2.is_symlink() and not path2.exists()  # the link is removed...
+    assert outside2.read_bytes()[: len(MAGIC)] == MAGIC  # ...and its target left alone
+
+
+def test_a_fifo_at_a_block_name_does_not_hang_the_reader(disk):
+    tier = disk()
+    tier.put(key(1), block(1))
+    tier.flush()
+    path = tier.path_of(key(1))
+    path.unlink()
+    os.mkfifo(path)  # opening a FIFO for reading blocks until a writer comes: never
+    assert tier.get(key(1), SHAPE, torch.float32) is None
+    assert tier.verification_failures == 1
+
+
+def test_planted_links_never_redirect_writes(disk, tmp_path):
+    """Links at the names the tier writes (temporary names, block names, the start-up probe) stay links to
+    untouched targets, or are replaced; nothing is ever written outside the directory."""
+    tier_dir = tmp_path / "kv"
+    tier_dir.mkdir()
+    victims = {name: tmp_path / f"victim-{name}" for name in ("probe", "tmp", "final")}
+    for victim in victims.values():
+        victim.write_bytes(b"precious")
+    (tier_dir / f".probe-{os.getpid()}.tmp").symlink_to(victims["probe"])  # the old, predictable probe name
+    tier = disk(directory=tier_dir)
+    assert tier.enabled and victims["probe"].read_bytes() == b"precious"
+    # The writer's old temporary name was predictable (<hash>.kv.<thread id>.tmp): plant a link there too.
+    final = tier.path_of(key(1))
+    for ident in {tier._worker.ident, threading.get_ident()}:
+        (tier_dir / f"{final.name}.{ident}.tmp").symlink_to(victims["tmp"])
+    tier.path_of(key(2)).symlink_to(victims["final"])
+    tier.put(key(1), block(1))
+    tier.put(key(2), block(2))
+    tier.flush()
+    for name, victim in victims.items():
+        assert victim.read_bytes() == b"precious", name
+    for k in (1, 2):
+        path = tier.path_of(key(k))
+        assert path.is_file() and not path.is_symlink()
+        assert torch.equal(tier.get(key(k), SHAPE, torch.float32), block(k))
+    assert tier.enabled and tier.write_errors == 0
+
+
+def test_a_lock_file_that_is_a_link_to_a_missing_target_creates_nothing(tmp_path, caplog):
+    tier_dir = tmp_path / "kv"
+    tier_dir.mkdir()
+    target = tmp_path / "created-by-the-tier"
+    (tier_dir / ".lock").symlink_to(target)
+    with caplog.at_level(logging.WARNING, logger="pagoda.engine.offload"):
+        tier = DiskTier(tier_dir, 10**6, ID)
+    try:
+        assert not target.exists()
+        assert not tier.enabled and "lock" in (tier.disabled_reason or "")
+    finally:
+        tier.close()
 
 
 def _make_read_only(path: Path) -> None:
