@@ -1,26 +1,32 @@
 """AsyncEngine: an asyncio front over the synchronous LLMEngine, driven by one engine-loop thread.
 
 Why a thread: LLMEngine is not thread-safe and step() blocks for a model forward, so it lives on a thread
-of its own. The event loop only hands requests and aborts over through an inbox and reads results; the
-engine thread delivers the outputs of a whole step with one `call_soon_threadsafe`, so hundreds of streams
-cost one wake-up per step. Outputs are cumulative, so each stream keeps only the newest one: a slow
-reader never makes memory grow.
+of its own. Ownership is single-threaded on both sides, and they talk only through hand-offs:
+
+- the event loop owns the stream registry (`_streams`) and every RequestStream; it sends commands (add a
+  batch of requests, abort, call a function) through the inbox queue;
+- the engine thread owns the engine and the set of request ids it has admitted (`_live`); it posts the
+  outputs of a whole step back with one `call_soon_threadsafe`, so hundreds of streams cost one wake-up
+  per step.
+
+Outputs are deltas (what each step added). A stream merges the deltas its reader has not taken yet into
+one pending output (`RequestOutput.add`), so a slow reader holds at most one pending object per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.request import now
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import SchedulerStats
 
@@ -36,13 +42,20 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass
-class _Add:
+class NewRequest:
+    """One request of a batch handed to the engine in a single hand-off."""
+
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
-    priority: int
+    priority: int = 0
+
+
+@dataclass
+class _Add:
+    requests: list[NewRequest]
     arrival_time: float
-    stream: RequestStream
+    admitted: asyncio.Future
 
 
 @dataclass
@@ -52,67 +65,102 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Any
+    fn: Callable[[Any], Any]
     future: asyncio.Future
 
 
-class RequestStream:
-    """The async side of one request: the newest cumulative output, or the error that ended it."""
+def _fresh(delta: RequestOutput) -> RequestOutput:
+    """A copy of `delta` the stream owns (lists copied), so merging into it never touches engine objects."""
+    out = RequestOutput(
+        request_id=delta.request_id,
+        prompt=delta.prompt,
+        prompt_token_ids=delta.prompt_token_ids,
+        outputs=[],
+        finished=False,
+    )
+    out.add(delta)
+    return out
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+
+class RequestStream:
+    """The event-loop side of one request: the deltas not read yet (merged into one), or the error that
+    ended it. Only the event loop touches it."""
+
+    def __init__(self, request_id: str, admitted: asyncio.Future, on_abandon: Callable[[str], None]) -> None:
         self.request_id = request_id
-        self._loop = loop
-        self._latest: RequestOutput | None = None
+        self.admitted = admitted  # shared by the requests of one hand-off
+        self.finished = False  # the final delta (or an error) has arrived
+        self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
-        self.admitted: asyncio.Future = loop.create_future()
-        self.finished = False
+        self._listeners: list[asyncio.Event] = []
+        self._on_abandon = on_abandon
 
-    # Called on the event loop (via call_soon_threadsafe from the engine thread).
-    def _put(self, output: RequestOutput) -> None:
-        self._latest = output
-        if output.finished:
-            self.finished = True
+    def _wake(self) -> None:
         self._event.set()
+        for ev in self._listeners:
+            ev.set()
+
+    def _put(self, delta: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = _fresh(delta)
+        else:
+            self._pending.add(delta)
+        if delta.finished:
+            self.finished = True
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
+        if self.finished and self._error is None and self._pending is None:
+            return  # already delivered in full
         self._error = error
+        self._pending = None
         self.finished = True
         if not self.admitted.done():
             self.admitted.set_exception(error)
-        self._event.set()
+        self._wake()
+
+    def take(self) -> RequestOutput | None:
+        """The deltas that arrived since the last call, merged (None if none); raises the request's error."""
+        if self._error is not None:
+            raise self._error
+        out, self._pending = self._pending, None
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Finished and nothing left to take."""
+        return self.finished and self._pending is None and self._error is None
+
+    def listen(self, event: asyncio.Event) -> None:
+        """Also set `event` whenever something arrives (one event can watch several streams)."""
+        self._listeners.append(event)
+        if self._pending is not None or self._error is not None:
+            event.set()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            await self._event.wait()
-            self._event.clear()
-            if self._error is not None:
-                raise self._error
-            out = self._latest
-            if out is not None:
-                yield out
-                if out.finished:
+        """Merged deltas until the final one; leaving early (break, cancel) aborts the request."""
+        try:
+            while True:
+                self._event.clear()
+                out = self.take()
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+                elif self.finished:
                     return
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """Copy what the event loop reads, so the engine may keep mutating its own objects."""
-    outputs = []
-    for c in out.outputs:
-        c2 = copy.copy(c)
-        c2.token_ids = list(c.token_ids)
-        if c.logprobs is not None:
-            c2.logprobs = list(c.logprobs)
-        outputs.append(c2)
-    snap = copy.copy(out)
-    snap.outputs = outputs
-    return snap
+                else:
+                    await self._event.wait()
+        finally:
+            if not self.finished:
+                self._on_abandon(self.request_id)
 
 
 @dataclass
 class _Counters:
-    pending_adds: int = 0
-    last_stats: SchedulerStats = field(default_factory=SchedulerStats)
+    pending_adds: int = 0  # handed over, not yet looked at by the engine thread (event loop only)
+    last_stats: SchedulerStats = field(default_factory=SchedulerStats)  # written by the engine thread
 
 
 class AsyncEngine:
@@ -123,14 +171,20 @@ class AsyncEngine:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._dead_reason: str | None = None
         self._counters = _Counters()
         self._ids = itertools.count()
+        self._failure_listeners: list[Callable[[BaseException], None]] = []
+        # Event loop only.
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: set[asyncio.Future] = set()
+        # Engine thread only.
+        self._live: set[str] = set()
         self.steps = 0
+        self.failed_steps = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -147,6 +201,10 @@ class AsyncEngine:
         if self._thread is None or not self._thread.is_alive():
             # Only once the loop thread is gone: finish disk-tier writes and release its directory lock.
             self.engine.close()
+
+    def add_step_failure_listener(self, fn: Callable[[BaseException], None]) -> None:
+        """Call `fn(error)` on the engine thread after every failed step (e.g. a metrics counter)."""
+        self._failure_listeners.append(fn)
 
     @property
     def is_alive(self) -> bool:
@@ -167,80 +225,65 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ async API
 
-    async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
-    ) -> RequestStream:
-        """Hand a request to the engine; raises ValueError (bad input) once the engine has looked at it."""
+    async def add_requests(self, requests: Sequence[NewRequest]) -> list[RequestStream]:
+        """Hand a batch of requests to the engine in one hand-off (one engine-loop pass admits them all).
+
+        All or nothing: if the engine refuses one (ValueError naming the problem), none stays admitted.
+        If the caller is cancelled while waiting, the requests are aborted.
+        """
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
         assert self._loop is not None
-        stream = RequestStream(request_id, self._loop)
-        self._streams[request_id] = stream
-        self._counters.pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, params, priority, time.time(), stream))
+        admitted = self._loop.create_future()
+        streams = [RequestStream(r.request_id, admitted, self._abandon) for r in requests]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        self._counters.pending_adds += len(streams)
+        self._inbox.put(_Add(list(requests), now(), admitted))
         try:
-            await stream.admitted
+            await admitted
         except BaseException:
-            self._streams.pop(request_id, None)
+            for stream in streams:
+                self._streams.pop(stream.request_id, None)
+            # Queued after the add, so it lands after it: whatever the engine admitted leaves again.
+            self._inbox.put(_Abort([s.request_id for s in streams]))
             raise
+        return streams
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0
+    ) -> RequestStream:
+        """Hand one request to the engine; raises ValueError (bad input) once the engine has looked at it."""
+        (stream,) = await self.add_requests([NewRequest(request_id, prompt, params, priority)])
         return stream
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [i for i in ids if i in self._streams]
-        for i in ids:
-            self._streams.pop(i, None)
+        ids = [i for i in ids if self._streams.pop(i, None) is not None]
         if ids:
             self._inbox.put(_Abort(ids))
 
-    async def call(self, fn: Any) -> Any:
+    def _abandon(self, request_id: str) -> None:
+        self.abort(request_id)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the engine thread (the engine is not thread-safe) and return its result."""
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
         assert self._loop is not None
         fut = self._loop.create_future()
+        self._calls.add(fut)
+        fut.add_done_callback(self._calls.discard)
         self._inbox.put(_Call(fn, fut))
         return await fut
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns():x}"
 
-    # ------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------ event loop side of the hand-offs
 
-    def _post(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is going away
-            pass
-
-    def _handle(self, cmd: Any) -> None:
-        if isinstance(cmd, _Add):
-            self._post(self._admitted_pending_done)
-            try:
-                self.engine.add_request(
-                    cmd.request_id,
-                    cmd.prompt,
-                    cmd.params,
-                    arrival_time=cmd.arrival_time,
-                    priority=cmd.priority,
-                )
-            except Exception as exc:  # noqa: BLE001 - handed to the request that caused it
-                self._post(cmd.stream._fail, exc)
-                return
-            self._post(_set_result, cmd.stream.admitted)
-        elif isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_ids)
-        elif isinstance(cmd, _Call):
-            try:
-                result = cmd.fn(self.engine)
-            except Exception as exc:  # noqa: BLE001
-                self._post(_set_exception, cmd.future, exc)
-            else:
-                self._post(_set_result, cmd.future, result)
-
-    def _admitted_pending_done(self) -> None:
-        self._counters.pending_adds -= 1
+    def _handed_over(self, count: int) -> None:
+        self._counters.pending_adds -= count
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -249,12 +292,75 @@ class AsyncEngine:
                 continue
             stream._put(out)
             if out.finished:
-                self._streams.pop(out.request_id, None)
+                del self._streams[out.request_id]
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._fail(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            stream._fail(error)
+        streams = list(self._streams.values())
         self._streams.clear()
+        for stream in streams:
+            stream._fail(error)
+        for fut in list(self._calls):
+            _set_exception(fut, error)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is going away
+            pass
+
+    def _handle(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            self._post(self._handed_over, len(cmd.requests))
+            added: list[str] = []
+            try:
+                for r in cmd.requests:
+                    self.engine.add_request(
+                        r.request_id, r.prompt, r.params, arrival_time=cmd.arrival_time, priority=r.priority
+                    )
+                    added.append(r.request_id)
+            except Exception as exc:  # noqa: BLE001 - handed to the requests that caused it
+                if added:
+                    self.engine.abort_request(added)
+                self._post(_set_exception, cmd.admitted, exc)
+                return
+            self._live.update(added)
+            self._post(_set_result, cmd.admitted)
+        elif isinstance(cmd, _Abort):
+            ids = [i for i in cmd.request_ids if i in self._live]
+            if ids:
+                self._live.difference_update(ids)
+                self.engine.abort_request(ids)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as exc:  # noqa: BLE001
+                self._post(_set_exception, cmd.future, exc)
+            else:
+                self._post(_set_result, cmd.future, result)
+
+    def _step_failed(self, exc: BaseException, consecutive: int) -> None:
+        self.failed_steps += 1
+        logger.exception("engine step failed (%d in a row)", consecutive)
+        for fn in self._failure_listeners:
+            try:
+                fn(exc)
+            except Exception:  # noqa: BLE001 - a listener must not take the loop down
+                logger.exception("step-failure listener failed")
+        ids, self._live = list(self._live), set()
+        self._post(self._fail, ids, RequestFailedError(f"engine step failed: {exc!r}"))
+        try:
+            self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001
+            logger.exception("abort after a failed step also failed")
 
     def _run(self) -> None:
         failures = 0
@@ -284,21 +390,19 @@ class AsyncEngine:
                     failures = 0
                 except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                     failures += 1
-                    logger.exception("engine step failed (%d in a row)", failures)
-                    ids = list(self._streams)
-                    self._post(self._fail_all, RequestFailedError(f"engine step failed: {exc!r}"))
-                    try:
-                        self.engine.abort_request(ids)
-                    except Exception:  # noqa: BLE001
-                        logger.exception("abort after a failed step also failed")
+                    self._step_failed(exc, failures)
                     if failures >= self.MAX_CONSECUTIVE_STEP_FAILURES:
                         self._dead_reason = f"engine step failed {failures} times in a row: {exc!r}"
+                        self._post(self._fail_all, EngineDeadError(self._dead_reason))
                         return
                     continue
                 self.steps += 1
                 self._counters.last_stats = self.engine.get_scheduler_stats()
+                for out in outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
                 if outputs:
-                    self._post(self._deliver, [_snapshot(o) for o in outputs])
+                    self._post(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001
             self._dead_reason = f"engine loop crashed: {exc!r}"
             logger.exception("engine loop crashed")

@@ -39,6 +39,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
     """An app bound to `engine`; the engine loop starts and stops with the app's lifespan."""
     serving = OpenAIServing(engine, settings, exporter)
 
+    step_failed = getattr(exporter, "step_failed", None)
+    if step_failed is not None:
+        engine.add_step_failure_listener(step_failed)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -46,6 +50,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
             yield
         finally:
             engine.shutdown()
+            serving.close()
 
     app = FastAPI(title="Pagoda OpenAI-compatible server", version=pagoda_version(), lifespan=lifespan)
     app.state.serving = serving
@@ -104,10 +109,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages must not be empty", "messages")
-            text = serving.render_chat(body.messages, body.add_generation_prompt, False)
-            ids = serving.encode(text, "messages", add_special_tokens=False)
+            serving.check_chat_chars(body.messages)
+            text = await serving.off_loop(
+                serving.render_chat, body.messages, body.add_generation_prompt, False
+            )
+            ids = await serving.off_loop(serving.encode, text, "messages", False)
         else:
-            ids = serving.encode(body.prompt or "", "prompt", add_special_tokens=body.add_special_tokens)
+            prompt = body.prompt or ""
+            serving.check_chars(len(prompt), "prompt")
+            ids = await serving.off_loop(serving.encode, prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)
@@ -118,7 +128,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
             raise bad_request(
                 f"Token id {bad} is outside the vocabulary (0..{serving.vocab_size - 1}).", "tokens"
             )
-        return {"prompt": serving.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(serving.decode, body.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -134,8 +144,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
             )
         return Response(status_code=200)
 
-    # Outermost first: size check, then API key (a 413 needs no key; a 401 reads no body).
+    # The last added is the outermost: the API key first (decided from headers, before any body byte is
+    # read), then the body-size limit, which counts bytes only as the app reads them.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     return app

@@ -116,7 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = "Not found: no such route"
         return JSONResponse(
-            error_body(exc.status_code, message),
+            error_body(exc.status_code, message, code=getattr(exc, "code", None)),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )

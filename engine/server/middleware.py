@@ -1,6 +1,8 @@
-"""Pure-ASGI guards that run before routing: API key and body size.
+"""Pure-ASGI guards that run before routing: API key (outermost) and body size.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass through untouched.
+The API key is decided from the headers alone, before a single body byte is read: a client without the
+key cannot make the server buffer anything.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 from typing import Any
 
 from pagoda.engine.server.errors import error_body
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/ping")
 
@@ -53,8 +56,20 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` once a body passes the limit; FastAPI re-raises HTTPExceptions as they are,
+    so the error handlers answer 413 (and the middleware does, if nothing else did)."""
+
+    code = "request_too_large"
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"Request body is larger than the limit of {max_bytes} bytes.")
+
+
 class BodySizeLimitMiddleware:
-    """413 for a body over `max_bytes`, judged by Content-Length and by counting what actually arrives."""
+    """413 for a body over `max_bytes`: at once by Content-Length, else by counting the bytes as they
+    arrive (chunked bodies too). It buffers nothing and reads nothing itself: the body is only read when
+    the app asks for it, which is after the API key was checked."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -71,35 +86,34 @@ class BodySizeLimitMiddleware:
                     declared = 0
                 if declared > self.max_bytes:
                     return await self._too_large(send)
-        # Buffer the body (it is small: bounded by the limit), then replay it to the app.
-        chunks: list[bytes] = []
         seen = 0
-        while True:
+        started = False
+
+        async def counting_receive() -> Any:
+            nonlocal seen
             message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_bytes:
-                return await self._too_large(send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
 
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._too_large(send)
 
     async def _too_large(self, send: Any) -> None:
         await _send_error(
             send,
             413,
             f"Request body is larger than the limit of {self.max_bytes} bytes.",
-            "request_too_large",
+            BodyTooLarge.code,
         )

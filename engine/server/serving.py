@@ -1,4 +1,10 @@
-"""The completion endpoints: request -> engine requests -> OpenAI response or SSE stream."""
+"""The completion endpoints: request -> engine requests -> OpenAI response or SSE stream.
+
+Tokenization and chat-template rendering are CPU work that can take long for big inputs, so they run on a
+small worker pool, never on the event loop that every stream shares; a prompt too long to fit the context
+is refused by its character count before any tokenizing. Engine outputs arrive as deltas: streams send
+them on as they come, non-streaming responses fold them together.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,29 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from functools import lru_cache, partial
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    NewRequest,
+    RequestFailedError,
+    RequestStream,
+)
+from pagoda.engine.outputs import Logprob, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, bad_request, error_body
 from pagoda.engine.server.settings import ServerSettings
 
 MAX_PROMPTS = 256
+TOKENIZER_THREADS = 2
+T = TypeVar("T")
 SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
@@ -50,6 +65,20 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token of `tokenizer` stands for.
+
+    The raw vocabulary strings are at least as long as the text they decode to (byte-level BPE spells
+    each byte as one character; SentencePiece spells a byte-fallback token as "<0x0A>"), so the longest
+    one bounds a token's text. A normalizer could compose characters (NFC / NFKC merge up to 3 into 1),
+    so the bound is widened by 4 when there is one.
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    widen = 4 if getattr(backend, "normalizer", None) is not None else 1
+    return max(1, longest) * widen
+
+
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -63,8 +92,19 @@ class OpenAIServing:
         self.model_names = list(settings.served_model_names) or [str(core.model_name)]
         self.settings = settings
         self.exporter = exporter
-        self.vocab_size = len(self.tokenizer)
+        model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
+        # An id must be both decodable and a row of the logits.
+        self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
+        self.max_prompt_chars = self.max_model_len * max_chars_per_token(self.tokenizer)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-bound tokenizer work on the worker pool, so streams keep flowing meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
 
     # ------------------------------------------------------------ checks
 
@@ -116,7 +156,19 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
 
-    # ------------------------------------------------------------ tokenization
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, without tokenizing, text that cannot fit: no token of this tokenizer is longer than
+        max_prompt_chars / max_model_len characters."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the {param} has "
+                f"{num_chars} characters, more than {self.max_model_len} tokens can hold "
+                f"({self.max_prompt_chars}). Shorten the prompt.",
+                param,
+                "context_length_exceeded",
+            )
+
+    # ------------------------------------------------------------ tokenization (worker pool)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -158,12 +210,17 @@ class OpenAIServing:
     def chat_prompt(
         self, messages: list[P.ChatMessage], add_generation_prompt: bool, continue_final: bool
     ) -> Prepared:
+        """Render and tokenize (on the worker pool): the prompt of a chat completion."""
         text = self.render_chat(messages, add_generation_prompt, continue_final)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_prompt(ids, "messages")
         return Prepared(ids, text)
 
-    def completion_prompts(self, prompt: Any) -> list[Prepared]:
+    def check_chat_chars(self, messages: list[P.ChatMessage]) -> None:
+        self.check_chars(sum(len(m.text()) + len(m.name or "") for m in messages), "messages")
+
+    def completion_items(self, prompt: Any) -> list[str | list[int]]:
+        """The prompts of a completion request, checked for shape and length before any tokenizing."""
         if isinstance(prompt, str):
             items: list[str | list[int]] = [prompt]
         elif not prompt:
@@ -174,6 +231,15 @@ class OpenAIServing:
             items = list(prompt)
         if len(items) > MAX_PROMPTS:
             raise bad_request(f"At most {MAX_PROMPTS} prompts per request, got {len(items)}.", "prompt")
+        for item in items:
+            if isinstance(item, str):
+                self.check_chars(len(item), "prompt")
+            else:
+                self.check_prompt(item, "prompt")
+        return items
+
+    def completion_prompts(self, items: list[str | list[int]], echo: bool) -> list[Prepared]:
+        """Tokenize (on the worker pool) the prompts of a completion request."""
         out = []
         for item in items:
             if isinstance(item, str):
@@ -181,8 +247,7 @@ class OpenAIServing:
                 self.check_prompt(ids, "prompt")
                 out.append(Prepared(ids, item))
             else:
-                self.check_prompt(item, "prompt")
-                out.append(Prepared(list(item), self.decode(item)))
+                out.append(Prepared(list(item), self.decode(item) if echo else ""))
         return out
 
     # ------------------------------------------------------------ sampling
@@ -225,9 +290,11 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
         )
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            params.validate_token_ids(self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise self.value_error(exc, names) from exc
+        return params
 
     def value_error(self, exc: Exception, names: dict | None = None) -> APIError:
         message = str(exc)
@@ -242,64 +309,60 @@ class OpenAIServing:
     async def submit(
         self, base_id: str, prompts: list[Prepared], params: SamplingParams, priority: int, names: dict
     ) -> list[RequestStream]:
+        """Admit every prompt of the request in one hand-off to the engine (one engine-loop pass)."""
         self.check_admission(len(prompts))
-        streams: list[RequestStream] = []
+        batch = [
+            NewRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", p.token_ids, params, priority)
+            for i, p in enumerate(prompts)
+        ]
         try:
-            for i, prepared in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(
-                    await self.aengine.add_request(rid, prepared.token_ids, params, priority=priority)
-                )
+            return await self.aengine.add_requests(batch)
         except ValueError as exc:
-            self.aengine.abort([s.request_id for s in streams])
             raise self.value_error(exc, names) from exc
         except EngineDeadError as exc:
-            self.aengine.abort([s.request_id for s in streams])
             raise APIError(503, str(exc), code="engine_dead") from exc
-        except BaseException:
-            self.aengine.abort([s.request_id for s in streams])
-            raise
-        return streams
 
     async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-        """Wait for every stream's final output; abort them all if the client goes away."""
+        """Fold every stream's deltas into its whole output; abort them all if the client goes away."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
 
-        async def last(stream: RequestStream) -> RequestOutput:
-            final = None
-            async for out in stream:
-                final = out
-            assert final is not None
-            return final
+        async def fold() -> None:
+            async for i, delta in _merge(streams):
+                if finals[i] is None:
+                    finals[i] = delta  # a stream hands out objects it owns: safe to fold into
+                else:
+                    finals[i].add(delta)
 
-        gather = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        task = asyncio.ensure_future(fold())
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not gather.done():
-                gather.cancel()
+            if not task.done():
+                task.cancel()
                 self.aengine.abort([s.request_id for s in streams])
             watcher.cancel()
-        if gather.cancelled():
+        if task.cancelled():
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
-            return gather.result()
+            task.result()
         except (RequestFailedError, EngineDeadError) as exc:
             raise APIError(500, str(exc), code="engine_error") from exc
+        assert all(f is not None for f in finals)
+        return finals  # type: ignore[return-value]
 
     # ------------------------------------------------------------ logprobs
 
     def completion_logprobs(
-        self, c: CompletionOutput, start: int, k: int, text_offset0: int
+        self, token_ids: list[int], entries: list[dict[int, Logprob]] | None, k: int, text_offset0: int
     ) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
         offset = text_offset0
-        for pos in range(start, len(c.token_ids)):
-            tid = c.token_ids[pos]
-            entry = (c.logprobs or [])[pos] if c.logprobs and pos < len(c.logprobs) else {}
-            token = self._token_for(tid, entry.get(tid))
-            out.tokens.append(token)
+        for pos, tid in enumerate(token_ids):
+            entry = entries[pos] if entries and pos < len(entries) else {}
             chosen = entry.get(tid)
+            token = self._token_for(tid, chosen)
+            out.tokens.append(token)
             out.token_logprobs.append(_finite(chosen.logprob) if chosen else None)
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k] if k else []
             out.top_logprobs.append(
@@ -309,11 +372,12 @@ class OpenAIServing:
             offset += len(token)
         return out
 
-    def chat_logprobs(self, c: CompletionOutput, start: int, k: int) -> P.ChatLogprobs:
+    def chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]] | None, k: int
+    ) -> P.ChatLogprobs:
         content = []
-        for pos in range(start, len(c.token_ids)):
-            tid = c.token_ids[pos]
-            entry = c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else {}
+        for pos, tid in enumerate(token_ids):
+            entry = entries[pos] if entries and pos < len(entries) else {}
             chosen = entry.get(tid)
             token = self._token_for(tid, chosen)
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:k] if k else []
@@ -345,7 +409,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        prompts = self.completion_prompts(req.prompt)
+        items = self.completion_items(req.prompt)
+        self.check_admission(len(items))  # refuse early under overload, before spending CPU
+        prompts = await self.off_loop(self.completion_prompts, items, req.echo)
         names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt"}
         longest = max(len(p.token_ids) for p in prompts)
         params = self.sampling_params(req, longest, req.max_tokens, req.logprobs, names)
@@ -361,12 +427,14 @@ class OpenAIServing:
         finals = await self.collect(request, streams)
         choices, usage = [], P.UsageInfo()
         for i, (prepared, out) in enumerate(zip(prompts, finals, strict=True)):
-            usage.prompt_tokens += len(out.prompt_token_ids or prepared.token_ids)
+            usage.prompt_tokens += len(prepared.token_ids)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 usage.completion_tokens += len(c.token_ids)
                 echo = prepared.text if req.echo else ""
                 logprobs = (
-                    self.completion_logprobs(c, 0, req.logprobs, 0) if req.logprobs is not None else None
+                    self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                    if req.logprobs is not None
+                    else None
                 )
                 choices.append(
                     P.CompletionChoice(
@@ -377,7 +445,7 @@ class OpenAIServing:
                         stop_reason=c.stop_reason,
                     )
                 )
-        _finish_usage(usage, finals)
+        _finish_usage(usage, [o.num_cached_tokens for o in finals])
         body = P.CompletionResponse(
             id=base_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -387,55 +455,52 @@ class OpenAIServing:
         self, base_id: str, created: int, req: P.CompletionRequest, prompts: list[Prepared],
         streams: list[RequestStream], include_usage: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tokens: dict[tuple[int, int], int] = {}
-        done: set[tuple[int, int]] = set()
-        finals: dict[int, RequestOutput] = {}
         base = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
+        extra = {"usage": None} if include_usage else {}
+        choices = _ChoiceDeltas(want_logprobs=req.logprobs is not None)
+        cached: dict[int, int] = {}
         try:
             async for i, out in _merge(streams):
-                finals[i] = out
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     key = (i, c.index)
-                    if key in done:
+                    prefix = prompts[i].text if req.echo and key not in choices.started else ""
+                    chunk = choices.take(key, c, prefix)
+                    if chunk is None:
                         continue
-                    first = key not in sent_text
-                    prev_text, prev_tok = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    delta = c.text[prev_text:]
-                    if first and req.echo:
-                        delta = prompts[i].text + delta
-                    if not delta and not c.finish_reason:
-                        continue
+                    text, token_ids, entries = chunk
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self.completion_logprobs(c, prev_tok, req.logprobs, prev_text).model_dump()
-                    sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                    if c.finish_reason:
-                        done.add(key)
+                        logprobs = self.completion_logprobs(
+                            token_ids, entries, req.logprobs, choices.text_offset(key, text)
+                        ).model_dump()
                     choice = {
                         "index": i * req.n + c.index,
-                        "text": delta,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if c.finish_reason else None,
                     }
-                    yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+                    yield sse({**base, "choices": [choice], **extra})
         except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
         if include_usage:
             usage = P.UsageInfo(
-                prompt_tokens=sum(len(finals[i].prompt_token_ids or prompts[i].token_ids) for i in finals)
+                prompt_tokens=sum(len(p.token_ids) for p in prompts), completion_tokens=choices.num_tokens
             )
-            usage.completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-            _finish_usage(usage, list(finals.values()))
+            _finish_usage(usage, list(cached.values()))
             yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        prepared = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        self.check_chat_chars(req.messages)
+        self.check_admission(1)  # refuse early under overload, before spending CPU
+        prepared = await self.off_loop(
+            self.chat_prompt, req.messages, req.add_generation_prompt, req.continue_final_message
+        )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         mt_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -449,24 +514,24 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._chat_stream(base_id, created, req, prepared, streams[0], k, include_usage),
+                self._chat_stream(base_id, created, req, prepared, streams, k, include_usage),
                 on_close=lambda: self.aengine.abort([s.request_id for s in streams if not s.finished]),
             )
         (final,) = await self.collect(request, streams)
         choices = []
-        usage = P.UsageInfo(prompt_tokens=len(final.prompt_token_ids or prepared.token_ids))
+        usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids))
         for c in sorted(final.outputs, key=lambda c: c.index):
             usage.completion_tokens += len(c.token_ids)
             choices.append(
                 P.ChatChoice(
                     index=c.index,
                     message=P.ChatResponseMessage(content=c.text),
-                    logprobs=self.chat_logprobs(c, 0, k) if k is not None else None,
+                    logprobs=self.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
-        _finish_usage(usage, [final])
+        _finish_usage(usage, [final.num_cached_tokens])
         body = P.ChatCompletionResponse(
             id=base_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -474,7 +539,7 @@ class OpenAIServing:
 
     async def _chat_stream(
         self, base_id: str, created: int, req: P.ChatCompletionRequest, prepared: Prepared,
-        stream: RequestStream, k: int | None, include_usage: bool,
+        streams: list[RequestStream], k: int | None, include_usage: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
         base = {
             "id": base_id,
@@ -483,10 +548,8 @@ class OpenAIServing:
             "model": self.model_name,
         }
         extra = {"usage": None} if include_usage else {}
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        final: RequestOutput | None = None
+        choices = _ChoiceDeltas(want_logprobs=k is not None)
+        cached = 0
         try:
             for index in range(req.n):
                 choice = {
@@ -496,22 +559,19 @@ class OpenAIServing:
                     "finish_reason": None,
                 }
                 yield sse({**base, "choices": [choice], **extra})
-            async for _, out in _merge([stream]):
-                final = out
+            async for _, out in _merge(streams):
+                cached = out.num_cached_tokens
                 for c in out.outputs:
-                    if c.index in done:
+                    chunk = choices.take((0, c.index), c, "")
+                    if chunk is None:
                         continue
-                    prev_text, prev_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    delta = c.text[prev_text:]
-                    if not delta and not c.finish_reason:
-                        continue
-                    logprobs = self.chat_logprobs(c, prev_tok, k).model_dump() if k is not None else None
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    if c.finish_reason:
-                        done.add(c.index)
+                    text, token_ids, entries = chunk
+                    logprobs = (
+                        self.chat_logprobs(token_ids, entries, k).model_dump() if k is not None else None
+                    )
                     choice = {
                         "index": c.index,
-                        "delta": {"content": delta} if delta else {},
+                        "delta": {"content": text} if text else {},
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if c.finish_reason else None,
@@ -521,18 +581,55 @@ class OpenAIServing:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
-        if include_usage and final is not None:
-            usage = P.UsageInfo(prompt_tokens=len(final.prompt_token_ids or prepared.token_ids))
-            usage.completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-            _finish_usage(usage, [final])
+        if include_usage:
+            usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids), completion_tokens=choices.num_tokens)
+            _finish_usage(usage, [cached])
             yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
 
 
-def _finish_usage(usage: P.UsageInfo, finals: list[RequestOutput]) -> None:
+class _ChoiceDeltas:
+    """Per-choice state of a stream: tokens whose text is still held back (an incomplete UTF-8 sequence,
+    a possible stop string) ride along with the next chunk that has text, so logprobs lose none."""
+
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+        self.started: set[tuple[int, int]] = set()
+        self.num_tokens = 0
+        self._done: set[tuple[int, int]] = set()
+        self._held: dict[tuple[int, int], tuple[list[int], list[dict[int, Logprob]]]] = {}
+        self._offsets: dict[tuple[int, int], int] = {}
+
+    def take(
+        self, key: tuple[int, int], c: Any, prefix: str
+    ) -> tuple[str, list[int], list[dict[int, Logprob]]] | None:
+        """(text, token ids, logprob entries) to send for this delta of choice `key`, or None for now."""
+        if key in self._done:
+            return None
+        self.num_tokens += len(c.token_ids)
+        held_ids, held_entries = self._held.pop(key, ([], []))
+        token_ids = held_ids + list(c.token_ids)
+        entries = held_entries + list(c.logprobs or []) if self.want_logprobs else []
+        text = prefix + c.text
+        if not text and not c.finish_reason:
+            if token_ids:
+                self._held[key] = (token_ids, entries)
+            return None
+        self.started.add(key)
+        if c.finish_reason:
+            self._done.add(key)
+        return text, token_ids, entries
+
+    def text_offset(self, key: tuple[int, int], text: str) -> int:
+        """The text offset of this chunk's first token; advances past the chunk."""
+        start = self._offsets.get(key, 0)
+        self._offsets[key] = start + len(text)
+        return start
+
+
+def _finish_usage(usage: P.UsageInfo, cached_tokens: list[int]) -> None:
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in finals)
-    usage.prompt_tokens_details = {"cached_tokens": cached}
+    usage.prompt_tokens_details = {"cached_tokens": sum(n or 0 for n in cached_tokens)}
 
 
 def _finite(x: float) -> float:
@@ -550,34 +647,24 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams, tagging each output with its stream's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    end = object()
+    """Interleave the streams of one HTTP request, tagging each merged delta with its stream's position.
 
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                await q.put((i, out, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-            await q.put((i, None, exc))
-        finally:
-            await q.put((i, None, end))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, out, err = await q.get()
-            if err is end:
-                remaining -= 1
-            elif err is not None:
-                raise err
-            else:
+    One event watches them all and nothing is queued here: each stream merges what its reader has not
+    taken into one pending delta, so a slow reader costs one object per stream, however long it sleeps.
+    """
+    wake = asyncio.Event()
+    for stream in streams:
+        stream.listen(wake)
+    remaining = list(range(len(streams)))
+    while remaining:
+        wake.clear()
+        for i in list(remaining):
+            out = streams[i].take()  # raises the error that ended the stream
+            if out is not None:
+                if out.finished:
+                    remaining.remove(i)
                 yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
+            elif streams[i].finished:
+                remaining.remove(i)
+        if remaining:
+            await wake.wait()

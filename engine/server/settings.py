@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Two batches of the default --max-num-seqs (256): more waiting requests only add latency a client cannot
+# see, where a 503 + Retry-After lets it try another replica. Each waiting request holds its prompt (about
+# 64 bytes per token at worst: text, ids, block hashes) and its state; at an 8k context that is ~270 MB at
+# most, at 32k ~1.1 GB (docs/serving.md). The operator renders a per-pod value from its plan.
+DEFAULT_MAX_NUM_QUEUED_REQS = 512
+
 
 @dataclass
 class ServerSettings:
@@ -11,9 +17,14 @@ class ServerSettings:
     port: int = 8000
     served_model_names: list[str] = field(default_factory=list)  # empty = the engine's model name
     api_key: str | None = None
-    max_num_queued_reqs: int | None = None  # None = unbounded
+    # None (the flag absent) means the default: the queue is never unbounded.
+    max_num_queued_reqs: int | None = DEFAULT_MAX_NUM_QUEUED_REQS
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_seconds: float = 30.0
     retry_after_seconds: int = 1
     uvicorn_log_level: str = "info"
     log_stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_reqs is None:
+            self.max_num_queued_reqs = DEFAULT_MAX_NUM_QUEUED_REQS

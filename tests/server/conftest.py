@@ -1,4 +1,5 @@
-"""Real `pagoda serve` processes for the server tests, and helpers to read their /metrics."""
+"""Real `pagoda serve` processes for the server tests, helpers to read their /metrics, and a fake engine
+core (same threading and output contract as LLMEngine, no model) for the AsyncEngine and serving tests."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -147,3 +150,129 @@ def start_pagoda(tmp_path_factory: pytest.TempPathFactory):
     yield start
     for srv in started:
         srv.stop()
+
+
+# ---------------------------------------------------------------- a fake engine core
+
+
+class FakeTokenizer:
+    """Words -> ids by a stable sum; records the thread of every encode / chat render."""
+
+    def __init__(self, vocab_size: int = 1000) -> None:
+        self.vocab_size = vocab_size
+        self.threads: list[str] = []
+        self.encode_calls = 0
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"w{i}": i for i in range(self.vocab_size)}  # at most 4 characters a token
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        self.encode_calls += 1
+        return [1 + sum(w.encode()) % (self.vocab_size - 1) for w in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f" w{i}" for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: object) -> str:
+        self.threads.append(threading.current_thread().name)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+@dataclass
+class _FakeRequest:
+    params: object
+    arrival_time: float
+    produced: int = 0
+
+
+@dataclass
+class FakeCore:
+    """LLMEngine's contract without a model: one token per request per step, outputs as deltas.
+
+    `log` records ("add" | "abort" | "step", request id or None) in the engine thread's order;
+    `fail_steps` makes the step with that number raise; `block_add` makes add_request wait on it.
+    """
+
+    step_s: float = 0.0
+    vocab_size: int = 1000
+    max_model_len: int = 1024
+    model_name: str = "fake"
+    text_per_token: str = " tok"
+    fail_steps: set[int] = field(default_factory=set)
+    block_add: threading.Event | None = None
+    log: list[tuple[str, str | None]] = field(default_factory=list)
+    arrivals: dict[str, float] = field(default_factory=dict)
+    requests: dict[str, _FakeRequest] = field(default_factory=dict)
+    steps: int = 0
+    entered_add: threading.Event = field(default_factory=threading.Event)
+    _aborted: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = FakeTokenizer(self.vocab_size)
+        self.model_config = SimpleNamespace(vocab_size=self.vocab_size)
+
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0) -> None:
+        self.log.append(("add", request_id))
+        if self.block_add is not None:
+            self.entered_add.set()
+            self.block_add.wait(30)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        params.validate_token_ids(self.vocab_size)
+        self.arrivals[request_id] = arrival_time
+        self.requests[request_id] = _FakeRequest(params, arrival_time)
+
+    def abort_request(self, request_ids) -> None:
+        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            self.log.append(("abort", rid))
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                outs = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(req.params.n)]
+                self._aborted.append(RequestOutput(rid, None, [1], outs, finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_scheduler_stats(self):
+        from pagoda.engine.stats import SchedulerStats
+
+        return SchedulerStats(num_running=len(self.requests))
+
+    def step(self):
+        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+
+        self.steps += 1
+        self.log.append(("step", None))
+        if self.step_s:
+            time.sleep(self.step_s)
+        if self.steps in self.fail_steps:
+            raise RuntimeError(f"injected failure in step {self.steps}")
+        outputs, self._aborted = self._aborted, []
+        for rid, req in list(self.requests.items()):
+            req.produced += 1
+            done = req.produced >= req.params.max_tokens
+            outs = [
+                CompletionOutput(
+                    i, self.text_per_token, [req.produced], finish_reason="length" if done else None
+                )
+                for i in range(req.params.n)
+            ]
+            outputs.append(RequestOutput(rid, None, [1], outs, finished=done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def fakes() -> SimpleNamespace:
+    """The fake core and tokenizer (test modules cannot import conftest under importlib mode)."""
+    return SimpleNamespace(FakeCore=FakeCore, FakeTokenizer=FakeTokenizer)
