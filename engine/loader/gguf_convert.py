@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pagoda.engine.loader.content_hash import file_sha256
 
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 2
-_SAMPLE = 4 << 20  # bytes hashed from each end of the file
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -46,15 +46,11 @@ _SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 def gguf_cache_key(path: Path) -> str:
-    """Short digest of the file (size, both ends) and converter version: stable across copies and reinstalls."""
-    size = path.stat().st_size
-    h = hashlib.sha256(f"pagoda-gguf-v{CONVERTER_VERSION}:{size}:".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_SAMPLE))
-        if size > 2 * _SAMPLE:
-            f.seek(size - _SAMPLE)
-            h.update(f.read(_SAMPLE))
-    return h.hexdigest()[:12]
+    """Short digest of the file's whole content and the converter version: stable across copies and
+    reinstalls, and new for a retrained file of the same size (the content hash is computed once, see
+    content_hash)."""
+    content = file_sha256(path)
+    return hashlib.sha256(f"pagoda-gguf-v{CONVERTER_VERSION}:{content}".encode()).hexdigest()[:12]
 
 
 def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
@@ -150,7 +146,15 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_tokenizer(gguf_path, out)
     (out / "pagoda_source.json").write_text(
-        json.dumps({"gguf": str(gguf_path), "converter_version": CONVERTER_VERSION}, indent=2) + "\n"
+        json.dumps(
+            {
+                "gguf": str(gguf_path),
+                "gguf_sha256": file_sha256(gguf_path),
+                "converter_version": CONVERTER_VERSION,
+            },
+            indent=2,
+        )
+        + "\n"
     )
 
 

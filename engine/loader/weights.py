@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from pagoda.engine.attention.base import AttentionBackend
+from pagoda.engine.loader.content_hash import file_sha256
 from pagoda.engine.models import ModelConfig, get_model_class
 
 
@@ -43,13 +44,15 @@ def weights_nbytes(path: str | Path) -> int:
 
 
 def model_fingerprint(path: str | Path) -> str:
-    """Stable hex digest (same in every process) of config.json and the safetensors headers and sizes."""
+    """Stable hex digest (same in every process) of config.json and each safetensors file's header, size and
+    content SHA-256. Disk-tier KV is keyed by it and outlives rollouts, so retrained weights with the same
+    shapes must not share it; the content hash costs one read per file version (see content_hash)."""
     path = Path(path)
-    h = hashlib.sha256(b"pagoda-model-v1\0")
+    h = hashlib.sha256(b"pagoda-model-v2\0")
     h.update((path / "config.json").read_bytes())
     for file in safetensors_files(path):
         raw, _ = read_safetensors_header(file)
-        h.update(f"\0{file.name}\0{file.stat().st_size}\0".encode())
+        h.update(f"\0{file.name}\0{file.stat().st_size}\0{file_sha256(file)}\0".encode())
         h.update(raw)
     return h.hexdigest()[:32]
 
