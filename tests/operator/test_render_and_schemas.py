@@ -235,3 +235,14 @@ def test_the_queue_limit_shrinks_with_the_memory_and_grows_with_the_batch() -> N
         assert "503" in d.queue_reason
     assert limits["small"] < limits["large"]
     assert limits["few"] == 8  # two batches of 4: memory is no limit here
+
+
+def test_docs_state_the_queue_rule_the_operator_uses() -> None:
+    from pagoda.operator import planning
+    from pagoda.operator.testkit import ROOT
+
+    text = (ROOT / "docs" / "operator.md").read_text()
+    assert f"min({planning.QUEUE_BATCHES} × max_num_seqs" in text
+    assert f"/ {planning.QUEUE_MEMORY_DIVISOR} /" in text
+    per_request = planning.QUEUED_BYTES_PER_REQUEST // 1024
+    assert f"(max_model_len × {planning.QUEUED_BYTES_PER_TOKEN} B + {per_request} KiB)" in text
