@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator clean
+.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers clean
 
 install: $(STAMP)
 
@@ -53,6 +53,11 @@ bench-offload: install
 
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
+
+# Pagoda vs vLLM's CPU build (installed on first use into .peers/vllm, never into .venv) and transformers.
+# Extra flags: make bench-peers ARGS="--num-requests 8 --serve"
+bench-peers: install
+	$(PY) benchmarks/bench_peers.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tools bench-results .pytest_cache .ruff_cache

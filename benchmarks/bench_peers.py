@@ -173,23 +173,23 @@ def run_worker(label: str, python: Path, spec: dict, env: dict, timeout: float) 
 # ---------------------------------------------------------------- report
 
 
-def agreement(results: list[dict], check: int) -> tuple[bool, list[str]]:
+def agreement(results: list[dict]) -> tuple[bool | None, list[str]]:
+    """Whether the first greedy tokens of request 0 are the same in every engine that finished
+    (None when fewer than two did), and one line per engine."""
     ok = [r for r in results if "first_tokens" in r]
-    if len(ok) < 2:
-        return True, ["fewer than two engines finished; nothing to compare"]
-    ref = ok[0]
+    if not ok:
+        return None, []
+    ref = ok[0]["first_tokens"]
     lines, same = [], True
     for r in ok:
         toks = r["first_tokens"]
-        diverge = next(
-            (i for i, (a, b) in enumerate(zip(toks, ref["first_tokens"], strict=False)) if a != b), None
-        )
-        if diverge is None and len(toks) == len(ref["first_tokens"]):
-            lines.append(f"  {r['label']}: {toks}")
-        else:
-            same = False
-            lines.append(f"  {r['label']}: {toks}  <- differs from {ref['label']} at token {diverge}")
-    return same, lines
+        diverge = next((i for i, (a, b) in enumerate(zip(toks, ref, strict=False)) if a != b), None)
+        if diverge is None and len(toks) != len(ref):
+            diverge = min(len(toks), len(ref))
+        note = "" if diverge is None else f"  <- differs from {ok[0]['label']} from token {diverge}"
+        same = same and diverge is None
+        lines.append(f"  {r['label']}: {toks}{note}")
+    return (same if len(ok) > 1 else None), lines
 
 
 def report(args: argparse.Namespace, results: list[dict], skipped: list[str], meta: dict) -> dict:
@@ -227,8 +227,9 @@ def report(args: argparse.Namespace, results: list[dict], skipped: list[str], me
     )
     for why in skipped:
         print(f"skipped: {why}")
-    same, lines = agreement(results, args.check_tokens)
-    verdict = "identical" if same else "NOT identical"
+    same, lines = agreement(results)
+    verdict = {True: "identical", False: "NOT identical", None: "not compared (fewer than two engines ran)"}
+    verdict = verdict[same]
     print(f"\nFirst {args.check_tokens} greedy tokens of request 0: {verdict} across engines")
     print("\n".join(lines))
     pagoda = next((r for r in results if r.get("key") == "pagoda" and "tokens_per_s" in r), None)

@@ -1,0 +1,280 @@
+"""`bench_peers.py --serve`: served throughput of `pagoda serve` vs `vllm serve` (CPU build, both cores).
+
+One server at a time, listening on 127.0.0.1 only, the same weights (the HF directory the offline part
+uses), float32, the same KV cache size and context length. The client is the official `openai` package
+(`AsyncOpenAI.completions.create`, streamed, token-id prompts, greedy, `ignore_eos`), run from this
+process. Each concurrency level gets its own fresh requests (a repeat would hit the prefix cache); both
+servers get the same ones. Writes bench-results/peers-serve.json and peers-serve.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_peers import BOTH_CORES, OFFLINE_ENV, RESULTS, say
+from common import plot_path, print_table, write_json
+
+SERVED_NAME = "smollm2-bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **OFFLINE_ENV, **env},
+        cwd="/",  # the repo's `operator/` and `kernels/` folders must not shadow the server's modules
+        start_new_session=True,
+    )
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 1200) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server not ready after {timeout:.0f}s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's own process group (it was started in a new session), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+async def one(client, prompt: list[int], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    ttft, out_tokens, stamps = None, 0, []
+    stream = await client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            stamps.append(now)
+            if ttft is None:
+                ttft = now - start
+        if chunk.usage:
+            out_tokens = chunk.usage.completion_tokens
+    e2e = time.perf_counter() - start
+    ttft = e2e if ttft is None else ttft
+    tpot = (e2e - ttft) / (out_tokens - 1) if out_tokens > 1 else 0.0
+    return {"ttft": ttft, "e2e": e2e, "output_tokens": out_tokens, "tpot": tpot}
+
+
+async def load(url: str, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+    from openai import AsyncOpenAI
+    from tqdm.auto import tqdm
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(requests), desc=f"  concurrency {concurrency}", unit="req")
+
+    async def gated(prompt: list[int], n: int) -> dict:
+        async with gate:
+            try:
+                return await one(client, prompt, n)
+            finally:
+                bar.update(1)
+
+    start = time.perf_counter()
+    done = await asyncio.gather(*(gated(p, n) for p, n in requests), return_exceptions=True)
+    duration = time.perf_counter() - start
+    bar.close()
+    await client.close()
+    ok = [d for d in done if isinstance(d, dict)]
+    errors = [repr(d) for d in done if not isinstance(d, dict)]
+    tokens = sum(d["output_tokens"] for d in ok)
+    ttfts = sorted(d["ttft"] for d in ok) or [0.0]
+    return {
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "failed": len(errors),
+        "errors": errors[:3],
+        "seconds": duration,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration,
+        "requests_per_s": len(ok) / duration,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        "tpot_mean_s": statistics.fmean([d["tpot"] for d in ok]) if ok else 0.0,
+    }
+
+
+def serve_workloads(levels: list[int], seed: int, vocab: int) -> dict[int, list[tuple[list[int], int]]]:
+    """Per level max(8, 2 x concurrency) requests, prompts 24-512, outputs 16-256, fresh per level."""
+    out = {}
+    for c in levels:
+        rng = random.Random(seed * 1000 + c)
+        out[c] = [
+            ([rng.randrange(100, vocab) for _ in range(rng.randint(24, 512))], rng.randint(16, 256))
+            for _ in range(max(8, 2 * c))
+        ]
+    return out
+
+
+def serve_comparison(
+    args, model_dir: Path, meta: dict, vllm_python, vllm_note: str, levels: list[int]
+) -> None:
+    common_flags = [
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        "0",
+    ]
+    pagoda_bin = Path(sys.executable).parent / "pagoda"
+    servers = [
+        (
+            "pagoda serve",
+            [str(pagoda_bin), "serve", *common_flags, "--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB"],
+            {},
+        )
+    ]
+    skipped = []
+    if vllm_python is not None:
+        vllm_bin = Path(vllm_python).parent / "vllm"
+        env = {**BOTH_CORES, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+        servers.append(("vllm serve, both cores", [str(vllm_bin), "serve", *common_flags], env))
+    else:
+        skipped.append(f"vllm serve: {vllm_note}")
+        say(f"vllm serve SKIPPED: {vllm_note}")
+
+    work = serve_workloads(levels, args.seed, meta["vocab"])
+    warm = [([7 + i for i in range(64)], 8), ([11 + i for i in range(300)], 8)]
+    runs: list[dict] = []
+    for name, cmd, env in servers:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log_path = RESULTS / f"peers-serve-{name.split()[0]}.log"
+        say(f"--- {name} on {url} (log: {log_path})")
+        proc = start([*cmd, "--port", str(port)], env, log_path)
+        try:
+            t0 = time.monotonic()
+            wait_ready(proc, url, log_path)
+            say(f"{name} ready after {time.monotonic() - t0:.0f}s; warming up")
+            asyncio.run(load(url, warm, 2))
+            for c in levels:
+                run = asyncio.run(load(url, work[c], c))
+                run["server"] = name
+                runs.append(run)
+        except RuntimeError as e:
+            say(f"{name} FAILED: {e}")
+            skipped.append(f"{name}: {e}")
+        finally:
+            stop(proc)
+
+    rows = []
+    for r in runs:
+        peer = next(
+            (p for p in runs if p["server"] != r["server"] and p["concurrency"] == r["concurrency"]), None
+        )
+        ratio = ""
+        if r["server"] == "pagoda serve" and peer:
+            ratio = f"{r['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x"
+        rows.append(
+            [
+                r["server"],
+                r["concurrency"],
+                f"{r['requests']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
+                f"{r['output_tokens_per_s']:.1f}",
+                f"{r['ttft_mean_s'] * 1000:.0f}",
+                f"{r['ttft_p99_s'] * 1000:.0f}",
+                f"{r['tpot_mean_s'] * 1000:.1f}",
+                ratio,
+            ]
+        )
+    print_table(
+        f"Served throughput (openai client, streamed), {meta['model_name']} {args.dtype}, {os.cpu_count()} CPUs",
+        [
+            "server",
+            "concurrency",
+            "requests",
+            "output tok/s",
+            "TTFT mean ms",
+            "TTFT p99 ms",
+            "TPOT mean ms",
+            "pagoda / vllm",
+        ],
+        rows,
+    )
+    for why in skipped:
+        print(f"skipped: {why}")
+    path = write_json("peers-serve", {"model_dir": str(model_dir), "runs": runs, "skipped": skipped})
+    png = _plot(runs, levels)
+    say(f"wrote {path}" + (f" and {png}" if png else ""))
+
+
+def _plot(runs: list[dict], levels: list[int]) -> Path | None:
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["server"] for r in runs))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for j, c in enumerate(levels):
+            run = next((r for r in runs if r["server"] == name and r["concurrency"] == c), None)
+            if run:
+                xs.append(j + i * width)
+                ys.append(run["output_tokens_per_s"])
+        ax.bar(xs, ys, width, label=name, color="#c0392b" if name.startswith("pagoda") else "#7f8c8d")
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))], [str(c) for c in levels])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Served throughput, CPU")
+    ax.legend()
+    fig.tight_layout()
+    path = plot_path("peers-serve")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
