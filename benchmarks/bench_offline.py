@@ -45,9 +45,9 @@ def run_pagoda(llm: LLM, work) -> dict:
     bar = tqdm(total=len(work), desc="pagoda", unit="req")
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += len(out.outputs[0].token_ids)
+        for delta in engine.step():
+            tokens += sum(len(c.token_ids) for c in delta.outputs)
+            if delta.finished:
                 bar.update(1)
         steps += 1
         if engine.scheduler.running:

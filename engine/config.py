@@ -1,37 +1,77 @@
-"""Engine configuration: one dataclass, field names as vLLM's flags (dashes become underscores)."""
+"""Engine configuration: one dataclass, field names as vLLM's flags (dashes become underscores).
+
+Every field carries its flag's help (and choices, parser, aliases) in its metadata: `pagoda serve`'s
+engine flags are generated from this class (engine/cli/engine_args.py), so a default, a choice list or a
+help text is stated once, here, and no flag can exist that the engine does not read.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    """A config field with its command-line flag's help and options (choices, parser, aliases, cli=False)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory, GGUF file, hub id with a local copy, or None = embedded default
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
-    device: str = "auto"  # auto | cpu | cuda
-    block_size: int = 16
-    max_model_len: int | str | None = None  # None = the model's limit, "auto" = largest that fits
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None = per-device default
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    preemption_mode: str = "recompute"  # recompute | swap
-    attention_backend: str = "auto"  # auto | torch | triton
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    # Offload tiers (issue: KV offload).
-    kv_offload_host_bytes: int | None = None
-    kv_offload_disk_dir: str | None = None
-    kv_offload_disk_bytes: int | None = None
+    model: str | None = _opt(
+        None,
+        "HF directory, GGUF file or hub id with a local copy; default: the embedded SmolLM2-135M-Instruct",
+        cli=False,  # `pagoda serve` takes it as the positional MODEL (or --model)
+    )
+    served_model_name: str | None = _opt(None, "name clients use in 'model'", cli=False)
+    dtype: str = _opt(
+        "auto", "weights and activations; auto = float32 on CPU, the checkpoint's on CUDA", choices=DTYPES
+    )
+    device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
+    block_size: int = _opt(16, "tokens per KV cache block", choices=(8, 16, 32, 64, 128))
+    max_model_len: int | str | None = _opt(
+        None,
+        "context length: an integer (4k = 4000, 4K = 4096), 'auto' = largest that fits; default: the model's",
+        parser="max_model_len",
+    )
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _opt(None, "per-step token budget; default: 2048 (chunked prefill)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps so decodes keep going")
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache element type (fp8 needs compute capability 8.9+)", choices=KV_CACHE_DTYPES
+    )
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV cache size, e.g. 512MiB (overrides --gpu-memory-utilization)", parser="bytes"
+    )
+    gpu_memory_utilization: float = _opt(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "share of the GPU's memory the engine may use (weights, activations, KV)",
+    )
+    swap_space: float | None = _opt(
+        None,
+        "host RAM (GiB) for the host KV tier, which also holds preempted sequences' KV under "
+        "--preemption-mode swap; default: sized from the machine (ignored when --kv-offload-host-bytes is set)",
+    )
+    scheduling_policy: str = _opt("fcfs", "order of admission and preemption", choices=("fcfs", "priority"))
+    preemption_mode: str = _opt(
+        "recompute", "what a preempted sequence's KV becomes", choices=("recompute", "swap")
+    )
+    attention_backend: str = _opt(
+        "auto", "paged attention implementation", choices=("auto", "torch", "triton")
+    )
+    tensor_parallel_size: int = _opt(1, "GPUs per model replica (only 1 today)", aliases=("-tp",))
+    seed: int = _opt(0, "seed of the default random generator")
+    kv_offload_host_bytes: int | None = _opt(None, "host-RAM KV tier size, e.g. 8GiB", parser="bytes")
+    kv_offload_disk_dir: str | None = _opt(None, "directory of the disk KV tier (e.g. an NVMe volume)")
+    kv_offload_disk_bytes: int | None = _opt(None, "disk KV tier size, e.g. 100GiB", parser="bytes")
+    skip_tokenizer_init: bool = _opt(
+        False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +101,8 @@ class EngineConfig:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             bad("kv_cache_memory_bytes", "must be positive")
+        if self.swap_space is not None and self.swap_space < 0:
+            bad("swap_space", "must be non-negative")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad("scheduling_policy", "must be 'fcfs' or 'priority'")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -74,3 +116,12 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def host_tier_bytes(self) -> int | None:
+        """The host KV tier size asked for: --kv-offload-host-bytes, else --swap-space GiB, else None."""
+        if self.kv_offload_host_bytes is not None:
+            return self.kv_offload_host_bytes
+        if self.swap_space is not None:
+            return int(self.swap_space * 2**30)
+        return None

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.engine.config import EngineConfig
+from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         device: str = "auto",
         attention_backend: str = "auto",
         **kwargs: Any,
@@ -104,6 +104,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
+        partial: dict[str, RequestOutput] = {}  # deltas folded so far, per unfinished request
         pending = set(ids)
         bar = tqdm(
             total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True
@@ -111,11 +112,19 @@ class LLM:
         generated = 0
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        generated += sum(len(c.token_ids) for c in out.outputs)
+                for delta in self.engine.step():
+                    rid = delta.request_id
+                    if rid not in pending:
+                        continue
+                    whole = partial.get(rid)
+                    if whole is None:
+                        partial[rid] = whole = delta
+                    else:
+                        whole.add(delta)
+                    if whole.finished:
+                        pending.discard(rid)
+                        results[rid] = partial.pop(rid)
+                        generated += sum(len(c.token_ids) for c in whole.outputs)
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 0.0
                         if elapsed > 0:

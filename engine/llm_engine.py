@@ -3,11 +3,13 @@
     engine = LLMEngine(EngineConfig(...), stat_loggers=[...])
     engine.add_request(request_id, prompt, params, arrival_time=None, priority=0)
     while engine.has_unfinished_requests():
-        for out in engine.step(): ...          # cumulative RequestOutputs of requests that progressed
+        for delta in engine.step(): ...        # what each request gained this step (RequestOutput.add)
 
-Not thread-safe: one thread drives step(); other threads hand requests to that thread (AsyncEngine).
-`add_request` raises ValueError for bad input, e.g. "This model's maximum context length is N tokens;
-the prompt has M tokens". `max_tokens` beyond the remaining context is clamped; None = up to the limit.
+A step is the scheduler's plan, the runner's execution of it, and the scheduler's update from the result;
+the engine only validates input, detokenizes and reports. Not thread-safe: one thread drives step(); other
+threads hand requests to that thread (AsyncEngine). `add_request` raises ValueError for bad input, e.g.
+"This model's maximum context length is N tokens; the prompt has M tokens". `max_tokens` beyond the
+remaining context is clamped; None = up to the limit. Arrival times are `time.monotonic()` seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.detokenizer import Detokenizer, check_stop_strings, visible_text
-from pagoda.engine.kv_cache.manager import KVCacheManager
+from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.memory import cpu_kv_cache_bytes
 from pagoda.engine.model_runner import ModelRunner, kv_torch_dtype
@@ -27,9 +29,8 @@ from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
 from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
-from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
 from pagoda.engine.sizing.fit import fit_max_model_len
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
@@ -73,20 +74,32 @@ class LLMEngine:
         mc = self.model_config
         self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
-        self.tokenizer = load_tokenizer(path)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model, _ = load_model(path, self.dtype, self.device, backend)
+        model, _ = load_model(path, self.dtype, self.device, backend)
         self.fingerprint = model_fingerprint(path)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.runner = ModelRunner(
+            model,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
 
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
         elem = torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = mc.kv_bytes_per_token(elem)
         block_size = config.block_size
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights_bytes = self.runner.weights_bytes()
         kv_memory, activation_bytes = self._kv_memory_bytes(weights_bytes)
         self.max_model_len = fit_max_model_len(
             config.max_model_len,
@@ -99,8 +112,7 @@ class LLMEngine:
             device=self.device.type,
         )
         config.max_model_len = self.max_model_len
-        num_blocks = max(kv_memory // (self.kv_bytes_per_token * block_size), 1)
-        self.num_blocks = int(num_blocks)
+        self.num_blocks = int(max(kv_memory // (self.kv_bytes_per_token * block_size), 1))
         self.max_model_len_fitted = self.num_blocks * block_size
         if config.max_num_batched_tokens is None:
             base = 2048
@@ -112,40 +124,31 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off"
             )
-
-        self.kv = KVCacheManager(
-            self.num_blocks,
-            block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            extra_keys=(self.fingerprint, str(kv_dtype), str(block_size)),
+        self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
+        offload = build_offload(
+            config,
+            self.runner.block_shape,
+            kv_dtype,
+            self.device,
+            identity=f"{self.fingerprint}|{kv_dtype}|{block_size}",
         )
         self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                preemption_mode=config.preemption_mode,
+            ),
+            CacheConfig(
+                num_blocks=self.num_blocks,
+                block_size=block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                extra_keys=(self.fingerprint, str(kv_dtype), str(block_size)),
+            ),
+            offload,
         )
-        self.runner = ModelRunner(
-            self.model,
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            num_blocks=self.num_blocks,
-            block_size=block_size,
-            kv_dtype=kv_dtype,
-            device=self.device,
-        )
-        self.offload = build_offload(
-            config, self.kv, self.runner.kv_caches, identity=f"{self.fingerprint}|{kv_dtype}|{block_size}"
-        )
-        self.scheduler.offload = self.offload
-        self.scheduler.preemption_mode = config.preemption_mode
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
-        self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
         log.info(
@@ -153,6 +156,20 @@ class LLMEngine:
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
             self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
+
+    # ---- read-only views (the scheduler owns the state) ---------------------------------------------
+    @property
+    def kv(self):
+        """The KV cache manager, for inspection; only the scheduler writes to it."""
+        return self.scheduler.kv
+
+    @property
+    def offload(self):
+        return self.scheduler.offload
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
     # ---- memory -------------------------------------------------------------------------------------
     def _kv_memory_bytes(self, weights_bytes: int) -> tuple[int, int]:
@@ -162,34 +179,12 @@ class LLMEngine:
             return int(cfg.kv_cache_memory_bytes), 0
         if self.device.type != "cuda":
             return cpu_kv_cache_bytes(), 0
-        activation = self._profile_activation_peak()
+        tokens = min(cfg.max_num_batched_tokens or 2048, self.model_config.max_position_embeddings)
+        activation = self.runner.profile_activation_peak(tokens, cfg.block_size, self.dtype)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * cfg.gpu_memory_utilization - used_by_others - weights_bytes - activation
         return max(int(budget), 0), activation
-
-    def _profile_activation_peak(self) -> int:
-        """Run one dummy step of max_num_batched_tokens tokens against a one-block cache; return its peak."""
-        mc = self.model_config
-        tokens = min(self.config.max_num_batched_tokens or 2048, mc.max_position_embeddings)
-        before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe = ModelRunner(
-            self.model, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim, num_blocks=-(-tokens // self.config.block_size), block_size=self.config.block_size,
-            kv_dtype=self.dtype, device=self.device,
-        )  # fmt: skip
-        params = SamplingParams(max_tokens=1)
-        req = Request("profile", None, [0] * tokens, params, 1, now())
-        from pagoda.engine.scheduler import ScheduledSeq
-
-        table = list(range(probe.kv_caches[0].kv.shape[1]))
-        probe.execute([ScheduledSeq(req, req.seqs[0], tokens)], [table])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del probe
-        torch.cuda.empty_cache()
-        return int(peak)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(
@@ -204,19 +199,33 @@ class LLMEngine:
     ) -> None:
         params = params or SamplingParams()
         params.validate()
-        if request_id in self.requests:
+        vocab = self.model_config.vocab_size
+        check_ids = getattr(params, "validate_token_ids", None)
+        if check_ids is not None:
+            check_ids(vocab)
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.stop and self.detokenizer is None:
+            raise ValueError(
+                "stop strings need the tokenizer; the engine was started with skip_tokenizer_init"
+            )
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "text prompts need the tokenizer; the engine was started with skip_tokenizer_init: "
+                        "pass prompt_token_ids"
+                    )
                 prompt_token_ids = self.tokenizer(prompt).input_ids
             elif prompt is not None:
                 prompt_token_ids = list(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(
+            (not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids
+        ):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -233,165 +242,118 @@ class LLMEngine:
             max_tokens=max_tokens,
             arrival_time=arrival_time if arrival_time is not None else now(),
             priority=priority,
+            eos_token_ids=frozenset(self.eos_token_ids),
         )
-        self.requests[request_id] = req
         self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.finished:
-                    seq.finish_reason = "abort"
-            self.scheduler.finish_request(req)
+        for req in self.scheduler.abort_requests(ids):
             self._record_finished(req)
-            self._aborted_outputs.append(self._make_output(req))
+            self._aborted_outputs.append(self._make_output(req, list(req.seqs), {}, {}))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.scheduler.requests)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def demote_cached(self, tier: str = "host") -> int:
+        """Move every unreferenced cached device block down to ``tier`` ("host", or "disk", which also drains
+        the host tier) and forget it on the device; returns the blocks moved. For benchmarks and draining an
+        idle engine; refused (0) while any block is in use."""
+        kv, offload = self.scheduler.kv, self.scheduler.offload
+        if offload is None:
+            raise ValueError(f"no {tier} tier is configured")
+        if kv.num_used_blocks > 0:
+            return 0
+        everything = [SaveBlock(b.block_id, h) for h, b in kv.block_pool.cached.items()]
+        saved = self.runner.apply_kv_ops([*kv.take_ops(), *everything])
+        offload.store_to(tier, saved)
+        kv.reset_prefix_cache()
+        return len(everything)
 
     def close(self) -> None:
-        """Finish queued disk-tier writes and release the tier's directory lock (idempotent)."""
-        if self.offload is not None:
-            self.offload.close()
+        """Write the device's cached blocks and the host tier to the disk tier (when there is one), finish
+        queued disk writes and release the tier's directory lock. Idempotent."""
+        offload = self.scheduler.offload
+        if offload is None or getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if offload.disk is not None and offload.disk.enabled:
+            kv = self.scheduler.kv
+            saved = self.runner.apply_kv_ops([*kv.take_ops(), *offload.persist_ops(kv)])
+            for block_hash, data in saved:
+                offload.disk.put(block_hash, data)
+        offload.close()
 
     def add_stat_logger(self, logger: StatLogger) -> None:
         self.stat_loggers.append(logger)
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan, execute, update; returns one delta per request that progressed or ended."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
-        it = IterationStats(
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=sched.prefix_queries,
-            prefix_cache_hits=sched.prefix_hits,
-        )
-        if sched.prefix_hits:
-            it.cached_tokens_by_source["device"] = sched.prefix_hits
-        if self.offload is not None:
-            self.offload.save_evicted()  # before anything writes KV into the reused blocks
-            loaded, it.offload = self.offload.take_step_stats()
-            it.cached_tokens_by_source.update(loaded)
-        if not sched.empty:
-            outputs.extend(self._run(sched, it))
-        it.finished_requests, self._pending_finished = self._pending_finished, []
+        result = self.runner.execute(sched)
+        updates = self.scheduler.update_from_output(sched, result, self._check_stop)
+        it = self._iteration_stats(sched, updates)
+        outputs.extend(self._outputs(updates))
         self._emit_stats(it)
         return outputs
 
-    def _run(self, sched: SchedulerOutput, it: IterationStats) -> list[RequestOutput]:
-        step_start = now()
-        self.runner.copy_blocks(self.kv.take_pending_copies())
-        tables = [self.kv.get_block_table(s.seq.seq_id) for s in sched.scheduled]
-        logits = self.runner.execute(sched.scheduled, tables)
-        for s in sched.scheduled:
-            seq = s.seq
-            start = seq.num_computed_tokens
-            it.num_prompt_tokens += max(0, min(seq.num_prompt_tokens, start + s.num_new_tokens) - start)
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = step_start
-                if s.request.num_cached_tokens == 0:
-                    s.request.num_cached_tokens = start
-        self.scheduler.advance(sched)
-
-        # One sampling row per sequence; a request with n > 1 forks when its prompt is done.
-        targets: list[tuple[Request, Sequence, int]] = []
-        row = 0
-        for s in sched.scheduled:
-            if not s.samples:
-                continue
-            req = s.request
-            targets.append((req, s.seq, row))
-            if req.params.n > 1 and not req.forked:
-                for child in req.fork_children():
-                    self.kv.fork(s.seq.seq_id, child.seq_id)
-                    targets.append((req, child, row))
-            row += 1
-        if not targets:
-            return []
-        rows = [
-            SamplingRow(
-                params=req.params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
-                stop_ids=([] if req.params.ignore_eos else self.eos_token_ids) + req.params.stop_token_ids,
-            )
-            for req, seq, _ in targets
-        ]
-        result = sample(logits[[t[2] for t in targets]], rows)
-        t_now = now()
-        touched: dict[str, Request] = {}
-        for (req, seq, _), tok, lp, top in zip(
-            targets, result.token_ids, result.logprobs, result.top_logprobs, strict=True
-        ):
-            self._append_token(req, seq, tok, lp, top, t_now, it)
-            touched[req.request_id] = req
-        outputs = []
-        for req in touched.values():
-            if req.finished:
-                self.scheduler.finish_request(req)
-                self.requests.pop(req.request_id, None)
-                self._record_finished(req)
-            outputs.append(self._make_output(req))
-        return outputs
-
-    def _append_token(self, req: Request, seq: Sequence, tok: int, lp: float, top, t_now: float, it) -> None:
-        params = req.params
-        seq.token_ids.append(tok)
-        seq.cumulative_logprob += lp
-        if params.logprobs is not None:
-            for tid, entry in top.items():
-                entry.decoded_token = self.tokenizer.decode([tid])
-            seq.logprobs.append(top)
-        it.num_generation_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = t_now
-            if seq.index == 0 and req.metrics.first_token_time is None:
-                req.metrics.first_token_time = t_now
-                it.time_to_first_tokens.append(t_now - req.arrival_time)
-        elif seq.index == 0:
-            it.inter_token_latencies.append(t_now - seq.last_token_time)
-        seq.last_token_time = t_now
-        req.metrics.last_token_time = t_now
-
-        n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
-            if tok in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", tok
-            elif not params.ignore_eos and tok in self.eos_token_ids:
-                seq.finish_reason = "stop"
-        if not seq.finished:
-            delta = self.detokenizer.append(seq, params)
-            check_stop_strings(seq, params, len(delta))
-        if not seq.finished and (n_out >= req.max_tokens or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason = "length"
-        if seq.finished:
-            self.scheduler.free_finished_seq(seq)
+    def _check_stop(self, req: Request, seq: Sequence) -> None:
+        if self.detokenizer is None:
+            return
+        delta = self.detokenizer.append(seq, req.params)
+        check_stop_strings(seq, req.params, len(delta))
 
     # ---- outputs and stats --------------------------------------------------------------------------
-    def _make_output(self, req: Request) -> RequestOutput:
-        comps = [
-            CompletionOutput(
-                index=seq.index,
-                text=visible_text(seq, req.params),
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs if req.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
+    def _outputs(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+        by_request: dict[str, tuple[Request, list[Sequence], dict[int, int], dict[int, dict]]] = {}
+        for u in updates:
+            req, seqs, tokens, tops = by_request.setdefault(u.request.request_id, (u.request, [], {}, {}))
+            seqs.append(u.seq)
+            tokens[u.seq.index] = u.token_id
+            if u.top_logprobs is not None:
+                tops[u.seq.index] = u.top_logprobs
+        outputs = []
+        for req, seqs, tokens, tops in by_request.values():
+            if req.finished:
+                self._record_finished(req)
+            outputs.append(self._make_output(req, seqs, tokens, tops))
+        return outputs
+
+    def _make_output(
+        self, req: Request, seqs: list[Sequence], tokens: dict[int, int], tops: dict[int, dict]
+    ) -> RequestOutput:
+        """The delta of ``seqs``: the token each got this step (if any) and its newly visible text."""
+        want_logprobs = req.params.logprobs is not None
+        comps = []
+        for seq in seqs:
+            new_ids = [tokens[seq.index]] if seq.index in tokens else []
+            top = tops.get(seq.index)
+            if top is not None and self.tokenizer is not None:
+                for tid, entry in top.items():
+                    if entry.decoded_token is None:
+                        entry.decoded_token = self.tokenizer.decode([tid])
+            visible = visible_text(seq, req.params)
+            text = visible[seq.num_sent_chars :] if len(visible) > seq.num_sent_chars else ""
+            seq.num_sent_chars = max(seq.num_sent_chars, len(visible))
+            comps.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(new_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=([top] if top is not None else []) if want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
             )
-            for seq in req.seqs
-        ]
         finished = req.finished
         if finished and req.metrics.finished_time is None:
             req.metrics.finished_time = now()
@@ -405,6 +367,33 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             metrics=req.metrics,
         )
+
+    def _iteration_stats(self, sched: SchedulerOutput, updates: list[SeqUpdate]) -> IterationStats:
+        it = IterationStats(
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_queries,
+            prefix_cache_hits=sched.prefix_hits,
+            num_prompt_tokens_per_new_request=list(sched.new_request_prompt_lens),
+        )
+        if sched.prefix_hits:
+            it.cached_tokens_by_source["device"] = sched.prefix_hits
+        offload = self.scheduler.offload
+        if offload is not None:
+            loaded, it.offload = offload.take_step_stats()
+            it.cached_tokens_by_source.update(loaded)
+        for s in sched.scheduled:
+            prompt = s.seq.num_prompt_tokens
+            it.num_prompt_tokens += max(0, min(prompt, s.start + s.num_new_tokens) - s.start)
+        it.num_generation_tokens = len(updates)
+        for u in updates:
+            if u.seq.index != 0:
+                continue
+            if u.gap is None:
+                it.time_to_first_tokens.append(u.seq.first_token_time - u.request.arrival_time)
+            else:
+                it.inter_token_latencies.append(u.gap)
+        it.finished_requests, self._pending_finished = self._pending_finished, []
+        return it
 
     def _record_finished(self, req: Request) -> None:
         m = req.metrics
@@ -430,7 +419,8 @@ class LLMEngine:
         )
 
     def get_scheduler_stats(self) -> SchedulerStats:
-        kv = self.kv
+        kv = self.scheduler.kv
+        offload = self.scheduler.offload
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -438,7 +428,7 @@ class LLMEngine:
             num_blocks_total=kv.num_blocks,
             num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,
             num_blocks_cached=kv.num_cached_blocks,
-            offload=self.offload.snapshot() if self.offload is not None else {},
+            offload=offload.snapshot() if offload is not None else {},
         )
 
     def _emit_stats(self, it: IterationStats) -> None:
@@ -450,10 +440,4 @@ class LLMEngine:
 
     def kv_waste(self) -> float:
         """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""
-        allocated = filled = 0
-        for req in self.scheduler.running:
-            for seq in req.active_seqs:
-                if seq.has_blocks:
-                    allocated += len(self.kv.get_block_table(seq.seq_id)) * self.kv.block_size
-                    filled += seq.num_computed_tokens
-        return 0.0 if allocated == 0 else 1.0 - filled / allocated
+        return self.scheduler.kv_waste()

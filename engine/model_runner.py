@@ -1,20 +1,35 @@
-"""Builds a step's batch tensors from the scheduler's decision, runs the model and returns logits.
+"""Executes what the scheduler planned: device-cache ops, the model forward and sampling.
 
-Owns the per-layer KV cache tensors (layout in engine/attention/base.py).
+Owns the per-layer KV cache tensors (layout in engine/attention/base.py) and measures the memory the model
+needs, so the engine can size the cache from facts. Reads the scheduler's output, writes nothing back into
+request state: what it produced goes back in a RunnerOutput.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
-from pagoda.engine.scheduler import ScheduledSeq
+from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, SaveBlock
+from pagoda.engine.sampler import SamplingRow, sample
+from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _FP8.get(kv_cache_dtype, model_dtype)
+
+
+@dataclass
+class MemoryProfile:
+    """What the model takes on its device, measured at start-up (CUDA) or counted (CPU)."""
+
+    weights_bytes: int
+    activation_peak_bytes: int = 0
 
 
 class ModelRunner:
@@ -25,67 +40,204 @@ class ModelRunner:
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        kv_dtype: torch.dtype,
         device: torch.device,
+        eos_token_ids: list[int] | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.kv_caches: list[LayerKVCache] = []
+        self.block_size = 0
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.block_size = block_size
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
-            LayerKVCache(
-                torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
-            )
-            for _ in range(num_layers)
+            LayerKVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            for _ in range(self.num_layers)
         ]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole blocks (all layers, K and V)."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
-            cache.kv[:, dst] = cache.kv[:, src]
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of every layer: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build_metadata(
-        self, scheduled: list[ScheduledSeq], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        tokens, positions, slots = [], [], []
-        query_lens, seq_lens, context_lens = [], [], []
+    def profile_activation_peak(self, num_tokens: int, block_size: int, dtype: torch.dtype) -> int:
+        """Run one dummy forward of ``num_tokens`` tokens against a just-big-enough cache; return the peak
+        memory it took beyond what was allocated before (CUDA only; 0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        saved = self.kv_caches, self.block_size
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_blocks = -(-num_tokens // block_size)
+        self.allocate_kv_cache(num_blocks, block_size, dtype)
+        table = list(range(num_blocks))
+        positions = np.arange(num_tokens, dtype=np.int64)
+        meta = self._metadata(
+            [np.zeros(num_tokens, dtype=np.int64)], [positions], [table], [num_tokens], [0], [num_tokens]
+        )
+        with torch.inference_mode():
+            hidden = self.model(meta[0], meta[1], self.kv_caches, meta[2])
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches, self.block_size = saved
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- device-cache ops ---------------------------------------------------------------------------
+    def apply_kv_ops(self, ops: list[KVOp]) -> list[tuple[bytes, torch.Tensor]]:
+        """Run copies, saves and loads in the order given (runs of one kind batched while no block repeats
+        in the run); returns (hash, host data) of every saved block."""
+        saved: list[tuple[bytes, torch.Tensor]] = []
+        i = 0
+        while i < len(ops):
+            kind = type(ops[i])
+            run: list[KVOp] = []
+            touched: set[int] = set()
+            while i < len(ops) and type(ops[i]) is kind:
+                ids = _blocks_of(ops[i])
+                if touched & ids:
+                    break
+                touched |= ids
+                run.append(ops[i])
+                i += 1
+            if kind is CopyBlock:
+                self._copy([op.src for op in run], [op.dst for op in run])
+            elif kind is SaveBlock:
+                data = self.gather_blocks([op.block_id for op in run])
+                saved.extend((op.block_hash, data[j]) for j, op in enumerate(run))
+            else:
+                self._scatter([op.block_id for op in run], [op.data for op in run])
+        return saved
+
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for cache in self.kv_caches:
+            cache.kv[:, d] = cache.kv[:, s]
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, num_layers, 2, block_size, kv_heads, head_dim] on the host (pinned on CUDA)."""
+        pin = self.device.type == "cuda"
+        ids = torch.tensor(block_ids, device=self.device)
+        dtype = self.kv_caches[0].kv.dtype
+        out = torch.empty((len(block_ids), *self.block_shape), dtype=dtype, pin_memory=pin)
+        for layer, cache in enumerate(self.kv_caches):
+            out[:, layer].copy_(cache.kv.index_select(1, ids).transpose(0, 1), non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def _scatter(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        ids = torch.tensor(block_ids, device=self.device)
+        stacked = torch.stack(data)  # [n, L, 2, bs, H, D] on the host
+        if self.device.type == "cuda":
+            stacked = stacked.to(self.device, non_blocking=True)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.kv.index_copy_(1, ids, stacked[:, layer].transpose(0, 1))
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Ops first (in order), then the forward and one sampled token per sampling sequence."""
+        result = RunnerOutput()
+        if out.kv_ops:
+            start = time.perf_counter()
+            result.saved = self.apply_kv_ops(out.kv_ops)
+            result.save_seconds = time.perf_counter() - start
+        if out.empty:
+            return result
+        logits = self.forward(out.scheduled)
+        rows, row_index = [], []
+        r = 0
+        for sched in out.scheduled:
+            if not sched.samples:
+                continue
+            req = sched.request
+            stop_ids = ([] if req.params.ignore_eos else self.eos_token_ids) + req.params.stop_token_ids
+            for seq in sched.sample_seqs:
+                rows.append(
+                    SamplingRow(
+                        params=req.params,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids,
+                        generator=seq.generator,
+                        stop_ids=stop_ids,
+                    )
+                )
+                row_index.append(r)
+            r += 1
+        if rows:
+            if len(row_index) != logits.shape[0]:
+                logits = logits[torch.tensor(row_index, device=logits.device)]
+            sampled = sample(logits, rows)
+            result.token_ids = sampled.token_ids
+            result.logprobs = sampled.logprobs
+            result.top_logprobs = sampled.top_logprobs
+        return result
+
+    @torch.inference_mode()
+    def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Float32 logits for the last token of every sequence that samples this step."""
+        tokens, positions, tables, qlens, ctx, slens = [], [], [], [], [], []
         sample_idx = []
         offset = 0
-        for sched, table in zip(scheduled, block_tables, strict=True):
+        for sched in scheduled:
             seq = sched.seq
-            start, n = seq.num_computed_tokens, sched.num_new_tokens
-            pos = np.arange(start, start + n, dtype=np.int64)
-            table_np = np.asarray(table, dtype=np.int64)
+            start, n = sched.start, sched.num_new_tokens
             tokens.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table_np[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            context_lens.append(start)
-            seq_lens.append(start + n)
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            tables.append(sched.block_table)
+            qlens.append(n)
+            ctx.append(start)
+            slens.append(start + n)
             offset += n
             if sched.samples:
                 sample_idx.append(offset - 1)
+        input_ids, pos_t, meta = self._metadata(tokens, positions, tables, qlens, ctx, slens)
+        hidden = self.model(input_ids, pos_t, self.kv_caches, meta)
+        if not sample_idx:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        if len(sample_idx) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_idx, device=hidden.device)]
+        return self.model.compute_logits(hidden)
+
+    def _metadata(
+        self,
+        tokens: list[np.ndarray],
+        positions: list[np.ndarray],
+        block_tables: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+        seq_lens: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
         max_blocks = max((len(t) for t in block_tables), default=1)
         tables = np.zeros((len(block_tables), max(max_blocks, 1)), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        dev = self.device
+        pos = np.concatenate(positions)
+        row = np.repeat(np.arange(len(query_lens)), query_lens)
+        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
         meta = AttentionMetadata(
-            num_seqs=len(scheduled),
-            num_tokens=offset,
+            num_seqs=len(query_lens),
+            num_tokens=int(qsl[-1]),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_list=query_lens,
@@ -93,14 +245,12 @@ class ModelRunner:
             is_decode_only=all(q == 1 for q in query_lens),
         )
         input_ids = torch.from_numpy(np.concatenate(tokens)).to(dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos_t, meta, sample_idx
+        return input_ids, torch.from_numpy(pos).to(dev), meta
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], block_tables: list[list[int]]) -> torch.Tensor:
-        """Returns float32 logits for the last token of every sequence that samples this step."""
-        input_ids, positions, meta, sample_idx = self.build_metadata(scheduled, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sample_idx:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
+
+def _blocks_of(op: KVOp) -> set[int]:
+    if isinstance(op, CopyBlock):
+        return {op.src, op.dst}
+    if isinstance(op, SaveBlock | LoadBlock):
+        return {op.block_id}
+    raise TypeError(f"unknown KV op {op!r}")

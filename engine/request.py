@@ -43,6 +43,8 @@ class Sequence:
     read_offset: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Characters of the visible text already handed out in deltas.
+    num_sent_chars: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,7 @@ class Request:
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # ends the sequence unless params.ignore_eos
 
     def __post_init__(self) -> None:
         if self.metrics is None:

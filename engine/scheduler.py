@@ -5,7 +5,14 @@ policy order, then admits waiting requests while the token budget, `max_num_seqs
 allow. A prompt longer than the remaining budget is cut into chunks (chunked prefill). When a running
 sequence needs a block and none is left, the lowest-ranked running request is preempted: its blocks are
 freed and it goes back to the waiting queue to be recomputed later (its cached full blocks usually make
-that cheap).
+that cheap), or, in swap mode, its blocks are saved to the host tier first.
+
+The scheduler is the only owner of request state and of the KV cache manager (and, through it, of the
+offload tiers' bookkeeping). A step is three calls:
+
+    out = scheduler.schedule()                 # what to compute, block tables, ordered device-cache ops
+    result = runner.execute(out)               # ops, forward, sampling
+    updates = scheduler.update_from_output(out, result, check_stop)   # append, stops, forks, frees
 """
 
 from __future__ import annotations
@@ -13,11 +20,32 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pagoda.engine.kv_cache.hashing import BlockHash
 from pagoda.engine.kv_cache.manager import KVCacheManager
+from pagoda.engine.kv_cache.ops import KVOp
+from pagoda.engine.outputs import Logprob
 from pagoda.engine.request import Request, SeqStatus, Sequence, now
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+    preemption_mode: str = "recompute"  # recompute | swap
+
+
+@dataclass
+class CacheConfig:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    extra_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -28,24 +56,63 @@ class ScheduledSeq:
     # The chunk reaches the sequence's last token, so the step yields its next token. Fixed when scheduled
     # (the sequence's computed count moves on after the forward).
     samples: bool = field(init=False)
+    # Filled at the end of schedule(): the block table the forward uses, and the sequences that draw a token
+    # from this row's logits (the sequence itself, plus its fork children when an n > 1 prompt completes).
+    block_table: list[int] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    # Tokens this chunk starts from (the sequence's computed count when scheduled).
+    start: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Device-cache writes to run, in order, before the forward (also when nothing is scheduled).
+    kv_ops: list[KVOp] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preemptions: int = 0
     preempted: list[Request] = field(default_factory=list)
     # Prefix-cache lookups made while admitting requests this step (tokens).
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Prompt lengths of the requests admitted for the first time this step.
+    new_request_prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner hands back: one sampled token per entry of the scheduled sample_seqs, in order,
+    and the blocks it read for SaveBlock ops (hash, host tensor)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    saved: list[tuple[BlockHash, object]] = field(default_factory=list)
+    save_seconds: float = 0.0
+
+
+@dataclass
+class SeqUpdate:
+    """One sequence's progress in a step: the token it got."""
+
+    request: Request
+    seq: Sequence
+    token_id: int
+    top_logprobs: dict[int, Logprob] | None = None
+    gap: float | None = None  # seconds since the sequence's previous token; None for its first
+
+
+# check_stop(request, seq), called after each appended token: detokenizes it and finishes the sequence on a
+# stop string (detokenization lives in the engine's output processor, stop strings need its text).
+StopCheck = Callable[[Request, Sequence], None]
 
 
 class WaitingQueue:
@@ -95,33 +162,53 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-    ) -> None:
-        self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
-        self.waiting = WaitingQueue(policy)
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, offload=None) -> None:
+        """``offload``: a pagoda.engine.offload.OffloadManager or None. Lower tiers extend prefix hits;
+        swap preemption saves a preempted sequence's blocks to them instead of leaving them to recompute."""
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.policy
+        self.preemption_mode = config.preemption_mode
+        self.offload = offload
+        self.kv = KVCacheManager(
+            cache.num_blocks,
+            cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            extra_keys=cache.extra_keys,
+            should_save=offload.should_save if offload is not None else None,
+        )
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
         self.total_preemptions = 0
-        # Offload tiers (set by the engine): lower tiers extend prefix hits; "swap" pushes a preempted
-        # sequence's blocks to the host tier instead of leaving them to be recomputed.
-        self.offload = None  # pagoda.engine.offload.OffloadManager | None
-        self.preemption_mode = "recompute"
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
         self.waiting.add(req)
 
-    def finish_request(self, req: Request) -> None:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests (unknown ids are ignored); returns the ones that were live."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+            self._finish_request(req)
+            aborted.append(req)
+        return aborted
+
+    def _finish_request(self, req: Request) -> None:
         """Free every block of a finished or aborted request, wherever it is."""
         if req in self.running:
             self.running.remove(req)
@@ -130,9 +217,7 @@ class Scheduler:
         for seq in req.seqs:
             self._free_seq(seq)
         req.status = SeqStatus.FINISHED
-
-    def free_finished_seq(self, seq: Sequence) -> None:
-        self._free_seq(seq)
+        self.requests.pop(req.request_id, None)
 
     def _free_seq(self, seq: Sequence) -> None:
         if seq.has_blocks:
@@ -202,6 +287,8 @@ class Scheduler:
                 out.scheduled = [s for s in out.scheduled if s.request is not req]
                 break
             self.waiting.pop()
+            if req.first_scheduled_time is None:
+                out.new_request_prompt_lens.append(len(req.prompt_token_ids))
             for seq in seqs:
                 queries, hits = seq.prefix_lookup
                 out.prefix_queries += queries
@@ -214,6 +301,18 @@ class Scheduler:
             out.scheduled.extend(s for s in planned if s.num_new_tokens > 0)
 
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        for sched in out.scheduled:
+            sched.block_table = self.kv.get_block_table(sched.seq.seq_id)
+            if sched.samples:
+                sched.sample_seqs = [sched.seq]
+                req = sched.request
+                if req.params.n > 1 and not req.forked:
+                    # Children share the prompt's blocks (the forward about to run fills them); each
+                    # draws its own first token from the same logits row.
+                    for child in req.fork_children():
+                        self.kv.fork(sched.seq.seq_id, child.seq_id)
+                        sched.sample_seqs.append(child)
+        out.kv_ops = self.kv.take_ops()
         return out
 
     def _num_new_tokens(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
@@ -223,7 +322,7 @@ class Scheduler:
             seq.has_blocks = True
             seq.prefix_lookup = (seq.num_tokens if self.kv.enable_prefix_caching else 0, hit)
             if self.offload is not None:
-                hit += self.offload.load_prefix(seq.seq_id, seq.token_ids, hit)
+                hit += self.offload.load_prefix(self.kv, seq.seq_id, seq.token_ids, hit)
             seq.num_computed_tokens = hit
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining <= budget:
@@ -246,7 +345,7 @@ class Scheduler:
         self.running.remove(req)
         for seq in req.seqs:
             if self.preemption_mode == "swap" and self.offload is not None and seq.has_blocks:
-                self.offload.swap_out(self.kv.get_block_table(seq.seq_id))
+                self.offload.swap_out(self.kv, seq.seq_id)
             self._free_seq(seq)
             seq.num_computed_tokens = 0
         req.status = SeqStatus.WAITING
@@ -257,9 +356,98 @@ class Scheduler:
         self.waiting.add(req, front=True)
         return refund
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens now sit in the cache; register full blocks."""
+    # ---- after the forward ------------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, result: RunnerOutput, check_stop: StopCheck | None = None
+    ) -> list[SeqUpdate]:
+        """The scheduled tokens now sit in the cache: register full blocks, append the sampled tokens, apply
+        stops, free what finished. Returns one update per sampled sequence, in batch order."""
+        if result.saved and self.offload is not None:
+            self.offload.store(result.saved, result.save_seconds)
         for sched in out.scheduled:
-            seq = sched.seq
-            seq.num_computed_tokens += sched.num_new_tokens
+            seq, req = sched.seq, sched.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = req.first_scheduled_time
+                if req.num_cached_tokens == 0:
+                    req.num_cached_tokens = sched.start
+            seq.num_computed_tokens = sched.start + sched.num_new_tokens
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            for child in sched.sample_seqs[1:]:
+                child.num_computed_tokens = seq.num_computed_tokens
+        updates: list[SeqUpdate] = []
+        i = 0
+        t_now = now()
+        for sched in out.scheduled:
+            for seq in sched.sample_seqs:
+                tok = result.token_ids[i]
+                top = result.top_logprobs[i] if result.top_logprobs else None
+                lp = result.logprobs[i] if result.logprobs else 0.0
+                i += 1
+                updates.append(self._append(sched.request, seq, tok, lp, top, t_now, check_stop))
+        finished = {id(u.request): u.request for u in updates if u.request.finished}
+        for req in finished.values():
+            if req.request_id in self.requests:
+                self._finish_request(req)
+        return updates
+
+    def _append(
+        self,
+        req: Request,
+        seq: Sequence,
+        tok: int,
+        lp: float,
+        top: dict[int, Logprob] | None,
+        t_now: float,
+        check_stop: StopCheck | None,
+    ) -> SeqUpdate:
+        params = req.params
+        seq.token_ids.append(tok)
+        seq.cumulative_logprob += lp
+        if params.logprobs is not None and top is not None:
+            seq.logprobs.append(top)
+        gap = None
+        if seq.first_token_time is None:
+            seq.first_token_time = t_now
+            if seq.index == 0 and req.metrics.first_token_time is None:
+                req.metrics.first_token_time = t_now
+        else:
+            gap = t_now - seq.last_token_time
+        seq.last_token_time = t_now
+        req.metrics.last_token_time = t_now
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if tok in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+            elif not params.ignore_eos and tok in req.eos_token_ids:
+                seq.finish_reason = "stop"
+        if check_stop is not None and not seq.finished:
+            check_stop(req, seq)
+        if not seq.finished and (n_out >= req.max_tokens or seq.num_tokens >= self.config.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finished:
+            self._free_seq(seq)
+        return SeqUpdate(req, seq, tok, top, gap)
+
+    # ---- views --------------------------------------------------------------------------------------
+    def kv_waste(self) -> float:
+        """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""
+        allocated = filled = 0
+        for req in self.running:
+            for seq in req.active_seqs:
+                if seq.has_blocks:
+                    allocated += len(self.kv.get_block_table(seq.seq_id)) * self.kv.block_size
+                    filled += seq.num_computed_tokens
+        return 0.0 if allocated == 0 else 1.0 - filled / allocated
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when request state and the KV cache manager disagree."""
+        self.kv.check_invariants()
+        live = {s.seq_id for r in self.requests.values() for s in r.seqs if s.has_blocks}
+        for req in self.requests.values():
+            assert req.status != SeqStatus.FINISHED, f"{req.request_id} is finished but still tracked"
+        assert all(self.kv.has_seq(s) for s in live), (
+            "a sequence that has blocks is unknown to the KV manager"
+        )
+        if not self.requests:
+            assert self.kv.num_seqs == 0, "no request is live but the KV manager still holds sequences"
+            assert self.kv.num_used_blocks == 0, "no request is live but blocks are in use"

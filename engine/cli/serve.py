@@ -4,45 +4,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import difflib
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pagoda.engine.cli.engine_args import (
+    add_engine_args,
+    engine_config_from_args,
+    parse_bytes,
+    parse_max_model_len,
+)
+from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagoda.engine.server.settings import ServerSettings
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512MiB', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024)."""
-    m = _BYTES.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 536870912, 512MiB, 2GB)")
-    number, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
-    power = " kmgt".index(unit or " ")
-    return int(number * (1024 if binary else 1000) ** power)
-
-
-def parse_max_model_len(text: str) -> int | str:
-    """An integer, 'auto' (largest that fits), or vLLM's shorthand: 4k = 4000, 4K = 4096."""
-    if text == "auto":
-        return text
-    m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"must be an integer, 'auto', or like 4k/4K, got {text!r}")
-    value, suffix = int(m.group(1)), m.group(2)
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[suffix]
-    if value * scale < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value * scale
+__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "main", "parse_args", "parse_bytes", "parse_max_model_len"]
 
 
 def _positive_int(text: str) -> int:
@@ -87,52 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    e = p.add_argument_group("engine")
-    e.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"],
-    )
-    e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    e.add_argument(
-        "--max-model-len",
-        type=parse_max_model_len,
-        default=None,
-        help="context length: an integer, 'auto' = largest that fits; default: the model's",
-    )
-    e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    e.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    e.add_argument(
-        "--kv-cache-memory-bytes",
-        type=parse_bytes,
-        default=None,
-        help="KV cache size (overrides --gpu-memory-utilization), e.g. 512MiB",
-    )
-    e.add_argument(
-        "--swap-space",
-        type=float,
-        default=4.0,
-        help="host RAM (GiB) for preempted sequences' KV under --preemption-mode swap",
-    )
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="per-step token budget; default per device"
-    )
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument(
-        "--kv-offload-host-bytes", type=parse_bytes, default=None, help="host-RAM KV tier size, e.g. 8GiB"
-    )
-    e.add_argument("--kv-offload-disk-dir", default=None, help="directory of the disk KV tier")
-    e.add_argument(
-        "--kv-offload-disk-bytes", type=parse_bytes, default=None, help="disk KV tier size, e.g. 100GiB"
-    )
+    add_engine_args(p.add_argument_group("engine"))
     s = p.add_argument_group("server")
     s.add_argument(
         "--max-num-queued-reqs",
@@ -183,34 +118,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from pagoda.engine.config import EngineConfig
-
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    values = {
-        "model": args.model,
-        "served_model_name": args.served_model_name[0] if args.served_model_name else None,
-        "dtype": args.dtype,
-        "device": args.device,
-        "block_size": args.block_size,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "swap_space": args.swap_space,
-        "scheduling_policy": args.scheduling_policy,
-        "preemption_mode": args.preemption_mode,
-        "attention_backend": args.attention_backend,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "seed": args.seed,
-        "kv_offload_host_bytes": args.kv_offload_host_bytes,
-        "kv_offload_disk_dir": args.kv_offload_disk_dir,
-        "kv_offload_disk_bytes": args.kv_offload_disk_bytes,
-    }
-    return {k: v for k, v in values.items() if k in fields}
+    return engine_config_from_args(
+        args,
+        model=args.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.kv_cache.manager import KVCacheManager
 from pagoda.engine.offload.disk_tier import DirectoryInUseError, DiskTier
 from pagoda.engine.offload.host_tier import HostTier
 from pagoda.engine.offload.manager import OffloadManager
@@ -24,11 +24,15 @@ __all__ = [
 
 
 def build_offload(
-    config: EngineConfig, kv: KVCacheManager, kv_caches: list, identity: str
+    config: EngineConfig,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    identity: str,
 ) -> OffloadManager | None:
-    """The engine's offload manager, or None when no tier is configured."""
-    host = config.kv_offload_host_bytes
-    device = kv_caches[0].kv.device
+    """The scheduler's offload manager, or None when no tier is configured. ``block_shape`` is one block
+    of every layer: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+    host = config.host_tier_bytes
     if host is None:
         host = default_host_bytes(device.type, swap=config.preemption_mode == "swap")
     if host <= 0 and not config.kv_offload_disk_dir:
@@ -39,8 +43,9 @@ def build_offload(
         log.warning("KV offload tiers need prefix caching (block hashes are their keys); tiers are off")
         return None
     manager = OffloadManager(
-        kv,
-        kv_caches,
+        block_shape,
+        dtype,
+        pin_memory=device.type == "cuda",
         host_bytes=host,
         disk_dir=config.kv_offload_disk_dir,
         disk_bytes=config.kv_offload_disk_bytes,

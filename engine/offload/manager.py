@@ -1,16 +1,17 @@
-"""OffloadManager: moves KV blocks between the device pool and the host and disk tiers.
+"""OffloadManager: the scheduler's view of the host and disk tiers below the device pool.
 
-Write path: the block pool's eviction hook records (block id, hash) of cached blocks it hands out for
-reuse; the new owner only writes during the next forward, so :meth:`save_evicted` (called by the engine
-after ``schedule()`` and before anything writes KV) still finds the data intact and copies it down a tier.
+It plans, the model runner moves bytes. Write path: when the block pool hands a cached block out for reuse,
+the KV cache manager asks :meth:`should_save` and, unless a tier already holds that hash, records a
+SaveBlock op ahead of anything that reuses the block; the runner reads the block to the host before the
+step's forward and the engine hands the data back through :meth:`store`.
 
 Read path: after the device prefix hit, :meth:`load_prefix` continues the chain of block hashes into the
-host tier, then the disk tier, and writes every found block into a fresh device block registered under
-its hash, so the scheduler counts those tokens as computed. At least one prompt token is always left to
-compute (its logits are what the step is for).
+host tier, then the disk tier (which verifies every block it reads: a bad file is a miss), and asks the KV
+cache manager to allocate and register a block per hit with a LoadBlock op carrying the host data. At least
+one prompt token is always left to compute (its logits are what the step is for).
 
-Swap preemption: :meth:`swap_out` copies a preempted sequence's computed full blocks to the host tier at
-once, so its resume pulls them back instead of recomputing them.
+Swap preemption: :meth:`swap_out` records saves of a preempted sequence's computed full blocks, so its
+resume pulls them back instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-from pagoda.engine.attention.base import LayerKVCache
 from pagoda.engine.kv_cache.hashing import BlockHash, hash_block_tokens
 from pagoda.engine.kv_cache.manager import KVCacheManager
+from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.offload.disk_tier import DiskTier
 from pagoda.engine.offload.host_tier import HostTier
 
@@ -32,22 +33,19 @@ log = logging.getLogger("pagoda.engine.offload")
 class OffloadManager:
     def __init__(
         self,
-        kv: KVCacheManager,
-        kv_caches: list[LayerKVCache],
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
         *,
         host_bytes: int,
         disk_dir: str | None = None,
         disk_bytes: int | None = None,
         identity: str = "",
+        pin_memory: bool = False,
     ) -> None:
-        self.kv = kv
-        self.kv_caches = kv_caches
-        first = kv_caches[0].kv
-        self.device = first.device
-        self.dtype = first.dtype
-        # One block, all layers: [num_layers, 2, block_size, num_kv_heads, head_dim].
-        self.block_shape = (len(kv_caches), *first.shape[:1], *first.shape[2:])
-        self.block_bytes = first.element_size() * int(torch.Size(self.block_shape).numel())
+        """``block_shape``: one block, all layers: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        self.dtype = dtype
+        self.block_shape = tuple(block_shape)
+        self.block_bytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(block_shape).numel())
         self.disk: DiskTier | None = None
         if disk_dir:
             if disk_bytes is None:
@@ -56,99 +54,93 @@ class OffloadManager:
         self.host: HostTier | None = None
         if host_bytes > 0:
             self.host = HostTier(host_bytes, on_evict=self._spill_to_disk if self.disk is not None else None)
-        self._pin = self.device.type == "cuda"
-        self._evicted: list[tuple[int, BlockHash]] = []
+        self._pin = pin_memory
         self.queries = {"host": 0, "disk": 0}  # tokens looked up past the device hit, cumulative
         self.hits = {"host": 0, "disk": 0}
         # One step's worth, drained by the engine.
         self._step_hits = {"host": 0, "disk": 0}
         self._step_seconds: dict[str, dict[str, list[float]]] = {}
-        kv.block_pool.on_evict = self._on_device_evict
 
     @property
     def tiers(self) -> list[HostTier | DiskTier]:
         return [t for t in (self.host, self.disk) if t is not None]
 
     # -- write path ------------------------------------------------------------------------------------
-    def _on_device_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        self._evicted.append((block_id, block_hash))
+    def should_save(self, block_hash: BlockHash) -> bool:
+        """An evicted or swapped-out block goes down unless a tier already holds its hash."""
+        if self.host is not None:
+            return not self.host.touch(block_hash)
+        return self.disk is not None and block_hash not in self.disk
 
-    def save_evicted(self) -> None:
-        """Copy the blocks evicted since the last call down a tier. Must run before any KV write."""
-        if not self._evicted:
-            return
-        evicted, self._evicted = self._evicted, []
-        todo = [(bid, h) for bid, h in evicted if not self._held_below(h)]
-        if todo:
-            self._store([bid for bid, _ in todo], [h for _, h in todo])
-
-    def _held_below(self, block_hash: BlockHash) -> bool:
-        if self.host is not None and self.host.touch(block_hash):
-            return True
-        return self.host is None and self.disk is not None and block_hash in self.disk
-
-    def _store(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
-        start = time.perf_counter()
-        data = self._gather(block_ids)
+    def store(self, saved: list[tuple[BlockHash, torch.Tensor]], seconds: float = 0.0) -> None:
+        """Put blocks the runner read from the device into the first tier (host, else disk)."""
         tier = self.host if self.host is not None else self.disk
-        if tier is None:
+        if tier is None or not saved:
             return
-        for i, block_hash in enumerate(hashes):
-            tier.put(block_hash, data[i])
+        start = time.perf_counter()
+        for block_hash, data in saved:
+            tier.put(block_hash, data)
         if tier is self.host:
-            self._observe("host", "store_seconds", time.perf_counter() - start)
+            self._observe("host", "store_seconds", seconds + time.perf_counter() - start)
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, num_layers, 2, block_size, kv_heads, head_dim] on the host (pinned on CUDA)."""
-        ids = torch.tensor(block_ids, device=self.device)
-        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, pin_memory=self._pin)
-        for layer, cache in enumerate(self.kv_caches):
-            out[:, layer].copy_(cache.kv.index_select(1, ids).transpose(0, 1), non_blocking=self._pin)
-        if self._pin:
-            torch.cuda.current_stream(self.device).synchronize()
-        return out
+    def store_to(self, tier_name: str, saved: list[tuple[BlockHash, torch.Tensor]]) -> None:
+        """Put blocks straight into one tier ("host", or "disk", which also drains the host tier)."""
+        target = self.host if tier_name == "host" else self.disk
+        if target is None:
+            raise ValueError(f"no {tier_name} tier is configured")
+        for block_hash, data in saved:
+            target.put(block_hash, data)
+        if tier_name == "disk":
+            if self.host is not None:
+                for block_hash, data in self.host.pop_all():
+                    self.disk.put(block_hash, data)
+            self.disk.flush()
 
     def _spill_to_disk(self, block_hash: BlockHash, data: torch.Tensor) -> None:
         if self.disk is not None:
             self.disk.put(block_hash, data)
 
-    def swap_out(self, block_ids: Sequence[int]) -> None:
-        """Push a preempted sequence's cached (computed, full) blocks to the first tier now."""
-        if not self.tiers:
-            return
-        pool = self.kv.block_pool
-        todo = []
-        for bid in block_ids:
-            block_hash = pool.blocks[bid].block_hash
-            if block_hash is not None and not self._held_below(block_hash):
-                todo.append((bid, block_hash))
-        if todo:
-            self.save_evicted()  # keep the order: older evictions first
-            self._store([bid for bid, _ in todo], [h for _, h in todo])
+    def swap_out(self, kv: KVCacheManager, seq_id: str) -> None:
+        """Record saves of a preempted sequence's cached (computed, full) blocks, before it frees them."""
+        if self.tiers:
+            kv.save_blocks(seq_id)
+
+    def persist_ops(self, kv: KVCacheManager) -> list[SaveBlock]:
+        """Saves of every cached device block that no tier holds yet (for a clean shutdown)."""
+        return [
+            SaveBlock(b.block_id, h)
+            for h, b in kv.block_pool.cached.items()
+            if (self.disk is None or h not in self.disk) and (self.host is None or h not in self.host)
+        ]
 
     # -- read path -------------------------------------------------------------------------------------
-    def load_prefix(self, seq_id: str, token_ids: Sequence[int], num_hit_tokens: int) -> int:
+    def load_prefix(
+        self, kv: KVCacheManager, seq_id: str, token_ids: Sequence[int], num_hit_tokens: int
+    ) -> int:
         """Extend ``seq_id``'s device prefix hit of ``num_hit_tokens`` with blocks from the lower tiers;
-        returns how many tokens were loaded (a multiple of the block size)."""
+        returns how many tokens will be loaded (a multiple of the block size)."""
         tiers = self.tiers
-        if not tiers or not self.kv.enable_prefix_caching:
+        if not tiers or not kv.enable_prefix_caching:
             return 0
-        bs = self.kv.block_size
+        bs = kv.block_size
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         first = num_hit_tokens // bs
         if first >= max_blocks:
             return 0
-        hashes = self.kv.get_block_hashes(seq_id)
+        hashes = kv.get_block_hashes(seq_id)
         parent = hashes[first - 1] if first > 0 else None
-        extra = self.kv._extra
+        extra = kv.extra_key_bytes
         found: list[tuple[BlockHash, torch.Tensor, str]] = []
         disk_from = max_blocks  # first block the disk tier was asked about
+        start = time.perf_counter()
         for i in range(first, max_blocks):
             if i < len(hashes):
                 block_hash = hashes[i]
             else:
                 block_hash = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra)
             parent = block_hash
+            if kv.block_pool.get_cached_block(block_hash) is not None:
+                break  # cached on the device under another sequence's chain: leave it to the lookup
             got = self._lookup(block_hash)
             if got is None or got[1] == "disk":
                 disk_from = min(disk_from, i)
@@ -161,30 +153,18 @@ class OffloadManager:
             self.queries["disk"] += (max_blocks - disk_from) * bs
         if not found:
             return 0
-        self.save_evicted()
-        blocks = []
-        for block_hash, _, _ in found:
-            block = self.kv.block_pool.insert_external(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        self.save_evicted()  # insert_external may have evicted blocks whose data must go down first
-        if not blocks:
-            return 0
-        found = found[: len(blocks)]
-        start = time.perf_counter()
-        self._scatter([b.block_id for b in blocks], [d for _, d, _ in found])
+        n = kv.load_blocks(seq_id, [h for h, _, _ in found], [d for _, d, _ in found])
+        found = found[:n]
         elapsed = time.perf_counter() - start
-        self.kv.append_loaded_blocks(seq_id, blocks, [h for h, _, _ in found])
         for name in ("host", "disk"):
-            n = sum(bs for _, _, src in found if src == name)
-            if n:
-                self.hits[name] += n
-                self._step_hits[name] += n
+            loaded = sum(bs for _, _, src in found if src == name)
+            if loaded:
+                self.hits[name] += loaded
+                self._step_hits[name] += loaded
         n_host = sum(1 for _, _, src in found if src == "host")
-        if n_host:
+        if n_host and found:
             self._observe("host", "load_seconds", elapsed * n_host / len(found))
-        return len(blocks) * bs
+        return n * bs
 
     def _lookup(self, block_hash: BlockHash) -> tuple[torch.Tensor, str] | None:
         if self.host is not None:
@@ -202,14 +182,6 @@ class OffloadManager:
                 self._observe("disk", "read_seconds", time.perf_counter() - start)
                 return data, "disk"
         return None
-
-    def _scatter(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
-        ids = torch.tensor(block_ids, device=self.device)
-        stacked = torch.stack(data)  # [n, L, 2, bs, H, D] on the host
-        if self._pin:
-            stacked = stacked.to(self.device, non_blocking=True)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.kv.index_copy_(1, ids, stacked[:, layer].transpose(0, 1))
 
     # -- stats -----------------------------------------------------------------------------------------
     def _observe(self, tier: str, key: str, seconds: float) -> None:
@@ -243,51 +215,10 @@ class OffloadManager:
         if self.disk is not None:
             self.disk.flush()
 
-    def demote_cached(self, tier: str = "host") -> int:
-        """Move every unreferenced cached device block down to ``tier`` ("host", or "disk", which also
-        drains the host tier) and forget it on the device; returns the blocks moved. For benchmarks and
-        draining an idle engine; refused (0) while any block is in use."""
-        pool = self.kv.block_pool
-        if pool.num_used_blocks > 0:
-            return 0
-        target = self.host if tier == "host" else self.disk
-        if target is None:
-            raise ValueError(f"no {tier} tier is configured")
-        self.save_evicted()
-        todo = [(b.block_id, h) for h, b in pool.cached.items()]
-        for i in range(0, len(todo), 64):
-            part = todo[i : i + 64]
-            data = self._gather([bid for bid, _ in part])
-            for j, (_, block_hash) in enumerate(part):
-                target.put(block_hash, data[j])
-        if tier == "disk":
-            if self.host is not None:
-                for block_hash, data in self.host.pop_all():
-                    self.disk.put(block_hash, data)
-            self.disk.flush()
-        self.kv.reset_prefix_cache()
-        return len(todo)
-
-    def close(self, persist: bool = True) -> None:
-        """Stop the disk writer. With ``persist``, first write the device's cached blocks and the host
-        tier down to disk, so a restart on the same directory serves every prefix this engine knew."""
-        if self.disk is None:
-            return
-        if persist and self.disk.enabled:
-            self.save_evicted()
-            pool = self.kv.block_pool
-            cached = [(bid, h) for h, bid in ((h, b.block_id) for h, b in pool.cached.items())]
-            todo = [
-                (bid, h)
-                for bid, h in cached
-                if h not in self.disk and (self.host is None or h not in self.host)
-            ]
-            for i in range(0, len(todo), 64):
-                part = todo[i : i + 64]
-                data = self._gather([bid for bid, _ in part])
-                for j, (_, block_hash) in enumerate(part):
-                    self.disk.put(block_hash, data[j])
-            if self.host is not None:
+    def close(self) -> None:
+        """Stop the disk writer (after the engine stored its last saves)."""
+        if self.disk is not None:
+            if self.disk.enabled and self.host is not None:
                 for block_hash, data in self.host.items():
                     self.disk.put(block_hash, data)
-        self.disk.close()
+            self.disk.close()

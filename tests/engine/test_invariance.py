@@ -75,10 +75,10 @@ def test_requests_arriving_and_finishing_mid_batch(reference):
             engine.add_request(
                 str(i), prompt, SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
             )
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        for delta in engine.step():  # deltas: each carries the token(s) this step added
+            done.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
         step += 1
     for i in range(len(PROMPTS)):
         assert done[str(i)] == reference[i][: lengths[i]]
     assert engine.kv.num_free_blocks == engine.num_blocks  # every block free or cached
+    engine.scheduler.check_invariants()

@@ -77,3 +77,42 @@ def test_help_exits_0(capsys) -> None:
     out = capsys.readouterr().out
     for flag in ("--gpu-memory-utilization", "--max-num-queued-reqs", "--api-key", "--uvicorn-log-level"):
         assert flag in out
+
+
+def test_engine_flags_are_generated_from_the_engine_config() -> None:
+    """Every EngineConfig field (but the positional model) is a flag with the field's default and help,
+    and every engine flag lands in the config: nothing is accepted and dropped."""
+    import dataclasses
+
+    from pagoda.engine.config import EngineConfig
+
+    parser = serve.build_parser()
+    by_dest = {a.dest: a for a in parser._actions}
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name, f in fields.items():
+        if name in ("model", "served_model_name"):
+            continue
+        action = by_dest[name]
+        assert action.default == f.default, name
+        assert action.help == f.metadata["help"], name
+        if "choices" in f.metadata:
+            assert list(action.choices) == list(f.metadata["choices"]), name
+    engine_group = next(g for g in parser._action_groups if g.title == "engine")
+    dests = {a.dest for a in engine_group._group_actions}
+    assert dests <= set(fields), f"engine flags without a config field: {dests - set(fields)}"
+    kw = serve.engine_config_kwargs(serve.parse_args(["--swap-space", "2", "-tp", "1"]))
+    assert set(kw) == set(fields)
+    config = EngineConfig(**kw)
+    assert config.swap_space == 2.0 and config.host_tier_bytes == 2 * 2**30
+
+
+def test_gpu_memory_utilization_default_is_stated_once() -> None:
+    import inspect
+
+    from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+    from pagoda.engine.llm import LLM
+
+    assert EngineConfig().gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION
+    assert serve.parse_args([]).gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION
+    default = inspect.signature(LLM).parameters["gpu_memory_utilization"].default
+    assert default == DEFAULT_GPU_MEMORY_UTILIZATION
