@@ -61,7 +61,6 @@ def bench_ttft(args, block_bytes: int, bar) -> dict:
         kv_offload_host_bytes=2 * blocks * block_bytes, kv_offload_disk_dir=disk,
         kv_offload_disk_bytes=4 * blocks * block_bytes,
     )  # fmt: skip
-    off = llm.engine.offload
     rows = {"scratch": [], "host": [], "disk": []}
     for rep in range(args.repeats):
         prompt = long_prompt(llm, n, salt=rep)  # a new prompt each repeat: nothing of it cached anywhere
