@@ -79,14 +79,15 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_blocks = -(-num_tokens // block_size)
         self.allocate_kv_cache(num_blocks, block_size, dtype)
-        table = list(range(num_blocks))
-        positions = np.arange(num_tokens, dtype=np.int64)
-        meta = self._metadata(
-            [np.zeros(num_tokens, dtype=np.int64)], [positions], [table], [num_tokens], [0], [num_tokens]
+        step = StepInput(
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=np.arange(num_tokens, dtype=np.int64),
+            query_lens=np.asarray([num_tokens]),
+            context_lens=np.asarray([0]),
+            block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
+            sample_idx=np.asarray([num_tokens - 1]),
         )
-        with torch.inference_mode():
-            hidden = self.model(meta[0], meta[1], self.kv_caches, meta[2])
-            self.model.compute_logits(hidden[-1:])
+        self.run(step)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches, self.block_size = saved
@@ -184,68 +185,85 @@ class ModelRunner:
             result.top_logprobs = sampled.top_logprobs
         return result
 
-    @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Float32 logits for the last token of every sequence that samples this step."""
-        tokens, positions, tables, qlens, ctx, slens = [], [], [], [], [], []
-        sample_idx = []
-        offset = 0
-        for sched in scheduled:
-            seq = sched.seq
-            start, n = sched.start, sched.num_new_tokens
-            tokens.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
-            positions.append(np.arange(start, start + n, dtype=np.int64))
-            tables.append(sched.block_table)
-            qlens.append(n)
-            ctx.append(start)
-            slens.append(start + n)
-            offset += n
-            if sched.samples:
-                sample_idx.append(offset - 1)
-        input_ids, pos_t, meta = self._metadata(tokens, positions, tables, qlens, ctx, slens)
-        hidden = self.model(input_ids, pos_t, self.kv_caches, meta)
-        if not sample_idx:
+        return self.run(prepare_step(scheduled))
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The forward of one step's batch (what every tensor-parallel rank runs); returns the logits of the
+        sampling rows (on the rank that gathers them; an empty tensor elsewhere)."""
+        input_ids, positions, meta = self._metadata(step)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if len(step.sample_idx) == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        if len(sample_idx) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_idx, device=hidden.device)]
+        if len(step.sample_idx) != hidden.shape[0]:
+            hidden = hidden[torch.from_numpy(step.sample_idx).to(hidden.device)]
         return self.model.compute_logits(hidden)
 
-    def _metadata(
-        self,
-        tokens: list[np.ndarray],
-        positions: list[np.ndarray],
-        block_tables: list[list[int]],
-        query_lens: list[int],
-        context_lens: list[int],
-        seq_lens: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _metadata(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        max_blocks = max((len(t) for t in block_tables), default=1)
-        tables = np.zeros((len(block_tables), max(max_blocks, 1)), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
-        pos = np.concatenate(positions)
-        row = np.repeat(np.arange(len(query_lens)), query_lens)
+        tables, pos, qlens = step.block_tables, step.positions, step.query_lens
+        row = np.repeat(np.arange(len(qlens)), qlens)
         slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
+        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
         dev = self.device
+        seq_lens = step.context_lens + qlens
+        qlist, slist = qlens.tolist(), seq_lens.tolist()
         meta = AttentionMetadata(
-            num_seqs=len(query_lens),
+            num_seqs=len(qlist),
             num_tokens=int(qsl[-1]),
             query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(step.context_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            is_decode_only=all(q == 1 for q in query_lens),
+            max_query_len=max(qlist),
+            max_seq_len=max(slist),
+            query_lens_list=qlist,
+            seq_lens_list=slist,
+            is_decode_only=all(q == 1 for q in qlist),
         )
-        input_ids = torch.from_numpy(np.concatenate(tokens)).to(dev)
-        return input_ids, torch.from_numpy(pos).to(dev), meta
+        return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
+
+
+@dataclass
+class StepInput:
+    """A step's batch as plain arrays: what the forward needs, small enough to send to other ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_lens: np.ndarray  # [S] int64, new tokens per sequence
+    context_lens: np.ndarray  # [S] int64, tokens already cached per sequence
+    block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
+    sample_idx: np.ndarray  # [R] int64, flat index of the last token of each sampling sequence
+
+
+def prepare_step(scheduled: list[ScheduledSeq]) -> StepInput:
+    tokens, positions, qlens, ctx, sample_idx = [], [], [], [], []
+    offset = 0
+    for sched in scheduled:
+        start, n = sched.start, sched.num_new_tokens
+        tokens.extend(sched.seq.token_ids[start : start + n])
+        positions.append(np.arange(start, start + n, dtype=np.int64))
+        qlens.append(n)
+        ctx.append(start)
+        offset += n
+        if sched.samples:
+            sample_idx.append(offset - 1)
+    max_blocks = max((len(s.block_table) for s in scheduled), default=1)
+    tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
+    for i, sched in enumerate(scheduled):
+        tables[i, : len(sched.block_table)] = sched.block_table
+    return StepInput(
+        input_ids=np.asarray(tokens, dtype=np.int64),
+        positions=np.concatenate(positions),
+        query_lens=np.asarray(qlens, dtype=np.int64),
+        context_lens=np.asarray(ctx, dtype=np.int64),
+        block_tables=tables,
+        sample_idx=np.asarray(sample_idx, dtype=np.int64),
+    )
 
 
 def _blocks_of(op: KVOp) -> set[int]:
