@@ -64,7 +64,11 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto", "paged attention implementation", choices=("auto", "torch", "triton")
     )
-    tensor_parallel_size: int = _opt(1, "GPUs per model replica (only 1 today)", aliases=("-tp",))
+    tensor_parallel_size: int = _opt(
+        1,
+        "ranks per model replica (one process and GPU each; gloo over CPU cores without a GPU)",
+        aliases=("-tp",),
+    )
     seed: int = _opt(0, "seed of the default random generator")
     kv_offload_host_bytes: int | None = _opt(None, "host-RAM KV tier size, e.g. 8GiB", parser="bytes")
     kv_offload_disk_dir: str | None = _opt(None, "directory of the disk KV tier (e.g. an NVMe volume)")
@@ -111,8 +115,8 @@ class EngineConfig:
             bad("attention_backend", "must be 'auto', 'torch' or 'triton'")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad("device", "must be 'auto', 'cpu' or 'cuda'")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size", "must be 1 (tensor parallelism is not implemented yet)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "must be a positive integer")
 
     def to_dict(self) -> dict:
         return asdict(self)

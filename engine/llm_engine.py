@@ -14,6 +14,7 @@ remaining context is clamped; None = up to the limit. Arrival times are `time.mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -21,6 +22,13 @@ import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.detokenizer import Detokenizer, check_stop_strings, visible_text
+from pagoda.engine.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    kv_heads_of_rank,
+)
+from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
+from pagoda.engine.distributed.workers import Allocate, TPWorkers, free_tcp_port
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.memory import cpu_kv_cache_bytes
@@ -76,6 +84,17 @@ class LLMEngine:
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.workers = self._start_tensor_parallel(path)
+        try:
+            self._build(config, path, mc)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+                destroy_tensor_parallel()
+            raise
+
+    def _build(self, config: EngineConfig, path, mc: ModelConfig) -> None:
+        """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
         if self.device.type == "cuda":
@@ -86,10 +105,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
         self.runner = ModelRunner(
             model,
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=kv_heads,
             head_dim=mc.head_dim,
             device=self.device,
             eos_token_ids=self.eos_token_ids,
@@ -97,7 +117,8 @@ class LLMEngine:
 
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        self.kv_bytes_per_token = mc.kv_bytes_per_token(elem)
+        # Per rank: each holds the KV of its own heads.
+        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * kv_heads * mc.head_dim * elem
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
         kv_memory, activation_bytes = self._kv_memory_bytes(weights_bytes)
@@ -125,12 +146,19 @@ class LLMEngine:
                 f"({self.max_model_len}) when chunked prefill is off"
             )
         self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
-        offload = build_offload(
-            config,
-            self.runner.block_shape,
-            kv_dtype,
-            self.device,
-            identity=f"{self.fingerprint}|{kv_dtype}|{block_size}",
+        if self.workers is not None:
+            self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
+            self.runner.peers = self.workers
+        offload = (
+            None
+            if self.workers is not None
+            else build_offload(
+                config,
+                self.runner.block_shape,
+                kv_dtype,
+                self.device,
+                identity=f"{self.fingerprint}|{kv_dtype}|{block_size}",
+            )
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -156,6 +184,36 @@ class LLMEngine:
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
             self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
+
+    def _start_tensor_parallel(self, path) -> TPWorkers | None:
+        """With tensor_parallel_size N > 1: check the model splits N ways, start ranks 1..N-1 and join
+        them as rank 0 (this process then loads its own shard like any rank)."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        mc = self.model_config
+        if mc.num_attention_heads < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} exceeds the model's {mc.num_attention_heads} attention heads"
+            )
+        if self.config.kv_offload_disk_dir or self.config.kv_offload_host_bytes:
+            log.warning("KV offload tiers are not supported with tensor parallelism yet; tiers are off")
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        workers = TPWorkers(dataclasses.replace(self.config, model=str(path)), size, init_method)
+        self.device = rank_device(self.device, 0, size)
+        share_cpu_threads(self.device, size)
+        try:
+            init_tensor_parallel(0, size, init_method, self.device)
+        except Exception:
+            workers.shutdown()
+            raise
+        log.info("tensor parallelism: %d ranks (%s)", size, "nccl" if self.device.type == "cuda" else "gloo")
+        return workers
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can no longer serve (a tensor-parallel rank died), or None."""
+        return self.workers.dead_reason if self.workers is not None else None
 
     # ---- read-only views (the scheduler owns the state) ---------------------------------------------
     @property
@@ -279,10 +337,15 @@ class LLMEngine:
     def close(self) -> None:
         """Write the device's cached blocks and the host tier to the disk tier (when there is one), finish
         queued disk writes and release the tier's directory lock. Idempotent."""
-        offload = self.scheduler.offload
-        if offload is None or getattr(self, "_closed", False):
+        if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.workers is not None:
+            self.workers.shutdown()
+            destroy_tensor_parallel()
+        offload = self.scheduler.offload
+        if offload is None:
+            return
         if offload.disk is not None and offload.disk.enabled:
             kv = self.scheduler.kv
             saved = self.runner.apply_kv_ops([*kv.take_ops(), *offload.persist_ops(kv)])

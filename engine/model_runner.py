@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+from pagoda.engine.distributed.workers import Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, SaveBlock
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -51,6 +52,9 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids or [])
         self.kv_caches: list[LayerKVCache] = []
         self.block_size = 0
+        # Tensor parallelism: the other ranks (pagoda.engine.distributed.workers.TPWorkers), which get every
+        # step's ops and batch before this rank runs them, so all meet in the same collectives.
+        self.peers = None
 
     # ---- memory -------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -150,13 +154,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Ops first (in order), then the forward and one sampled token per sampling sequence."""
         result = RunnerOutput()
+        step = None if out.empty else prepare_step(out.scheduled)
+        if self.peers is not None and (out.kv_ops or step is not None):
+            self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
             start = time.perf_counter()
             result.saved = self.apply_kv_ops(out.kv_ops)
             result.save_seconds = time.perf_counter() - start
-        if out.empty:
+        if step is None:
             return result
-        logits = self.forward(out.scheduled)
+        logits = self.run(step)
         rows, row_index = [], []
         r = 0
         for sched in out.scheduled:

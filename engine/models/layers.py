@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from pagoda.engine.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
 from torch import nn
 
 
@@ -43,17 +44,39 @@ class RMSNorm(nn.Module):
 
 
 class SiluMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
+
+    Under tensor parallelism each rank holds a slice of the intermediate dimension (gate/up column-parallel,
+    down row-parallel): the partial outputs are summed over the ranks and down's bias lives on rank 0."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+        lo, hi = shard_range(intermediate)
+        self.intermediate = hi - lo
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype, device)
+        self.down_proj = Linear(self.intermediate, hidden, bias and tp_rank() == 0, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings, each tensor-parallel rank holding an equal slice of the vocabulary's rows."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.vocab_start, self.vocab_end = shard_range(vocab)
+        rows = self.vocab_end - self.vocab_start
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device), False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(mine, ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -10,8 +10,24 @@ from collections.abc import Iterable
 
 import torch
 from pagoda.engine.attention.base import AttentionBackend, AttentionMetadata, LayerKVCache
+from pagoda.engine.distributed.parallel_state import (
+    all_gather_last_dim,
+    all_reduce,
+    kv_heads_of_rank,
+    shard_range,
+    shard_widths,
+    tp_rank,
+    tp_size,
+)
 from pagoda.engine.models.config import ModelConfig
-from pagoda.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluMLP, apply_rotary
+from pagoda.engine.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluMLP,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
 from torch import nn
 
 
@@ -25,8 +41,12 @@ class Attention(nn.Module):
         device: torch.device,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # Tensor parallelism: this rank's query heads and the KV heads they read (replicated across ranks
+        # where needed); o_proj sums the ranks' partial outputs.
+        self.q_heads = shard_range(config.num_attention_heads)
+        self.kv_head_ids = kv_heads_of_rank(config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads = self.q_heads[1] - self.q_heads[0]
+        self.num_kv_heads = len(self.kv_head_ids)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -38,7 +58,7 @@ class Attention(nn.Module):
         )
         # Llama's attention_bias also covers o_proj; Qwen2 biases only q, k and v.
         o_bias = config.attention_bias and config.architecture != "qwen2"
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and tp_rank() == 0, dtype, device)
 
     def forward(
         self,
@@ -54,7 +74,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
@@ -86,12 +106,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-            _freeze=True,
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.vocab_start, self.vocab_end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, backend, dtype, device) for i in range(config.num_hidden_layers)
         )
@@ -99,8 +115,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
+            rows = self.vocab_end - self.vocab_start
             self.lm_head_weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
+                torch.empty(rows, config.hidden_size, dtype=dtype, device=device), False
             )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, device
@@ -124,53 +141,68 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (only the rows that need sampling) -> float32 logits [N, vocab]."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        """hidden [N, H] (only the rows that need sampling) -> float32 logits [N, vocab] (every tensor-parallel
+        rank computes its vocabulary slice; the slices are gathered)."""
+        local = torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        return all_gather_last_dim(local, shard_widths(self.config.vocab_size))
 
     # ---- weights ------------------------------------------------------------------------------------
 
-    def _target(self, name: str) -> tuple[torch.Tensor, int, int] | None:
-        """Map a Hugging Face tensor name to (our parameter, row offset, rows); None = ignore it."""
+    def _target(self, name: str) -> tuple[torch.Tensor, int, int, tuple[int, list[int]] | None] | None:
+        """Map a Hugging Face tensor name to (our parameter, row offset, rows, this rank's part of the
+        checkpoint tensor as (dim, indices) or None for all of it); None = ignore the tensor."""
         if name.startswith("model."):
             name = name[len("model.") :]
         if "rotary_emb" in name:
             return None
+        vocab_rows = self.vocab_end - self.vocab_start
+        vocab_slice = (0, list(range(self.vocab_start, self.vocab_end)))
         if name == "lm_head.weight":
-            return (self.lm_head_weight, 0, self.config.vocab_size)
+            return (self.lm_head_weight, 0, vocab_rows, vocab_slice)
         if name == "embed_tokens.weight":
-            return (self.embed_tokens.weight, 0, self.config.vocab_size)
+            return (self.embed_tokens.weight, 0, vocab_rows, vocab_slice)
         if name == "norm.weight":
-            return (self.norm.weight, 0, self.config.hidden_size)
+            return (self.norm.weight, 0, self.config.hidden_size, None)
         parts = name.split(".")
         if parts[0] != "layers" or len(parts) < 4:
             raise KeyError(name)
         layer = self.layers[int(parts[1])]
         sub = ".".join(parts[2:])
         attn, mlp, c = layer.self_attn, layer.mlp, self.config
-        q, kv, inter = attn.q_size, attn.kv_size, c.intermediate_size
-        table = {
-            "self_attn.q_proj": (attn.qkv_proj, 0, q),
-            "self_attn.k_proj": (attn.qkv_proj, q, kv),
-            "self_attn.v_proj": (attn.qkv_proj, q + kv, kv),
-            "self_attn.o_proj": (attn.o_proj, 0, c.hidden_size),
-            "mlp.gate_proj": (mlp.gate_up_proj, 0, inter),
-            "mlp.up_proj": (mlp.gate_up_proj, inter, inter),
-            "mlp.down_proj": (mlp.down_proj, 0, c.hidden_size),
-        }
+        q, kv, inter, hd = attn.q_size, attn.kv_size, mlp.intermediate, attn.head_dim
+        q_idx = list(range(attn.q_heads[0] * hd, attn.q_heads[1] * hd))
+        kv_idx = [h * hd + i for h in attn.kv_head_ids for i in range(hd)]
+        inter_lo, inter_hi = shard_range(c.intermediate_size)
+        inter_idx = list(range(inter_lo, inter_hi))
+        q_rows, kv_rows, inter_rows = (0, q_idx), (0, kv_idx), (0, inter_idx)
         if sub in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            return (getattr(layer, sub.split(".")[0]).weight, 0, c.hidden_size)
+            return (getattr(layer, sub.split(".")[0]).weight, 0, c.hidden_size, None)
         module_name, _, kind = sub.rpartition(".")
+        # module -> (ours, row offset, rows, slice of the weight, slice of the bias)
+        table = {
+            "self_attn.q_proj": (attn.qkv_proj, 0, q, q_rows, q_rows),
+            "self_attn.k_proj": (attn.qkv_proj, q, kv, kv_rows, kv_rows),
+            "self_attn.v_proj": (attn.qkv_proj, q + kv, kv, kv_rows, kv_rows),
+            "self_attn.o_proj": (attn.o_proj, 0, c.hidden_size, (1, q_idx), None),
+            "mlp.gate_proj": (mlp.gate_up_proj, 0, inter, inter_rows, inter_rows),
+            "mlp.up_proj": (mlp.gate_up_proj, inter, inter, inter_rows, inter_rows),
+            "mlp.down_proj": (mlp.down_proj, 0, c.hidden_size, (1, inter_idx), None),
+        }
         if module_name not in table or kind not in ("weight", "bias"):
             raise KeyError(name)
-        module, offset, rows = table[module_name]
+        module, offset, rows, weight_slice, bias_slice = table[module_name]
         param = getattr(module, kind)
         if param is None:
+            # A row-parallel layer's bias is added once, on rank 0; the other ranks skip it.
+            if kind == "bias" and module_name in ("self_attn.o_proj", "mlp.down_proj") and tp_rank() > 0:
+                return None
             raise KeyError(name)
-        return (param, offset, rows)
+        return (param, offset, rows, weight_slice if kind == "weight" else bias_slice)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into our (partly fused) parameters; every parameter must be set."""
+        """Copy Hugging Face-named tensors into our (partly fused, maybe tensor-parallel sharded) parameters;
+        every parameter must be set."""
         loaded: dict[int, int] = {}  # id(param) -> rows written
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -183,7 +215,15 @@ class LlamaForCausalLM(nn.Module):
                 ) from None
             if target is None:
                 continue
-            param, offset, rows = target
+            param, offset, rows, part = target
+            if part is not None and tp_size() > 1:
+                dim, indices = part
+                if indices and tensor.shape[dim] <= indices[-1]:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, too small for this "
+                        f"rank's part of dimension {dim}"
+                    )
+                tensor = tensor.index_select(dim, torch.tensor(indices, dtype=torch.long))
             dest = param.narrow(0, offset, rows)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(

@@ -20,8 +20,9 @@ def default_model_dir() -> Path:
     return Path(resolve_model(None))
 
 
-def make_tiny_model(tmp: Path, family: str, tokenizer_src: Path, seed: int = 0) -> Path:
-    """A random-weight HF checkpoint of one Llama-family architecture, saved as safetensors."""
+def make_tiny_model(tmp: Path, family: str, tokenizer_src: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight HF checkpoint of one Llama-family architecture, saved as safetensors (``overrides``
+    change the common config, e.g. num_key_value_heads=1)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -30,6 +31,7 @@ def make_tiny_model(tmp: Path, family: str, tokenizer_src: Path, seed: int = 0) 
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False,
     )  # fmt: skip
+    common.update(overrides)
     if family == "llama":
         cfg = transformers.LlamaConfig(
             **common,
@@ -51,7 +53,7 @@ def make_tiny_model(tmp: Path, family: str, tokenizer_src: Path, seed: int = 0) 
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
-    out = tmp / family
+    out = tmp / "-".join([family, *(f"{k}{v}" for k, v in sorted(overrides.items()))])
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (tokenizer_src / name).exists():
@@ -62,4 +64,6 @@ def make_tiny_model(tmp: Path, family: str, tokenizer_src: Path, seed: int = 0) 
 @pytest.fixture
 def tiny_model(tmp_path, default_model_dir):
     """A factory: tiny_model("llama" | "mistral" | "qwen2") -> checkpoint directory."""
-    return lambda family, seed=0: make_tiny_model(tmp_path, family, default_model_dir, seed)
+    return lambda family, seed=0, **overrides: make_tiny_model(
+        tmp_path, family, default_model_dir, seed, **overrides
+    )

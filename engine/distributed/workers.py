@@ -1,0 +1,127 @@
+"""Tensor-parallel ranks 1..N-1: child processes that each hold a shard of the model and its KV cache.
+
+Rank 0 is the engine's own process: it runs the scheduler and the sampler and sends every step's batch to
+the other ranks through one queue each, then all ranks run the same forward, meeting in the model's
+all-reduces. Ranks never schedule or sample. A rank that dies is noticed by a watchdog thread in the
+engine process (the engine reports itself dead, so /health fails and the pod restarts); a rank whose
+parent died exits by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("pagoda.engine.distributed")
+
+
+@dataclass
+class Allocate:
+    num_blocks: int
+    block_size: int
+    kv_dtype: Any  # torch.dtype
+
+
+@dataclass
+class Step:
+    kv_ops: list
+    step: Any  # pagoda.engine.model_runner.StepInput | None
+
+
+class Stop:
+    pass
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPWorkers:
+    """Starts ranks 1..size-1 for ``config``; ``send`` hands each the same message, in order."""
+
+    def __init__(self, config: Any, size: int, init_method: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.queues = [ctx.Queue() for _ in range(1, size)]
+        self.procs = [
+            ctx.Process(
+                target=worker_main,
+                args=(rank, size, init_method, config, self.queues[rank - 1], os.getpid()),
+                name=f"pagoda-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.dead_reason: str | None = None
+        self._closing = False
+        self._watchdog = threading.Thread(target=self._watch, name="pagoda-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive() and not self._closing:
+                    self.dead_reason = f"tensor-parallel rank {rank} exited (code {p.exitcode})"
+                    log.error("%s", self.dead_reason)
+                    return
+            threading.Event().wait(0.5)
+
+    def send(self, msg: Allocate | Step | Stop) -> None:
+        if self.dead_reason is not None:
+            raise RuntimeError(self.dead_reason)
+        for q in self.queues:
+            q.put(msg)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for q in self.queues:
+            try:
+                q.put(Stop())
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+
+
+def worker_main(rank: int, size: int, init_method: str, config: Any, inbox: Any, parent_pid: int) -> None:
+    """One tensor-parallel rank: build its shard, then run every step rank 0 sends until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops the ranks
+    from pagoda.engine.distributed.parallel_state import destroy_tensor_parallel
+    from pagoda.engine.distributed.shard import build_rank
+
+    runner = build_rank(config, rank, size, init_method)
+    try:
+        while True:
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent_pid:
+                    return  # the engine is gone
+                continue
+            if isinstance(msg, Stop):
+                return
+            if isinstance(msg, Allocate):
+                runner.allocate_kv_cache(msg.num_blocks, msg.block_size, msg.kv_dtype)
+            elif isinstance(msg, Step):
+                if msg.kv_ops:
+                    runner.apply_kv_ops(msg.kv_ops)
+                if msg.step is not None:
+                    runner.run(msg.step)
+    finally:
+        destroy_tensor_parallel()

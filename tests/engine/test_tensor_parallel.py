@@ -1,0 +1,84 @@
+"""Tensor parallelism on CPU: two gloo ranks (two processes on this machine) give the greedy tokens of one.
+
+Every rank holds its query heads, the KV heads they read, a slice of the MLP and of the vocabulary; the
+default model's 9 query heads over 3 KV heads do not split evenly over 2 ranks, which exercises the
+uneven split (5 + 4 heads, KV heads copied where a rank's heads straddle a group).
+"""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.distributed.parallel_state import kv_heads_of_rank, shard_range, shard_widths
+from pagoda.engine.sizing.planner import _kv_heads_per_rank
+from pagoda.engine.sizing.shapes import shape_from_path
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _greedy(model: str | None, tp: int, prompts=PROMPTS, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=tp, **kw)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return out, llm
+
+
+def test_shares_and_kv_heads_of_ranks():
+    assert [shard_range(9, r, 2) for r in range(2)] == [(0, 5), (5, 9)]
+    assert shard_widths(49152, 2) == [24576, 24576] and shard_widths(7, 3) == [3, 2, 2]
+    # Whole groups stay grouped; a rank inside one group keeps its one KV head (MQA over 2 ranks).
+    assert kv_heads_of_rank(8, 2, 0, 2) == [0] and kv_heads_of_rank(8, 2, 1, 2) == [1]
+    assert kv_heads_of_rank(4, 1, 1, 2) == [0]
+    # 9 heads over 3 KV heads on 2 ranks: each query head gets its own copy of its KV head.
+    assert kv_heads_of_rank(9, 3, 0, 2) == [0, 0, 0, 1, 1]
+    assert kv_heads_of_rank(9, 3, 1, 2) == [1, 2, 2, 2]
+    with pytest.raises(ValueError):
+        shard_range(1, 0, 2)
+
+
+def test_default_model_tp2_matches_tp1():
+    one, _ = _greedy(None, 1, kv_cache_memory_bytes=64 << 20)
+    two, llm = _greedy(None, 2, kv_cache_memory_bytes=64 << 20)
+    try:
+        assert two == one
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("llama", {"num_key_value_heads": 1}),
+        ("mistral", {"intermediate_size": 130}),
+    ],
+)
+def test_tiny_models_tp2_match_tp1(tiny_model, family, overrides):
+    """Llama (GQA), Qwen2 (q/k/v biases, tied embeddings), a single KV head (fewer KV heads than ranks) and
+    an intermediate size that splits 65 + 65."""
+    path = str(tiny_model(family, **overrides))
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 20]
+    one, _ = _greedy(path, 1, prompts, kv_cache_memory_bytes=4 << 20)
+    two, llm = _greedy(path, 2, prompts, kv_cache_memory_bytes=4 << 20)
+    try:
+        assert two == one
+    finally:
+        llm.engine.close()
+
+
+def test_sizing_assumes_what_a_rank_allocates(tiny_model):
+    """The planner's KV bytes per token per GPU and weights per GPU for TP=2 are what each rank holds
+    (weights up to the norm vectors, which every rank keeps whole)."""
+    path = tiny_model("llama")
+    shape = shape_from_path(path)
+    _, llm = _greedy(str(path), 2, [[1, 2, 3]], kv_cache_memory_bytes=4 << 20)
+    try:
+        engine = llm.engine
+        planned_kv = 2 * shape.num_layers * _kv_heads_per_rank(shape, 2) * shape.head_dim * 4
+        assert engine.kv_bytes_per_token == planned_kv
+        planned_weights = -(-shape.weight_bytes // 2)
+        norms = (2 * shape.num_layers + 1) * shape.hidden_size * 4
+        assert abs(engine.runner.weights_bytes() - planned_weights) <= norms
+    finally:
+        llm.engine.close()
