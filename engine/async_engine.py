@@ -208,11 +208,13 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead_reason is None
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason
+        """Why no request can be served: the loop's own failure, or the engine's (a tensor-parallel rank
+        that died, noticed by its watchdog even while the loop idles)."""
+        return self._dead_reason or getattr(self.engine, "dead_reason", None)
 
     @property
     def num_waiting(self) -> int:
