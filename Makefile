@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers clean
+.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp clean
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-serve: install
 
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py
+
+bench-tp: install
+	$(PY) benchmarks/bench_tp.py
 
 bench-offload: install
 	$(PY) benchmarks/bench_offload.py
