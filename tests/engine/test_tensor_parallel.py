@@ -43,6 +43,7 @@ def test_default_model_tp2_matches_tp1():
         assert two == one
     finally:
         llm.engine.close()
+    assert not any(p.is_alive() for p in llm.engine.workers.procs), "close() leaves no rank running"
 
 
 @pytest.mark.parametrize(
