@@ -1,4 +1,4 @@
-"""Maps the folders engine/, kernels/ and operator/ onto the pagoda.* namespace.
+"""Maps the folders engine/, kernels/, operator/ and cli/ onto the pagoda.* namespace.
 
 A bare `operator` would shadow the standard library and a bare `kernels` collides with a Hugging Face
 package, so the folders are only ever importable as pagoda.engine, pagoda.kernels and pagoda.operator.
@@ -6,7 +6,12 @@ package, so the folders are only ever importable as pagoda.engine, pagoda.kernel
 
 from setuptools import find_packages, setup
 
-FOLDERS = {"engine": "pagoda.engine", "kernels": "pagoda.kernels", "operator": "pagoda.operator"}
+FOLDERS = {
+    "engine": "pagoda.engine",
+    "kernels": "pagoda.kernels",
+    "operator": "pagoda.operator",
+    "cli": "pagoda.cli",  # the `pagoda` command, over both halves
+}
 
 packages, package_dir = [], {}
 for folder, name in FOLDERS.items():

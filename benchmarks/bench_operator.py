@@ -17,14 +17,18 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 from pagoda.operator import render
 from pagoda.operator.discovery import node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.spec import parse_spec
-from pagoda.operator.testkit import INFD, STS, Cluster, emulated_cluster, running_operator
 from tqdm import tqdm
+
+# The emulated cluster and the operator runner are test code (tests/support/pagoda_testkit), not shipped.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "support"))
+from pagoda_testkit import INFD, STS, Cluster, emulated_cluster, running_operator  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "bench-results"
 TARGET_P99_S = 1.0

@@ -101,7 +101,7 @@ def _load(base_url: str) -> None:
 
 async def _populate(cluster) -> None:
     """GPU nodes and three InferenceDeployments, one unservable."""
-    from pagoda.operator import testkit
+    import pagoda_testkit as testkit
 
     await cluster.add_node("gpu-h100-0", "h100")
     await cluster.add_node("gpu-l4-0", "l4")
@@ -142,7 +142,7 @@ def operator(tmp_path_factory, dash):
         f"--liveness=http://127.0.0.1:{health}/healthz",
     ]
     log = work / "operator.log"
-    from pagoda.operator import testkit
+    import pagoda_testkit as testkit
 
     with testkit.ClusterThread(_populate) as cluster:
         env = dict(os.environ, KUBECONFIG=str(_kubeconfig(work / "kubeconfig", cluster.url)), POD_ID="op-0")

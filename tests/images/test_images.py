@@ -232,7 +232,7 @@ def test_operator_entrypoint_help():
 
 async def _populate(cluster) -> None:
     """A GPU node and one InferenceDeployment for the operator process to reconcile."""
-    from pagoda.operator import testkit
+    import pagoda_testkit as testkit
 
     await cluster.add_node("gpu-l4-0", "l4")
     await cluster.create(testkit.example("qwen2.5-7b-l4-fp8.yaml"))
@@ -249,7 +249,7 @@ def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
     }
     args = [next((new for old, new in replace.items() if a.startswith(old)), a) for a in args]
     assert set(replace) <= {a.split("=")[0] + "=" for a in args}, args
-    from pagoda.operator import testkit
+    import pagoda_testkit as testkit
 
     with testkit.ClusterThread(_populate) as cluster:
         kubeconfig = tmp_path / "kubeconfig"

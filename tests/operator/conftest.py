@@ -1,4 +1,4 @@
-"""Fixtures for the operator tests: the emulated cluster (see pagoda.operator.testkit)."""
+"""Fixtures for the operator tests: the emulated cluster (see pagoda_testkit)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from pagoda.operator.testkit import Cluster, emulated_cluster
+from pagoda_testkit import Cluster, emulated_cluster
 
 
 @pytest_asyncio.fixture

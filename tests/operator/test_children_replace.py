@@ -16,7 +16,7 @@ from pagoda.operator import render
 from pagoda.operator.discovery import node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.spec import parse_spec
-from pagoda.operator.testkit import INFD, STS, Cluster, example, node, running_operator
+from pagoda_testkit import INFD, STS, Cluster, example, node, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 RESOURCES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pagoda.operator.cli import parse_args
 from pagoda.operator.images import image_allowed, normalize_image
-from pagoda.operator.testkit import INFD, STS, Cluster, example, running_operator
+from pagoda_testkit import INFD, STS, Cluster, example, running_operator
 
 
 @pytest.mark.parametrize(

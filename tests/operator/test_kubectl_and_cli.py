@@ -15,7 +15,7 @@ import socket
 import sys
 
 import pytest
-from pagoda.operator.testkit import CRD_FILE, EXAMPLES, INFD, STS, Cluster, running_operator
+from pagoda_testkit import CRD_FILE, EXAMPLES, INFD, STS, Cluster, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ async def test_pagoda_operator_process_reconciles_and_serves_metrics(cluster: Cl
 async def test_pagoda_render_runs_through_the_pagoda_command_without_torch() -> None:
     code = (
         "import sys\n"
-        "from pagoda.engine.cli.main import main\n"
+        "from pagoda.cli.main import main\n"
         f"rc = main(['render', {str(EXAMPLES / 'llama-3.1-8b-h100-nvme.yaml')!r}])\n"
         "import pagoda.operator.cli, pagoda.operator.handlers\n"
         "assert 'torch' not in sys.modules, 'the operator imported torch'\n"

@@ -13,7 +13,7 @@ import pytest
 from pagoda.operator import metrics
 from pagoda.operator.kube import Kube
 from pagoda.operator.reconcile import Reconciler
-from pagoda.operator.testkit import Cluster, example
+from pagoda_testkit import Cluster, example
 
 pytestmark = [pytest.mark.timeout(60)]
 RECONCILES = "pagoda_operator_reconciles_total"

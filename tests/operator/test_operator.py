@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pagoda.operator.metrics import OperatorMetrics
 from pagoda.operator.render import HASH_ANNOTATION, KV_DIR
-from pagoda.operator.testkit import INFD, STS, Cluster, example, running_operator
+from pagoda_testkit import INFD, STS, Cluster, example, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 PDB = "policy/v1/poddisruptionbudgets"

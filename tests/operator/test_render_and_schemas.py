@@ -16,7 +16,7 @@ from pagoda.operator.planning import decide
 from pagoda.operator.render import KV_DIR, children
 from pagoda.operator.render_cli import main as render_main
 from pagoda.operator.spec import SpecError, parse_spec
-from pagoda.operator.testkit import CRD_FILE, EXAMPLES, example, node
+from pagoda_testkit import CRD_FILE, EXAMPLES, example, node
 
 K8S_VERSION = "1.30.0"
 EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
@@ -239,7 +239,7 @@ def test_the_queue_limit_shrinks_with_the_memory_and_grows_with_the_batch() -> N
 
 def test_docs_state_the_queue_rule_the_operator_uses() -> None:
     from pagoda.operator import planning
-    from pagoda.operator.testkit import ROOT
+    from pagoda_testkit import ROOT
 
     text = (ROOT / "docs" / "operator.md").read_text()
     assert f"min({planning.QUEUE_BATCHES} × max_num_seqs" in text

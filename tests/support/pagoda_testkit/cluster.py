@@ -1,5 +1,6 @@
 """Test kit: kmock's emulator (with Pagoda's extension) as a cluster with GFD-labelled Nodes, and the operator
-running under kopf in the same event loop. For the tests and the benchmark; imports kmock (a dev dependency)."""
+running under kopf in the same event loop. For the tests and the benchmark only (it imports kmock, a dev
+dependency, and finds crds/ and examples/ in the checkout), so it lives under tests/, not in the package."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import aiohttp
 import kmock
 import kopf
 import yaml
-from pagoda.operator.emulator import PagodaEmulator
 from pagoda.operator.runner import OperatorConfig, run
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository (operator/ is one level down)
+from pagoda_testkit.emulator import PagodaEmulator
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # the repository (this is tests/support/pagoda_testkit/)
 CRD_FILE = ROOT / "crds" / "pagoda.dev_inferencedeployments.yaml"
 EXAMPLES = ROOT / "examples"
 INFD = "pagoda.dev/v1alpha1/inferencedeployments"

@@ -12,7 +12,7 @@ subclass adds what a real API server does and kubectl or the operator can observ
   server owns (uid, creation time, status), and a `metadata.resourceVersion` that is not the current one
   is refused with 409 Conflict, as a real API server does for an update.
 
-Test and benchmark helper only: it imports kmock, a dev dependency.
+Test and benchmark helper only (it imports kmock, a dev dependency, and its private modules).
 """
 
 from __future__ import annotations
