@@ -295,6 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--serve", action="store_true", help="also measure pagoda serve vs vllm serve")
     ap.add_argument("--serve-only", action="store_true", help="only the served comparison")
     ap.add_argument("--concurrency", default="1,8,32", help="served comparison: concurrency levels")
+    ap.add_argument(
+        "--serve-requests", type=int, default=0, help="requests per level; default max(8, 2 x concurrency)"
+    )
     return ap.parse_args(argv)
 
 

