@@ -342,7 +342,7 @@ class OpenAIServing:
                 task.cancel()
                 self.aengine.abort([s.request_id for s in streams])
             watcher.cancel()
-        if task.cancelled():
+        if not task.done() or task.cancelled():  # cancelled just now: the cancel lands on the next pass
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
             task.result()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import socket
 import time
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 KEY = "test-secret-key"
 MODEL = "pagoda-test"
 CONTEXT = 128
+VOCAB = 49152  # the default model's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +169,62 @@ def test_max_tokens_beyond_the_context_is_clamped(srv) -> None:
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-# ---------------------------------------------------------------- 413
+@pytest.mark.parametrize(
+    ("path", "body", "field", "bad"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [VOCAB], "min_tokens": 1}, "stop_token_ids", VOCAB),
+        ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [5, 2**31 - 1], "min_tokens": 2}, "stop_token_ids", 2**31 - 1),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [VOCAB + 7], "min_tokens": 1}, "stop_token_ids", VOCAB + 7),
+        ("/v1/completions", {"prompt": [1, 2, VOCAB]}, "prompt", VOCAB),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 2**31 - 1]]}, "prompt", 2**31 - 1),
+    ],
+)  # fmt: skip
+def test_token_ids_outside_the_vocabulary_are_400_naming_the_field(srv, path, body, field, bad) -> None:
+    """One such request used to index past the logits inside the step and fail every request in flight."""
+    err = assert_error(post(srv, path, {"max_tokens": 2, **body}), 400, field)
+    assert str(bad) in err["message"] and "vocabulary" in err["message"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert srv.metric("pagoda:engine_step_failures_total") == 0
+
+
+def raw_exchange(srv, head: str, chunks: list[bytes] = (), timeout: float = 10.0) -> bytes:
+    """Send a request head (and body chunks) on a bare socket; return the first bytes of the answer."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode())
+        for chunk in chunks:
+            sock.sendall(chunk)
+        return sock.recv(65536)
+
+
+# ---------------------------------------------------------------- 413 and the order of the guards
+
+
+def test_401_is_decided_before_any_body_byte_is_read(srv) -> None:
+    """A client without the key announces a body and sends none: the 401 must not wait for it."""
+    head = "POST /v1/completions HTTP/1.1\nHost: pagoda\nContent-Type: application/json\nContent-Length: 1000\n\n"
+    answer = raw_exchange(srv, head)  # times out if the server waits for the 1000 bytes
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"invalid_api_key" in answer
+
+
+def test_413_counts_a_chunked_body_as_it_arrives(srv) -> None:
+    head = (
+        "POST /v1/completions HTTP/1.1\nHost: pagoda\nContent-Type: application/json\n"
+        f"Authorization: Bearer {KEY}\nTransfer-Encoding: chunked\n\n"
+    )
+    piece = b"x" * (16 * 1024)
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 4 + [b"400\r\n" + b"x" * 1024 + b"\r\n"]
+    answer = raw_exchange(srv, head, chunks)  # 65 KiB sent, no final chunk: the limit is passed mid-body
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"request_too_large" in answer
 
 
 def test_413_body_over_the_limit(srv) -> None:
     big = {"model": MODEL, "prompt": "word " * 20_000}
     err = assert_error(post(srv, "/v1/completions", big), 413)
     assert err["code"] == "request_too_large"
-    assert_error(post(srv, "/v1/completions", big, key=None), 413)  # no body is read before this check
+    # Without the key the answer is 401, whatever the body: the key is checked first.
+    assert_error(post(srv, "/v1/completions", big, key=None), 401)
 
 
 # ---------------------------------------------------------------- 503

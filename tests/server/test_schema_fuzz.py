@@ -1,10 +1,13 @@
-"""schemathesis against the server's own OpenAPI schema: the completion endpoints never answer 5xx."""
+"""Fuzzing the completion endpoints: schemathesis against the server's own OpenAPI schema never gets a 5xx,
+and random valid-schema requests aimed at the edges (token ids up to 2^31-1, min_tokens, extreme sampling
+values) never make an engine step fail: nothing a client sends may raise inside step()."""
 
 from __future__ import annotations
 
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 EXAMPLES = {"positive": 15, "negative": 10}
 
@@ -54,4 +57,67 @@ def test_completion_endpoints_never_answer_5xx(server) -> None:
             check()
     assert any(code == 200 for code in seen), seen  # the fuzzer did reach the engine
     assert any(400 <= code < 500 for code in seen), seen
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+TOKEN_ID = st.one_of(st.integers(0, 49151), st.integers(49152, 2**31 - 1), st.sampled_from([0, 49151, 49152]))
+FLOAT = {"allow_nan": False, "allow_infinity": False}
+SAMPLING = {
+    "min_tokens": st.integers(0, 3),
+    "n": st.integers(1, 2),
+    "stop_token_ids": st.lists(TOKEN_ID, max_size=4),
+    "temperature": st.one_of(st.floats(0, 100, **FLOAT), st.sampled_from([0.0, 1e-30, 100.0])),
+    "top_p": st.floats(1e-9, 1, **FLOAT),
+    "top_k": st.one_of(st.integers(-1, 100), st.integers(-1, 2**31 - 1)),
+    "min_p": st.floats(0, 1, **FLOAT),
+    "presence_penalty": st.floats(-2, 2, **FLOAT),
+    "frequency_penalty": st.floats(-2, 2, **FLOAT),
+    "repetition_penalty": st.floats(1e-6, 100, **FLOAT),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "ignore_eos": st.booleans(),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "priority": st.integers(-(2**63), 2**63 - 1),
+    "stream": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "logit_bias": st.just({}),
+}
+COMPLETION = st.fixed_dictionaries(
+    {
+        "prompt": st.one_of(
+            st.text(min_size=1, max_size=40),
+            st.lists(TOKEN_ID, min_size=1, max_size=8),
+            st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3),
+        ),
+        "max_tokens": st.integers(1, 3),  # always bounded: the 2 CPU cores decode a few tokens a second
+    },
+    optional={**SAMPLING, "logprobs": st.integers(0, 20), "echo": st.booleans()},
+)
+CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                 "content": st.text(max_size=40)}), min_size=1, max_size=3),
+     "max_tokens": st.integers(1, 3)},
+    optional={**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
+)  # fmt: skip
+
+
+def test_random_valid_requests_never_fail_an_engine_step(server) -> None:
+    failures_before = server.metric("pagoda:engine_step_failures_total")
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION),
+                          st.tuples(st.just("/v1/chat/completions"), CHAT)))  # fmt: skip
+    def check(case) -> None:
+        path, body = case
+        response = httpx.post(server.base_url + path.removeprefix("/v1"), json=body, timeout=120)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (body, response.status_code, response.text[:500])
+        if body.get("stream") and response.status_code == 200:
+            assert "engine_error" not in response.text, (body, response.text[-500:])
+
+    check()
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 5, seen  # both sides of the door were reached
+    assert server.metric("pagoda:engine_step_failures_total") == failures_before == 0
     assert httpx.get(server.url + "/health").status_code == 200

@@ -3,6 +3,7 @@ tokenization off the event loop, over-long prompts refused by characters, deltas
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -176,3 +177,26 @@ async def test_the_default_queue_limit_answers_503_with_retry_after(started) -> 
     assert info.value.status == 503 and info.value.headers["Retry-After"] == "1"
     aengine._counters.pending_adds = 0
     core.block_add.set()
+
+
+async def test_a_client_gone_before_the_answer_gets_499_and_its_requests_aborted(started) -> None:
+    aengine, core = started(step_s=0.002)
+    serving = OpenAIServing(aengine, ServerSettings())
+    streams = await serving.submit(
+        "cmpl-gone", [Prepared([1], "")] * 2, SamplingParams(max_tokens=10**6), 0, {}
+    )
+
+    class Gone:
+        async def receive(self) -> dict:
+            return {"type": "http.disconnect"}
+
+    from pagoda.engine.server.errors import APIError
+
+    with pytest.raises(APIError) as info:
+        await serving.collect(Gone(), streams)
+    assert info.value.status == 499
+    for _ in range(500):
+        if not core.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert not core.requests and {("abort", "cmpl-gone-0"), ("abort", "cmpl-gone-1")} <= set(core.log)
