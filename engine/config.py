@@ -28,6 +28,11 @@ class EngineConfig:
         cli=False,  # `pagoda serve` takes it as the positional MODEL (or --model)
     )
     served_model_name: str | None = _opt(None, "name clients use in 'model'", cli=False)
+    revision: str | None = _opt(
+        None,
+        "branch, tag or commit of a hub id's snapshot in the local Hugging Face cache; default: main "
+        "(a local directory or GGUF file is served as it is)",
+    )
     dtype: str = _opt(
         "auto", "weights and activations; auto = float32 on CPU, the checkpoint's on CUDA", choices=DTYPES
     )
@@ -84,6 +89,13 @@ class EngineConfig:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+        if self.revision is not None:
+            from pagoda.engine.loader.resolve import check_revision
+
+            try:
+                check_revision(self.revision)
+            except ValueError:
+                bad("revision", "must name a branch, tag or commit")
         if self.block_size not in (8, 16, 32, 64, 128):
             bad("block_size", "must be one of 8, 16, 32, 64, 128")
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":

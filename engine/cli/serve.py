@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import json
 import logging
 import os
 import signal
@@ -13,11 +14,22 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pagoda.engine.cli.dry_run import add_dry_run_args
 from pagoda.engine.cli.engine_args import (
     add_engine_args,
     engine_config_from_args,
     parse_bytes,
     parse_max_model_len,
+)
+from pagoda.engine.cli.exit_codes import (
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_START_FAILED,
+    EXIT_USAGE,
+    REASON_CUDA_OOM,
+    REASON_KV_TOO_SMALL,
+    termination_message,
+    write_termination_message,
 )
 from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagoda.engine.server.settings import ServerSettings
@@ -35,12 +47,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagoda serve",
         description="Serve a model over an OpenAI-compatible HTTP API (flags follow vLLM's).",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        exit_on_error=exit_on_error,
     )
     p.add_argument(
         "model",
@@ -88,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may run",
     )
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine log line")
+    add_dry_run_args(p)
     return p
 
 
@@ -95,9 +109,10 @@ class UnknownFlagError(Exception):
     pass
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse, turning unknown flags into an error that lists the closest known ones."""
-    parser = build_parser()
+def parse_args(argv: list[str], *, exit_on_error: bool = True) -> argparse.Namespace:
+    """Parse, turning unknown flags into an error that lists the closest known ones (exit_on_error=False:
+    a bad value raises argparse.ArgumentError instead of exiting)."""
+    parser = build_parser(exit_on_error=exit_on_error)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
@@ -167,6 +182,11 @@ def main(argv: list[str]) -> int:
         return 2
     except SystemExit as exc:  # argparse: --help (0) or a bad value (2)
         return int(exc.code or 0)
+    if args.dry_run:
+        return _dry_run(args)
+    if args.model_shape is not None or args.gpu is not None:
+        print("pagoda serve: error: --model-shape and --gpu apply to --dry-run only", file=sys.stderr)
+        return EXIT_USAGE
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     import uvicorn
@@ -185,14 +205,26 @@ def main(argv: list[str]) -> int:
 
     try:
         engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"pagoda serve: cannot start the engine: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        failure = _out_of_memory(exc)
+        if failure is not None:
+            print(f"pagoda serve: out of memory at start-up: {exc}", file=sys.stderr)
+            write_termination_message(failure)
+            return EXIT_OUT_OF_MEMORY
+        if isinstance(exc, ValueError | FileNotFoundError | OSError):
+            print(f"pagoda serve: cannot start the engine: {exc}", file=sys.stderr)
+            return EXIT_START_FAILED
+        raise
+    from pagoda.engine.server.memory_status import install_memory_status, measured_profile
+
+    profile = measured_profile(engine)
+    logging.getLogger("pagoda.engine").info("start-up memory profile: %s", json.dumps(profile))
     exporter = build_exporter(engine, settings)
     engine.add_stat_logger(exporter)
     if not args.disable_log_stats:
         engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval_s))
     app = build_app(AsyncEngine(engine), settings, exporter)
+    install_memory_status(app, profile)
     server = _make_uvicorn_server(
         uvicorn.Config(
             app,
@@ -205,6 +237,45 @@ def main(argv: list[str]) -> int:
     )
     server.run()
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """Print the dry run's JSON report (exit 0), or the real start's error (exit 2)."""
+    from pagoda.engine.cli.dry_run import DryRunError, check_parsed
+
+    try:
+        report = check_parsed(args)
+    except DryRunError as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report.to_dict(), indent=2))
+    return EXIT_OK
+
+
+def _out_of_memory(exc: BaseException) -> str | None:
+    """The termination message for a start-up that ran out of memory, or None for any other failure."""
+    from pagoda.engine.sizing.engine_plan import last_profile
+    from pagoda.engine.sizing.errors import StartupFitError
+
+    if isinstance(exc, StartupFitError):
+        profile = exc.profile.to_dict() if hasattr(exc.profile, "to_dict") else None
+        if profile is None and last_profile() is not None:
+            profile = last_profile().to_dict()
+        return termination_message(REASON_KV_TOO_SMALL, str(exc), profile)
+    import torch
+
+    if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()):
+        return None
+    latest = last_profile()
+    profile: dict[str, Any] = latest.to_dict() if latest is not None else {"device": "cuda", "measured": True}
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        profile.update(
+            device_total_bytes=total,
+            device_free_bytes=free,
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+        )
+    return termination_message(REASON_CUDA_OOM, str(exc), profile)
 
 
 def build_exporter(engine: Any, settings: ServerSettings) -> Any:

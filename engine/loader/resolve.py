@@ -50,10 +50,47 @@ def hf_hub_cache() -> Path:
     return Path("~/.cache/huggingface/hub").expanduser()
 
 
-def _from_hub_cache(repo_id: str) -> Path:
+# A branch, tag or commit as Hugging Face names them (refs/pr/1 included); never a path that climbs out.
+_REVISION = re.compile(r"^[A-Za-z0-9][\w.\-/]*$")
+
+
+def check_revision(revision: str) -> str:
+    """`revision` if it can name a branch, tag or commit; a ValueError naming it otherwise."""
+    if not _REVISION.match(revision) or ".." in revision or revision.endswith("/"):
+        raise ValueError(f"revision {revision!r} is not a branch, tag or commit name")
+    return revision
+
+
+def _complete(snap: Path) -> bool:
+    return (snap / "config.json").is_file() and any(snap.glob("*.safetensors"))
+
+
+def _cached_revisions(repo_dir: Path) -> list[str]:
+    refs = repo_dir / "refs"
+    names = sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []
+    snapshots = repo_dir / "snapshots"
+    if snapshots.is_dir():
+        names += sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    return names
+
+
+def _from_hub_cache(repo_id: str, revision: str | None = None) -> Path:
     cache = hf_hub_cache()
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo_dir / "snapshots"
+    if revision is not None:
+        check_revision(revision)
+        ref = repo_dir / "refs" / revision
+        snap = snapshots / (ref.read_text().strip() if ref.is_file() else revision)
+        if snap.is_dir() and _complete(snap):
+            return snap
+        cached = ", ".join(_cached_revisions(repo_dir)) or "none"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} at revision {revision!r} has no complete copy (config.json + *.safetensors) in "
+            f"the Hugging Face cache at {repo_dir} (revisions cached: {cached}). Pagoda never downloads models "
+            f"at run time: download it beforehand (e.g. `huggingface-cli download {repo_id} --revision "
+            f"{revision}`, which fills that cache)"
+        )
     candidates: list[Path] = []
     ref = repo_dir / "refs" / "main"
     if ref.is_file():
@@ -61,7 +98,7 @@ def _from_hub_cache(repo_id: str) -> Path:
     if snapshots.is_dir():
         candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     for snap in candidates:
-        if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
+        if _complete(snap):
             return snap
     raise ModelNotFoundError(
         f"model {repo_id!r} is not a local path and has no complete copy (config.json + *.safetensors) in the "
@@ -86,13 +123,21 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """HF dir as is; GGUF file -> converted once into the Pagoda cache; None -> the embedded default;
-    `org/name` -> the local Hugging Face cache. Anything else is a ValueError naming it."""
-    if model is None:
-        from pagoda.engine.loader.gguf_convert import convert_gguf
+def is_hub_id(text: str) -> bool:
+    """Whether `text` reads as `org/name` (and names nothing on disk)."""
+    return bool(_HUB_ID.match(text)) and not text.startswith((".", "~")) and not Path(text).exists()
 
-        return convert_gguf(default_model_gguf(), pagoda_cache_dir())
+
+def locate_model(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """Where the model is, without converting or loading anything: an HF directory or a GGUF file.
+
+    `revision` (a branch, tag or commit) selects the snapshot of a hub id in the local Hugging Face cache;
+    a local path is what it is, so `revision` does not apply to it.
+    """
+    if revision is not None:
+        check_revision(revision)
+    if model is None:
+        return default_model_gguf()
     text = os.fspath(model)
     if not text:
         raise ModelNotFoundError("model must be a path, a Hugging Face id or None, got ''")
@@ -101,12 +146,22 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         return check_model_dir(path.resolve())
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            from pagoda.engine.loader.gguf_convert import convert_gguf
-
-            return convert_gguf(path.resolve(), pagoda_cache_dir())
+            return path.resolve()
         raise ModelNotFoundError(
             f"model file {text!r} is not a GGUF file; pass a .gguf file or a Hugging Face model directory"
         )
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
-        return _from_hub_cache(text)
+        return _from_hub_cache(text, revision)
     raise ModelNotFoundError(f"model path {text!r} does not exist")
+
+
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """HF dir as is; GGUF file -> converted once into the Pagoda cache; None -> the embedded default;
+    `org/name` -> the local Hugging Face cache (at `revision`, default main). Anything else is a ValueError
+    naming it."""
+    path = locate_model(model, revision)
+    if path.is_file():
+        from pagoda.engine.loader.gguf_convert import convert_gguf
+
+        return convert_gguf(path, pagoda_cache_dir())
+    return path

@@ -3,7 +3,8 @@
 Pure Python (no torch) so the operator and the engine share one set of rules.
 """
 
-from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.engine_plan import EnginePlan, MemoryProfile, engine_plan
+from pagoda.engine.sizing.errors import SizingError, StartupFitError
 from pagoda.engine.sizing.fit import fit_max_model_len, num_blocks_for
 from pagoda.engine.sizing.gpus import (
     GPU_CATALOGUE,
@@ -34,6 +35,10 @@ from pagoda.engine.sizing.units import human_bytes, parse_bytes
 
 __all__ = [
     "GPU_CATALOGUE",
+    "EnginePlan",
+    "MemoryProfile",
+    "StartupFitError",
+    "engine_plan",
     "GPUInfo",
     "GPUSpec",
     "Hints",

@@ -1,5 +1,21 @@
-"""The one exception sizing raises, so callers (operator, CLI, engine start-up) can catch it by name."""
+"""The exceptions sizing raises, so callers (operator, CLI, engine start-up) can catch them by name."""
+
+from __future__ import annotations
+
+from typing import Any
 
 
 class SizingError(ValueError):
     """The inputs cannot be served as asked; the message says what fits and what to change."""
+
+
+class StartupFitError(SizingError):
+    """The KV cache for the configured length does not fit the memory left at start-up.
+
+    `profile` (a MemoryProfile, when the caller had one) carries the figures the refusal was made from, so
+    a supervisor can re-plan from facts rather than guesses.
+    """
+
+    def __init__(self, message: str, profile: Any = None) -> None:
+        super().__init__(message)
+        self.profile = profile

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.errors import SizingError, StartupFitError
 from pagoda.engine.sizing.units import human_bytes
 
 
@@ -92,7 +92,7 @@ def fit_max_model_len(
         if largest >= 1
         else f"not even one block of {block_size} tokens fits"
     )
-    raise SizingError(
+    raise StartupFitError(
         f"{subject} does not fit in the KV cache: one sequence of {want} tokens needs {human_bytes(needed)} "
         f"of KV cache ({kv_bytes_per_token} B/token, block size {block_size}), but only "
         f"{human_bytes(max(kv_memory_bytes, 0))} is available for the KV cache{after_text}; {fits}. "

@@ -1,0 +1,75 @@
+"""`pagoda serve`'s exit codes and the termination message it leaves when start-up runs out of memory.
+
+A supervisor acts on these without parsing logs: the operator re-plans an InferenceDeployment whose engine
+exits with EXIT_OUT_OF_MEMORY (or is OOMKilled), reading the measured memory from the termination message
+that Kubernetes copies into the pod's status (`terminationMessagePath`, 4096 bytes at most).
+
+    0  served and drained (SIGTERM), or --help / a passing --dry-run
+    1  could not start for another reason (model not found, bad weights, ...)
+    2  bad flags or configuration (the dry run's refusals too)
+    3  out of memory at start-up: CUDA ran out while loading, profiling or allocating the KV cache, or the
+       configured max_model_len does not fit the memory measured (the message says what fits)
+
+Torch-free: the operator imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+EXIT_OK = 0
+EXIT_START_FAILED = 1
+EXIT_USAGE = 2
+EXIT_OUT_OF_MEMORY = 3
+
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+TERMINATION_LOG_ENV = "PAGODA_TERMINATION_LOG"  # where to write it instead (tests, other supervisors)
+MESSAGE_LIMIT = 4096  # what the kubelet keeps of a termination message
+FORMAT = "pagoda.dev/startup-failure/v1"
+
+REASON_CUDA_OOM = "CUDAOutOfMemory"
+REASON_KV_TOO_SMALL = "KVCacheTooSmall"
+
+
+def termination_message(reason: str, message: str, profile: dict[str, Any] | None) -> str:
+    """One JSON line under the kubelet's size limit: the reason, the error and the memory figures."""
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "exitCode": EXIT_OUT_OF_MEMORY,
+        "reason": reason,
+        "profile": profile,
+        "message": message,
+    }
+    text = json.dumps(body, separators=(",", ":"))
+    if len(text.encode()) > MESSAGE_LIMIT:
+        over = len(text.encode()) - MESSAGE_LIMIT + 3
+        body["message"] = message[: max(len(message) - over, 0)] + "..."
+        text = json.dumps(body, separators=(",", ":"))
+    return text
+
+
+def write_termination_message(text: str) -> str | None:
+    """Write `text` where the pod's termination message is read from; the path, or None where there is
+    none to write (outside Kubernetes /dev/termination-log does not exist)."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError:
+        return None
+    return path
+
+
+def parse_termination_message(text: str | None) -> dict[str, Any] | None:
+    """The start-up failure a termination message describes, or None if it is not one of ours."""
+    if not text:
+        return None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        return None
+    return body

@@ -1,0 +1,223 @@
+"""The engine's start-up plan as one pure function, shared by LLMEngine and `pagoda serve --dry-run`.
+
+The engine measures three things at start-up (weights on the device, the activation peak of one profiled
+step, the device's free memory); everything it then decides from them (max_model_len, the number of KV
+blocks, the per-step token budget, or a refusal) is arithmetic, and lives here. The dry run feeds the same
+arithmetic estimates instead of measurements, so both refuse the same configurations with the same words.
+
+No torch here: the operator imports this module to check every pod it renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from pagoda.engine.sizing.errors import StartupFitError
+from pagoda.engine.sizing.fit import fit_max_model_len
+from pagoda.engine.sizing.shapes import dtype_bytes
+
+DEFAULT_BATCHED_TOKENS = 2048  # vLLM's server default with chunked prefill
+
+# `dtype` flag value -> canonical name (the engine maps the same names to torch dtypes).
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+_FP8_KV = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One rank's memory at start-up: measured by the engine, or estimated by a dry run (`measured`)."""
+
+    device: str  # "cpu" or "cuda"
+    weights_bytes: int
+    activation_peak_bytes: int
+    kv_cache_bytes: int  # what the KV cache was given (the fit budget)
+    kv_allocated_bytes: int = 0  # blocks x bytes per block; 0 when start-up failed before allocating
+    device_total_bytes: int | None = None
+    device_free_bytes: int | None = None  # free when measured (after the weights were loaded)
+    other_bytes: int | None = None  # taken by the CUDA context and other processes
+    gpu_memory_utilization: float | None = None
+    measured: bool = True
+    source: str = ""  # where the device figures came from: cuda, host, catalogue:<GPU>, flag, none
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryProfile:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the engine runs with, decided from a memory profile."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int  # per rank
+    max_num_batched_tokens: int
+    profile: MemoryProfile
+
+    @property
+    def max_model_len_fitted(self) -> int:
+        """Tokens the whole KV cache holds: the longest one sequence could ever be."""
+        return self.num_blocks * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["max_model_len_fitted"] = self.max_model_len_fitted
+        return out
+
+
+_last_profile: MemoryProfile | None = None
+
+
+def last_profile() -> MemoryProfile | None:
+    """The profile of the latest plan made in this process (what a start-up failure after it reports)."""
+    return _last_profile
+
+
+def resolve_dtype_name(name: str, device: str, checkpoint_dtype: str | None) -> str:
+    """The compute dtype the engine uses: float32 on CPU, the checkpoint's (bfloat16 for float32) on CUDA."""
+    if name != "auto":
+        return _DTYPE_NAMES[name]
+    if device == "cpu":
+        return "float32"
+    checkpoint = _DTYPE_NAMES.get(str(checkpoint_dtype or "").removeprefix("torch."))
+    return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
+
+
+def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
+    return _FP8_KV.get(kv_cache_dtype, model_dtype)
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    return 1 if kv_cache_dtype in _FP8_KV else dtype_bytes(model_dtype)
+
+
+def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of a rank's share: equal shares, the first `total % size` ranks one more."""
+    per, extra = divmod(total, size)
+    start = rank * per + min(rank, extra)
+    return start, start + per + (1 if rank < extra else 0)
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0) -> int:
+    """KV heads one tensor-parallel rank keeps in its cache.
+
+    A rank keeps the KV heads its contiguous share of query heads reads. When that share covers whole
+    query groups (or sits inside one), each needed KV head is kept once; otherwise every query head gets its
+    own copy, so the rank runs plain multi-head attention (9 query over 3 KV heads on 2 ranks: 5 copies).
+    """
+    if tp <= 1:
+        return num_kv_heads
+    lo, hi = shard_range(num_heads, rank, tp)
+    group = num_heads // num_kv_heads
+    needed = [h // group for h in range(lo, hi)]
+    distinct = sorted(set(needed))
+    local = hi - lo
+    if local % len(distinct) == 0 and all(
+        needed[i] == distinct[i // (local // len(distinct))] for i in range(local)
+    ):
+        return len(distinct)
+    return len(needed)
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, element_bytes: int, tp: int = 1
+) -> int:
+    """KV bytes per token on rank 0 (the rank the engine sizes every rank's cache by)."""
+    return 2 * num_layers * kv_heads_per_rank(num_heads, num_kv_heads, tp) * head_dim * element_bytes
+
+
+def check_tensor_parallel(num_heads: int, tp: int) -> None:
+    """Refuse a tensor-parallel size the model's attention heads cannot be split over."""
+    if num_heads < tp:
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {num_heads} attention heads")
+
+
+def profile_tokens(max_num_batched_tokens: int | None, model_max_len: int) -> int:
+    """Tokens of the one step the engine profiles for its activation peak."""
+    return min(max_num_batched_tokens or DEFAULT_BATCHED_TOKENS, model_max_len)
+
+
+def gpu_kv_budget(
+    total: int, free: int, reserved: int, utilization: float, weights: int, activation: int
+) -> tuple[int, int]:
+    """(KV cache bytes, bytes others hold) on a GPU: `utilization` of the card, less what other processes
+    and the CUDA context hold (total - free - what this process's allocator reserved), the weights and the
+    activation peak."""
+    others = total - free - reserved
+    return max(int(total * utilization - others - weights - activation), 0), others
+
+
+def engine_plan(
+    config: Any,
+    *,
+    model_max_len: int,
+    kv_bytes_per_token: int,
+    kv_memory_bytes: int,
+    weights_bytes: int = 0,
+    activation_bytes: int = 0,
+    device: str = "cpu",
+    device_total_bytes: int | None = None,
+    device_free_bytes: int | None = None,
+    other_bytes: int | None = None,
+    measured: bool = True,
+    source: str = "",
+) -> EnginePlan:
+    """max_model_len, KV blocks and the token budget for `config` (an EngineConfig, read only) in
+    `kv_memory_bytes` of KV cache; raises StartupFitError (a SizingError) saying what fits otherwise,
+    SizingError or ValueError for a configuration no memory would fix."""
+    global _last_profile
+    block_size = config.block_size
+    profile = MemoryProfile(
+        device=device,
+        weights_bytes=int(weights_bytes),
+        activation_peak_bytes=int(activation_bytes),
+        kv_cache_bytes=max(int(kv_memory_bytes), 0),
+        device_total_bytes=device_total_bytes,
+        device_free_bytes=device_free_bytes,
+        other_bytes=other_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization
+        if device == "cuda" and config.kv_cache_memory_bytes is None
+        else None,
+        measured=measured,
+        source=source,
+    )
+    _last_profile = profile
+    try:
+        max_model_len = fit_max_model_len(
+            config.max_model_len,
+            model_max_len,
+            kv_bytes_per_token,
+            kv_memory_bytes,
+            block_size,
+            weights_bytes=weights_bytes,
+            activation_bytes=activation_bytes,
+            device=device,
+        )
+    except StartupFitError as exc:
+        raise StartupFitError(str(exc), profile) from None
+    num_blocks = int(max(kv_memory_bytes // (kv_bytes_per_token * block_size), 1))
+    batched = config.max_num_batched_tokens
+    if batched is None:
+        batched = (
+            DEFAULT_BATCHED_TOKENS
+            if config.enable_chunked_prefill
+            else max(DEFAULT_BATCHED_TOKENS, max_model_len)
+        )
+    elif not config.enable_chunked_prefill and batched < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({batched}) must be at least max_model_len "
+            f"({max_model_len}) when chunked prefill is off"
+        )
+    profile = replace(profile, kv_allocated_bytes=num_blocks * block_size * kv_bytes_per_token)
+    _last_profile = profile
+    return EnginePlan(max_model_len, num_blocks, block_size, kv_bytes_per_token, batched, profile)

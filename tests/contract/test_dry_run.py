@@ -1,0 +1,133 @@
+"""`pagoda serve ARGS --dry-run`: the full configuration checked, the memory plan printed, no weights loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pagoda.engine.cli.dry_run import DryRunError, check, shape_config
+from pagoda.engine.sizing import well_known_shape
+
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PAGODA, "serve", *args], capture_output=True, text=True, timeout=300, env=env or dict(os.environ)
+    )
+
+
+def test_prints_config_and_memory_plan_as_json() -> None:
+    r = serve("--dry-run", "--device", "cpu", "--kv-cache-memory-bytes", "512MiB", "--max-num-seqs", "8")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["dry_run"] is True and report["weights_loaded"] is False
+    assert report["config"]["max_num_seqs"] == 8 and report["config"]["max_model_len"] == 8192
+    assert report["model"]["shape_from"] == "gguf metadata"  # the embedded default model
+    assert report["plan"]["num_blocks"] == 512 * 2**20 // (46_080 * 16)
+    assert report["memory"]["kv_cache_bytes"] == 512 * 2**20 and report["memory"]["measured"] is False
+    assert report["fit_checked"] is True
+
+
+def test_refuses_with_the_real_starts_error_and_exit_2() -> None:
+    args = ("--device", "cpu", "--kv-cache-memory-bytes", "512MiB", "--max-model-len", "100000")
+    dry = serve(*args, "--dry-run")
+    real = serve(*args, "--skip-tokenizer-init")
+    assert dry.returncode == 2 and real.returncode == 1
+    line = (
+        "pagoda serve: cannot start the engine: max_model_len=100000 is longer than the model's limit of 8192"
+    )
+    assert dry.stderr.strip().splitlines()[-1].startswith(line)
+    assert dry.stderr.strip().splitlines()[-1] == real.stderr.strip().splitlines()[-1]
+    assert dry.stdout == ""
+
+
+def test_configuration_errors_are_the_real_starts() -> None:
+    for args in (["--block-size", "7"], ["--gpu-memory-utilization", "1.5"], ["--max-num-seq", "4"]):
+        dry, real = serve(*args, "--dry-run"), serve(*args)
+        assert dry.returncode == real.returncode == 2, (args, dry.stderr)
+        assert dry.stderr.strip().splitlines()[-1] == real.stderr.strip().splitlines()[-1]
+
+
+def test_weights_are_never_read(tmp_path: Path) -> None:
+    """A directory whose safetensors hold a header and no data: a real load would fail, the dry run cannot."""
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [1000, 64], "data_offsets": [0, 128_000]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)  # no data
+    report = check([str(tmp_path), "--device", "cpu", "--kv-cache-memory-bytes", "16MiB"])
+    assert report.model.shape.num_params == 64_000 and report.config.max_model_len == 1024
+    config["model_type"], config["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DryRunError, match="model_type 'gpt2'.*is not supported"):
+        check([str(tmp_path), "--device", "cpu", "--kv-cache-memory-bytes", "16MiB"])
+
+
+def test_a_gpu_config_without_a_gpu_here() -> None:
+    """No CUDA on this machine: --gpu plans with the catalogue's memory; without it the JSON says so."""
+    shape = json.dumps(shape_config(well_known_shape("meta-llama/Llama-3.1-8B-Instruct")))
+    common = ["meta-llama/Llama-3.1-8B-Instruct", "--model-shape", shape, "--max-model-len", "16384"]
+    on_l4 = check([*common, "--gpu", "NVIDIA-L4", "--gpu-memory-utilization", "0.9"])
+    assert on_l4.device["type"] == "cuda" and on_l4.device["memory_source"] == "catalogue:L4"
+    assert on_l4.plan is not None and on_l4.plan.profile.device_total_bytes == 23034 << 20
+    assert on_l4.plan.profile.weights_bytes > 14 << 30  # 8B parameters in bf16
+    with pytest.raises(DryRunError, match=r"max_model_len=16384 does not fit in the KV cache.*fits is \d+"):
+        check([*common, "--gpu", "NVIDIA-L4", "--gpu-memory-utilization", "0.8"])
+    unmeasured = check([*common, "--device", "cuda"]) if not _has_cuda() else None
+    if unmeasured is not None:
+        assert unmeasured.plan is None and unmeasured.device["memory_source"] == "none"
+        assert any("device memory not measured" in w for w in unmeasured.warnings)
+        assert unmeasured.to_dict()["fit_checked"] is False
+
+
+def test_tensor_parallel_splits_the_weights_and_kv() -> None:
+    shape = json.dumps(shape_config(well_known_shape("meta-llama/Llama-3.1-70B-Instruct")))
+    common = [
+        "m",
+        "--model-shape",
+        shape,
+        "--gpu",
+        "H100",
+        "--max-model-len",
+        "16384",
+        "--kv-cache-dtype",
+        "fp8",
+    ]
+    with pytest.raises(DryRunError, match="does not fit"):
+        check(common)  # 70B of bf16 weights on one H100
+    two = check([*common, "--tensor-parallel-size", "2"])
+    assert two.plan is not None and two.plan.kv_bytes_per_token == 327_680 // 2 // 2  # half the heads, fp8
+    with pytest.raises(DryRunError, match="tensor_parallel_size 128 exceeds the model's 64 attention heads"):
+        check([*common, "--tensor-parallel-size", "128"])
+
+
+def test_dry_run_flags_are_refused_without_dry_run() -> None:
+    r = serve("--gpu", "H100")
+    assert r.returncode == 2 and "apply to --dry-run only" in r.stderr
+
+
+def test_the_dry_run_does_not_need_torch_with_a_given_shape() -> None:
+    shape = json.dumps(shape_config(well_known_shape("Qwen/Qwen2.5-7B-Instruct")))
+    code = (
+        "import sys, json\n"
+        "from pagoda.engine.cli.dry_run import check\n"
+        f"r = check(['Qwen/Qwen2.5-7B-Instruct', '--model-shape', {shape!r}, '--gpu', 'L4', '--device', 'cuda'])\n"
+        "assert 'torch' not in sys.modules, 'the dry run imported torch'\n"
+        "print(r.config.max_model_len)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == 32768
+
+
+def _has_cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None
