@@ -202,7 +202,9 @@ def main(argv: list[str]) -> int:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
     from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.sizing.engine_plan import forget_last_profile
 
+    forget_last_profile()
     try:
         engine = LLMEngine(config)
     except Exception as exc:
@@ -259,8 +261,6 @@ def _out_of_memory(exc: BaseException) -> str | None:
 
     if isinstance(exc, StartupFitError):
         profile = exc.profile.to_dict() if hasattr(exc.profile, "to_dict") else None
-        if profile is None and last_profile() is not None:
-            profile = last_profile().to_dict()
         return termination_message(REASON_KV_TOO_SMALL, str(exc), profile)
     import torch
 

@@ -83,6 +83,12 @@ def last_profile() -> MemoryProfile | None:
     return _last_profile
 
 
+def forget_last_profile() -> None:
+    """Start a new start-up: no earlier plan's profile may be reported for it."""
+    global _last_profile
+    _last_profile = None
+
+
 def resolve_dtype_name(name: str, device: str, checkpoint_dtype: str | None) -> str:
     """The compute dtype the engine uses: float32 on CPU, the checkpoint's (bfloat16 for float32) on CUDA."""
     if name != "auto":

@@ -1,0 +1,112 @@
+"""The engine's memory facts for its supervisor: exit code 3 and the termination message when start-up runs out
+of memory, GET /pagoda/memory when it starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pagoda.engine.cli import serve
+from pagoda.engine.cli.exit_codes import (
+    EXIT_OUT_OF_MEMORY,
+    FORMAT,
+    MESSAGE_LIMIT,
+    REASON_CUDA_OOM,
+    REASON_KV_TOO_SMALL,
+    parse_termination_message,
+    termination_message,
+)
+
+
+@pytest.fixture
+def termination_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "termination-log"
+    monkeypatch.setenv("PAGODA_TERMINATION_LOG", str(path))
+    return path
+
+
+CPU_TOO_SMALL = [
+    "--device", "cpu", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "4096", "--skip-tokenizer-init",
+]  # fmt: skip
+
+
+def test_a_context_that_does_not_fit_exits_3(termination_log: Path, capsys) -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    assert serve.main(CPU_TOO_SMALL) == EXIT_OUT_OF_MEMORY
+    assert "out of memory at start-up" in capsys.readouterr().err
+    failure = parse_termination_message(termination_log.read_text())
+    assert failure is not None and failure["reason"] == REASON_KV_TOO_SMALL and failure["exitCode"] == 3
+    assert "the largest max_model_len that fits is 1456" in failure["message"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="LLMEngine sizes its KV cache without pagoda.engine.sizing.engine_plan, so its refusal carries no "
+    "profile: engine/llm_engine.py has to call engine_plan (owned by the engine-core lead)",
+)
+def test_the_refusal_carries_the_measured_profile(termination_log: Path) -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    assert serve.main(CPU_TOO_SMALL) == EXIT_OUT_OF_MEMORY
+    profile = parse_termination_message(termination_log.read_text())["profile"]
+    assert profile["kv_cache_bytes"] == 64 << 20 and profile["weights_bytes"] > 500 << 20
+    assert profile["measured"] is True and profile["kv_allocated_bytes"] == 0
+
+
+def test_cuda_out_of_memory_exits_3(termination_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA OOM while loading looks like to the supervisor (simulated: there is no GPU here)."""
+    import torch
+    from pagoda.engine import llm_engine
+
+    def oom(*_: object, **__: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", oom)
+    assert serve.main(["--device", "cpu"]) == EXIT_OUT_OF_MEMORY
+    failure = parse_termination_message(termination_log.read_text())
+    assert failure["reason"] == REASON_CUDA_OOM and "Tried to allocate 2.00 GiB" in failure["message"]
+
+
+def test_other_start_failures_keep_exit_1(termination_log: Path) -> None:
+    assert serve.main(["/no/such/model", "--device", "cpu"]) == 1
+    assert not termination_log.exists()
+
+
+def test_the_message_fits_the_kubelets_limit() -> None:
+    text = termination_message(REASON_CUDA_OOM, "x" * 10_000, {"weights_bytes": 1})
+    assert len(text.encode()) <= MESSAGE_LIMIT
+    body = json.loads(text)
+    assert body["format"] == FORMAT and body["profile"] == {"weights_bytes": 1}
+    assert body["message"].endswith("...")
+    assert parse_termination_message("Error: something else") is None
+    assert parse_termination_message(json.dumps({"format": "other"})) is None
+
+
+def test_the_memory_profile_is_served() -> None:
+    import torch
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.server.memory_status import ROUTE, install_memory_status, measured_profile
+
+    torch.set_num_threads(2)
+    engine = LLMEngine(
+        EngineConfig(
+            device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len="auto", skip_tokenizer_init=True
+        )
+    )
+    try:
+        profile = measured_profile(engine)
+    finally:
+        engine.close()
+    assert profile["weights_bytes"] == engine.runner.weights_bytes()
+    assert profile["kv_allocated_bytes"] == engine.num_blocks * 16 * engine.kv_bytes_per_token
+    assert profile["num_blocks"] == engine.num_blocks and profile["max_model_len"] == engine.max_model_len
+    app = FastAPI()
+    install_memory_status(app, profile)
+    assert TestClient(app).get(ROUTE).json() == json.loads(json.dumps(profile))
