@@ -57,6 +57,11 @@ bench-offload: install
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
 
+# 10,000 mixed requests with random disconnects through the real server, then 0 leaks (docs/serving.md)
+.PHONY: soak
+soak: install
+	$(PY) benchmarks/soak.py
+
 # Pagoda vs vLLM's CPU build (installed on first use into .peers/vllm, never into .venv) and transformers.
 # Extra flags: make bench-peers ARGS="--num-requests 8 --serve"
 bench-peers: install
