@@ -2,6 +2,7 @@
 
 - InferenceDeployment created, changed, or seen at operator start-up: reconcile it.
 - A managed StatefulSet changed (hand edit, deletion, pods becoming ready): reconcile its owner.
+- An engine pod ran out of memory (OOMKilled, or the engine's exit code 3): re-fit its owner (refit.py).
 - The GPU inventory on the nodes changed (a GPU node appears, goes away, changes product): reconcile all,
   so a deployment waiting for an L40S gets one as soon as an L40S node joins.
 
@@ -21,6 +22,7 @@ from pagoda.operator.discovery import NodeGPUs, node_gpus
 from pagoda.operator.kube import ApiError, Kube
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.reconcile import Reconciler
+from pagoda.operator.refit import failure_of
 
 log = logging.getLogger("pagoda.operator")
 CR = (render.GROUP, render.VERSION, render.PLURAL)
@@ -130,6 +132,21 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
                 return  # the echo of our own write: nothing drifted
         if owner and event.get("type") is not None:
             await reconcile(namespace, owner, gpu_nodes)
+
+    @kopf.on.event(
+        "", "v1", "pods", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="pods", registry=registry
+    )
+    async def pod(body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any) -> None:
+        # An engine that ran out of memory (OOMKilled, or exit code 3 at start-up): re-fit its deployment.
+        failure = failure_of(dict(body), render.PLAN_ANNOTATION)
+        owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
+        if failure is not None and owner:
+            try:
+                await reconciler().reconcile(namespace, owner, _nodes(gpu_nodes), failure=failure)
+            except ApiError as exc:
+                if exc.transient:
+                    raise _retry(exc) from None
+                raise
 
     @kopf.on.event("", "v1", "nodes", id="nodes", registry=registry)
     async def node(gpu_nodes: Any, **_: Any) -> None:

@@ -20,6 +20,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors"),
     "InferenceDeployment": ("apis/pagoda.dev/v1alpha1", "inferencedeployments"),
     "Event": ("api/v1", "events"),
+    "Pod": ("api/v1", "pods"),
 }
 
 
@@ -129,6 +130,12 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         """The object at `path`, or None when it does not exist."""
         return await self._call("GET", path)
+
+    async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        """The items of a collection, optionally only those matching `label_selector`."""
+        params = {"labelSelector": label_selector} if label_selector else None
+        listing = await self._call("GET", path, params=params) or {}
+        return list(listing.get("items") or [])
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", path, json=body) or {}

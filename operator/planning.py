@@ -20,6 +20,7 @@ from pagoda.engine.sizing import (
     shape_from_config,
     well_known_shape,
 )
+from pagoda.operator import refit as refitting
 from pagoda.operator.discovery import GPUPool, matching_pools
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import InferenceSpec, SpecError
@@ -53,6 +54,7 @@ class Decision:
     pod_memory_bytes: int = 0  # what the pod may use: the user's limit, else what the operator requests
     max_num_queued_reqs: int = 1
     queue_reason: str = ""
+    shape: ModelShape | None = None  # what the plan was sized for (the engine's dry run checks it)
 
     def status_plan(self) -> dict[str, Any]:
         """The engine plan as status.plan shows it, the operator's own choices included."""
@@ -90,7 +92,8 @@ def model_shape(spec: InferenceSpec) -> ModelShape:
             "model.shape",
             f"the operator does not know the shape of {spec.model.model_id!r}: copy num_hidden_layers, "
             "num_attention_heads, num_key_value_heads, hidden_size, intermediate_size, vocab_size and "
-            "max_position_embeddings from its config.json into spec.model.shape",
+            "max_position_embeddings from its config.json into spec.model.shape as numLayers, "
+            "numAttentionHeads, numKvHeads, hiddenSize, intermediateSize, vocabSize and maxPositionEmbeddings",
             reason="UnknownModel",
         )
     return shape
@@ -171,8 +174,26 @@ def _apply_overrides(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> Plan:
     return dataclasses.replace(p, **changes)
 
 
+TP_NO_TIERS = "the engine runs no KV offload tiers with tensor parallelism yet"
+
+
 def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
     reasons = dict(p.reasons)
+    if p.tensor_parallel_size > 1:  # render no tier (nor PVC) the engine would switch off
+        warnings = list(p.warnings)
+        if spec.offload.host_bytes or spec.offload.nvme_enabled:
+            warnings.append(f"spec.offload is ignored: {TP_NO_TIERS}")
+        reasons["kv_offload_host_bytes"] = reasons["kv_offload_disk_bytes"] = f"off: {TP_NO_TIERS}"
+        reasons.pop("pvc_size", None)
+        new = dataclasses.replace(
+            p,
+            kv_offload_host_bytes=0,
+            kv_offload_disk_bytes=0,
+            pvc_size="",
+            reasons=reasons,
+            warnings=warnings,
+        )
+        return new, None, 0
     host = p.kv_offload_host_bytes
     if spec.offload.host_bytes is not None:
         host = 0 if p.device == "cpu" else spec.offload.host_bytes
@@ -239,7 +260,8 @@ def queue_limit(p: Plan, pod_memory: int) -> tuple[int, str]:
     return limit, f"{why}; more waiting requests get 503 with Retry-After"
 
 
-def _finish(decision: Decision, spec: InferenceSpec) -> Decision:
+def _finish(decision: Decision, spec: InferenceSpec, shape: ModelShape) -> Decision:
+    decision.shape = shape
     decision.pod_memory_bytes = pod_memory_bytes(spec, decision.plan, decision.gpu)
     decision.max_num_queued_reqs, decision.queue_reason = queue_limit(
         decision.plan, decision.pod_memory_bytes
@@ -247,8 +269,18 @@ def _finish(decision: Decision, spec: InferenceSpec) -> Decision:
     return decision
 
 
-def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
-    """The GPU and the plan for `spec` on the nodes' `available` pools; raises SpecError when unservable."""
+def _refitted(p: Plan, refit: dict[str, Any] | None, gpu: GPUInfo | None) -> Plan:
+    """The plan with the re-fit settings of status.refit (refit.py) applied, if any."""
+    settings = (refit or {}).get("settings") or {}
+    why = f"re-fit after {(refit or {}).get('attempts', 0)} out-of-memory failure(s)"
+    return refitting.apply(p, settings, gpu.memory_bytes if gpu is not None else None, why)
+
+
+def decide(
+    spec: InferenceSpec, available: dict[str, GPUPool], refit: dict[str, Any] | None = None
+) -> Decision:
+    """The GPU and the plan for `spec` on the nodes' `available` pools, with the re-fit settings of `refit`
+    (status.refit of this generation) applied; raises SpecError when unservable."""
     shape = model_shape(spec)
     if spec.gpu.count == 0:
         try:
@@ -257,9 +289,10 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
             raise SpecError("resources.limits.memory", str(exc), reason="ModelTooLarge") from None
         p = _apply_overrides(spec, p, None)
         p, nvme, disk = _offload(spec, p)
+        p = _refitted(p, refit, None)
         memory = spec.memory_limit_bytes or CPU_DEFAULT_MEMORY
         return _finish(Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme,
-                                disk_tier_bytes=disk, memory_limit_bytes=memory), spec)  # fmt: skip
+                                disk_tier_bytes=disk, memory_limit_bytes=memory), spec, shape)  # fmt: skip
 
     if spec.gpu.product:
         try:
@@ -323,8 +356,10 @@ def decide(spec: InferenceSpec, available: dict[str, GPUPool]) -> Decision:
         reason = f"{why_pool}: {pool.product_label} on {len(pool.nodes)} node(s)"
     p = _apply_overrides(spec, p, pool.info)
     p, nvme, disk = _offload(spec, p)
+    p = _refitted(p, refit, pool.info)
     info = dataclasses.replace(pool.info, count=spec.gpu.count)
     return _finish(
         Decision(p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes),
         spec,
+        shape,
     )

@@ -18,14 +18,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.operator import refit as refitting
 from pagoda.operator import render
+from pagoda.operator.contract import check_engine_args
 from pagoda.operator.discovery import NodeGPUs, pools
 from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.planning import decide
+from pagoda.operator.refit import Failure
 from pagoda.operator.spec import SpecError, parse_spec
-from pagoda.operator.status import condition, error_status, merge_patch, ready_status
+from pagoda.operator.status import condition, error_status, failed_status, merge_patch, ready_status
 
 log = logging.getLogger("pagoda.operator")
 
@@ -127,21 +130,33 @@ class Reconciler:
         return resource_version is not None and self._written.get((namespace, name)) == resource_version
 
     async def reconcile(
-        self, namespace: str, name: str, nodes: Iterable[NodeGPUs], body: dict[str, Any] | None = None
+        self,
+        namespace: str,
+        name: str,
+        nodes: Iterable[NodeGPUs],
+        body: dict[str, Any] | None = None,
+        failure: Failure | None = None,
     ) -> Outcome | None:
-        """Bring one InferenceDeployment's children and status in line; None if it no longer exists.
+        """Bring one InferenceDeployment's children and status in line; None if it no longer exists (or a
+        pod `failure` needs nothing done).
 
         `body` may be passed for an object never reconciled (no status yet); otherwise it is read fresh, as
-        another reconcile may have written its status since the caller saw it.
+        another reconcile may have written its status since the caller saw it. With `failure` (an engine of
+        this deployment ran out of memory), the plan is re-fitted first (refit.py).
         """
         async with self._lock((namespace, name)):
             started = time.perf_counter()
             try:
-                if body is None or body.get("status"):
+                if body is None or body.get("status") or failure is not None:
                     body = await self.kube.get(object_path("InferenceDeployment", namespace, name))
                 if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                     return None
-                outcome = await self._reconcile(body, list(nodes))
+                if failure is not None:
+                    outcome = await self._refit(body, list(nodes), failure)
+                    if outcome is None:
+                        return None
+                else:
+                    outcome = await self._reconcile(body, list(nodes))
             except ApiError as exc:
                 self.metrics.reconciles.labels("error").inc()
                 self.metrics.reconcile_errors.labels(f"http_{exc.status}").inc()
@@ -167,16 +182,23 @@ class Reconciler:
                 self.metrics.publish(self.conditions, self.gpus)
             return outcome
 
-    async def _reconcile(self, body: dict[str, Any], nodes: list[NodeGPUs]) -> Outcome:
+    async def _reconcile(
+        self, body: dict[str, Any], nodes: list[NodeGPUs], refit: dict[str, Any] | None = None
+    ) -> Outcome:
         outcome = Outcome()
         old_status = body.get("status") or {}
+        if refit is None:
+            refit = refitting.current(old_status, body["metadata"].get("generation"))
+        if refit.get("exhausted"):
+            return outcome  # RefitExhausted: nothing more is written until the spec changes
         try:
             spec = parse_spec(body.get("spec"))
             check_image(spec.image, self.allowed_images)  # before anything is created or changed
-            decision = decide(spec, pools(nodes))
+            decision = decide(spec, pools(nodes), refit)
+            check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
         except SpecError as err:
             outcome.error = err
-            status = error_status(body, err)
+            status = error_status(body, err, refit)
             outcome.status = status
             before = condition(old_status, "Ready")
             await self._write_status(body, status, outcome)
@@ -191,7 +213,7 @@ class Reconciler:
             live = await self._apply(child, outcome, fresh=fresh)
             if child["kind"] == "StatefulSet":
                 sts_live = live
-        status = ready_status(body, spec, decision, sts_live)
+        status = ready_status(body, spec, decision, sts_live, refit)
         outcome.status = status
         old_plan = old_status.get("plan")
         await self._write_status(body, status, outcome)
@@ -206,6 +228,79 @@ class Reconciler:
             )
             await self.event(body, "Normal", "Planned", message, outcome)
         return outcome
+
+    async def _refit(self, body: dict[str, Any], nodes: list[NodeGPUs], failure: Failure) -> Outcome | None:
+        """Re-plan after an engine's memory failure, roll the pods onto the new plan, or stop trying.
+
+        Only a failure of a pod started with the current plan counts (its template's plan hash is the live
+        StatefulSet's): the other replicas of a failed plan, and their restarts, are the same news.
+        """
+        meta = body["metadata"]
+        namespace, name, generation = meta.get("namespace"), meta["name"], meta.get("generation")
+        state = refitting.current(body.get("status"), generation)
+        if state.get("exhausted") or refitting.handled(state, failure):
+            return None
+        sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
+        live_plan = (
+            ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
+        ).get(render.PLAN_ANNOTATION)
+        if failure.plan is None or failure.plan != live_plan:
+            return None
+        try:
+            spec = parse_spec(body.get("spec"))
+            decision = decide(spec, pools(nodes), state)
+        except SpecError:
+            return None  # the spec itself cannot be served: the ordinary reconcile says so
+        change = None
+        if not refitting.too_many(state):
+            memory = decision.gpu.memory_bytes if decision.gpu is not None else None
+            change = refitting.next_settings(
+                spec, decision.plan, memory, failure, state.get("settings") or {}
+            )
+        new_state = refitting.record(state, generation, failure, change)
+        outcome = Outcome()
+        what = f"pod {failure.pod}: {failure.reason} (exit code {failure.exit_code})"
+        if change is None:
+            why = (
+                f"{refitting.MAX_ATTEMPTS} starts in a row"
+                if refitting.too_many(state)
+                else "no setting has room left within the spec's bounds"
+            )
+            message = f"{what}; " + refitting.exhausted_message(new_state, why)
+            status = failed_status(body, refitting.EXHAUSTED, message, new_state)
+            outcome.status = status
+            await self._write_status(body, status, outcome)
+            await self.event(body, "Warning", refitting.EXHAUSTED, message, outcome)
+            return outcome
+        await self.event(
+            body,
+            "Warning",
+            "Refit",
+            f"{what}; re-fit {new_state['attempts']} of at most {refitting.MAX_ATTEMPTS - 1}: {change[1]}",
+            outcome,
+        )
+        result = await self._reconcile(body, nodes, new_state)
+        result.writes[:0] = outcome.writes
+        await self._roll(namespace, name, failure.plan, result)
+        return result
+
+    async def _roll(self, namespace: str, name: str, old_plan: str, outcome: Outcome) -> None:
+        """Delete the pods of `old_plan` that are not Ready: a crash-looping pod blocks a StatefulSet's rolling
+        update, and the StatefulSet recreates each from the new template. Ready pods roll as usual."""
+        pods = await self.kube.list(object_path("Pod", namespace), f"{render.LABEL_OWNER}={name}")
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(render.LABEL_OWNER) != name:
+                continue
+            if (meta.get("annotations") or {}).get(render.PLAN_ANNOTATION) != old_plan:
+                continue
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (pod.get("status") or {}).get("conditions") or []
+            )
+            if not ready:
+                await self.kube.delete(object_path("Pod", namespace, meta["name"]))
+                outcome.writes.append(f"deleted Pod {namespace}/{meta['name']} (old plan, not ready)")
 
     async def _apply(
         self, desired: dict[str, Any], outcome: Outcome, *, fresh: bool = False

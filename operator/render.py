@@ -29,6 +29,8 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 LABEL_OWNER = "pagoda.dev/inference-deployment"
 HASH_ANNOTATION = "pagoda.dev/spec-hash"
+PLAN_ANNOTATION = "pagoda.dev/plan-hash"  # on the pod template: which plan a pod was started with
+TERMINATION_LOG = "/dev/termination-log"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-engine"
 
@@ -99,8 +101,18 @@ def with_hash(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def plan_hash(args: list[str]) -> str:
+    """A short digest of the engine's arguments: pods started with the same plan carry the same one."""
+    return hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
+
+
 def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
-    """`pagoda serve` arguments: model, listener, the plan's flags, then the user's extraArgs."""
+    """`pagoda serve` arguments: model, listener, the plan's flags, then the user's extraArgs.
+
+    Every flag here is one `pagoda serve` has: reconcile runs them through the engine's own dry run
+    (operator/contract.py) before any pod exists. The device is explicit, so a GPU pod never falls back to
+    the CPU and a CPU pod never probes for a GPU.
+    """
     model = spec.model
     args: list[str] = []
     if model.kind == "hf":
@@ -113,6 +125,7 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", model.served_model_name]
     if model.revision:
         args += ["--revision", model.revision]
+    args += ["--device", "cpu" if decision.gpu is None else "cuda"]
     plan = decision.plan
     args += plan.to_engine_args()
     args += ["--max-num-queued-reqs", str(decision.max_num_queued_reqs)]
@@ -194,12 +207,13 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
             }
         )
 
+    args = engine_args(spec, decision)
     container = {
         "name": "engine",
         "image": spec.image or default_image(),
         "imagePullPolicy": "IfNotPresent",
         "command": ["pagoda", "serve"],
-        "args": engine_args(spec, decision),
+        "args": args,
         "env": env,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec, decision),
@@ -207,6 +221,10 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
+        # An engine that runs out of memory at start-up writes what it measured here (exit code 3); the
+        # operator re-plans from it. Any other failure leaves the log's tail.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "runAsNonRoot": True,
@@ -251,6 +269,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
                     "prometheus.io/scrape": "true",
                     "prometheus.io/port": str(ENGINE_PORT),
                     "prometheus.io/path": "/metrics",
+                    PLAN_ANNOTATION: plan_hash(args),
                 },
             },
             "spec": pod_spec,

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
 from pagoda.operator import render
+from pagoda.operator.contract import check_engine_args
 from pagoda.operator.discovery import GPUPool, node_gpus, pools
 from pagoda.operator.planning import Decision, decide
 from pagoda.operator.spec import SpecError, parse_spec
@@ -50,6 +51,7 @@ def render_document(
     """Decision and children for one InferenceDeployment body; raises SpecError when unservable."""
     spec = parse_spec(body.get("spec"))
     decision = decide(spec, available)
+    check_engine_args(decision, render.engine_args(spec, decision))  # what the operator refuses, refused here
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
     return decision, render.children(body, spec, decision, with_service_monitor=service_monitor)
 

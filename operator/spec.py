@@ -14,6 +14,19 @@ from pagoda.operator.quantity import parse_quantity
 
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# spec.model.shape (the CRD's names) -> the config.json keys the engine and sizing read
+SHAPE_KEYS = {
+    "numLayers": "num_hidden_layers",
+    "numAttentionHeads": "num_attention_heads",
+    "numKvHeads": "num_key_value_heads",
+    "headDim": "head_dim",
+    "hiddenSize": "hidden_size",
+    "intermediateSize": "intermediate_size",
+    "vocabSize": "vocab_size",
+    "maxPositionEmbeddings": "max_position_embeddings",
+    "numParams": "num_parameters",
+    "dtype": "torch_dtype",
+}
 _SOURCE = re.compile(r"^(default|hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/\S+|file:///\S+)$")
 
 
@@ -159,10 +172,20 @@ def parse_spec(spec: Any) -> InferenceSpec:
         )
     shape = model.get("shape")
     if shape is not None:
-        _obj(shape, "model.shape")
+        shape = {SHAPE_KEYS.get(k, k): v for k, v in _obj(shape, "model.shape").items()}
+    revision = model.get("revision")
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            raise SpecError("model.revision", f"must be a branch, tag or commit name, got {revision!r}")
+        if not source.startswith("hf://"):
+            raise SpecError(
+                "model.revision",
+                f"applies to hf:// sources only (a Hugging Face cache holds revisions); {source!r} is served as "
+                "it is",
+            )
     model_spec = ModelSpec(
         source=source,
-        revision=model.get("revision"),
+        revision=revision,
         shape=shape,
         cache_volume_claim=model.get("cacheVolumeClaim", "pagoda-model-cache"),
     )

@@ -56,9 +56,14 @@ def _normal(value: Any) -> Any:
 
 
 def ready_status(
-    body: dict[str, Any], spec: InferenceSpec, decision: Decision, sts: dict[str, Any] | None
+    body: dict[str, Any],
+    spec: InferenceSpec,
+    decision: Decision,
+    sts: dict[str, Any] | None,
+    refit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful apply: the plan, the GPU choice and what the StatefulSet reports."""
+    """Status after a successful apply: the plan, the GPU choice, what the StatefulSet reports, and the
+    re-fit (status.refit) the plan carries, if any."""
     meta = body["metadata"]
     old = body.get("status") or {}
     generation = meta.get("generation")
@@ -89,6 +94,13 @@ def ready_status(
         "AsPlanned",
         "the spec is served as planned" + (f" ({len(warnings)} warnings in status.plan)" if warnings else ""),
     )
+    if refit and refit.get("settings"):
+        changes = "; ".join(h["change"] for h in refit.get("history") or [] if h.get("change"))
+        degraded = (
+            "True",
+            "Refitted",
+            f"re-planned after {refit.get('attempts')} out-of-memory failure(s): {changes} (status.refit)",
+        )
     name, namespace = meta["name"], meta.get("namespace", "default")
     status = {
         "observedGeneration": generation,
@@ -103,21 +115,33 @@ def ready_status(
         "readyReplicas": ready,
         "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{render.ENGINE_PORT}/v1",
         "selector": render.selector_string(name),
+        "refit": refit or None,
     }
     if generation is None:
         del status["observedGeneration"]
     return _normal(status)
 
 
-def error_status(body: dict[str, Any], error: SpecError) -> dict[str, Any]:
+def error_status(
+    body: dict[str, Any], error: SpecError, refit: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Status for a spec that cannot be served: the last good plan stays, the conditions say why not."""
+    return failed_status(body, error.reason, str(error), refit)
+
+
+def failed_status(
+    body: dict[str, Any], reason: str, message: str, refit: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Ready=False for `reason`: the last good plan stays; status.refit is this generation's, or none."""
     old = dict(body.get("status") or {})
+    old.pop("refit", None)
+    if refit:
+        old["refit"] = refit
     generation = body["metadata"].get("generation")
-    message = str(error)
     conds = {
-        "Ready": ("False", error.reason, message),
-        "Progressing": ("False", error.reason, "waiting for the spec (or the cluster) to change"),
-        "Degraded": ("True", error.reason, message),
+        "Ready": ("False", reason, message),
+        "Progressing": ("False", reason, "waiting for the spec (or the cluster) to change"),
+        "Degraded": ("True", reason, message),
     }
     old["conditions"] = _conditions(old.get("conditions"), conds, generation)
     if generation is not None:

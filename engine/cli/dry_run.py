@@ -114,7 +114,8 @@ def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PRODUCT",
         help="with --dry-run: plan for this GPU (GFD product label or short name, e.g. NVIDIA-L4) with the GPU "
-        "catalogue's memory instead of measuring one",
+        "catalogue's memory instead of measuring one; PRODUCT@MiB gives the memory (what nvidia.com/gpu.memory "
+        "reports)",
     )
 
 
@@ -252,11 +253,24 @@ def _device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
-def _lookup_gpu(name: str) -> GPUInfo:
+def _lookup_gpu(text: str) -> GPUInfo:
+    """`PRODUCT` from the catalogue, or `PRODUCT@MiB` for the memory a node reports (any product)."""
+    name, _, mib = text.partition("@")
     try:
-        return gpu_info(name)
+        if not mib:
+            return gpu_info(name)
+        memory = int(mib)
+        if memory <= 0:
+            raise ValueError
     except SizingError as exc:
         raise DryRunError(f"error: --gpu: {exc}") from None
+    except ValueError:
+        raise DryRunError(f"error: --gpu {text!r}: the memory after @ must be a positive number of MiB") from None
+    try:
+        known = gpu_info(name)
+    except SizingError:
+        return GPUInfo(None, name, memory)
+    return GPUInfo(known.spec, known.product_label, memory, 1, known.compute_capability, shared=known.shared)
 
 
 def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str, Any]) -> DryRunReport:
@@ -330,7 +344,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
         elif gpu is not None:
             total = gpu.memory_bytes
             free = total - cuda_context_bytes(total, tp)
-            source = f"catalogue:{gpu.name}"
+            source = f"catalogue:{gpu.name}" if "@" not in args.gpu else f"given:{gpu.name}"
         if total is not None:
             kv_memory, others = gpu_kv_budget(total, free, 0, config.gpu_memory_utilization, weights, act)
     info["memory_source"] = source

@@ -201,6 +201,7 @@ def _assert_namespaced_rules(rules: dict) -> None:
         assert rules[("pagoda.dev", f"inferencedeployments/{sub}")] == {"get", "patch", "update"}
     assert rules[("", "events")] == {"create", "patch"}
     assert rules[("events.k8s.io", "events")] == {"create", "patch"}
+    assert rules[("", "pods")] == {"get", "list", "watch", "delete"}  # re-fit: read terminations, roll
 
 
 def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
@@ -219,6 +220,7 @@ def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
         ("pagoda.dev", "inferencedeployments/scale"),
         ("", "events"),
         ("events.k8s.io", "events"),
+        ("", "pods"),
         ("", "nodes"),
         ("apiextensions.k8s.io", "customresourcedefinitions"),
         ("", "namespaces"),

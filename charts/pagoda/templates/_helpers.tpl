@@ -111,6 +111,10 @@ seccompProfile:
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# engine pods: read their terminations (re-fit after out-of-memory), delete a crash-looping one of an old plan
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "delete"]
 {{- end -}}
 {{- /* Cluster-scoped reads: GPU discovery from node labels, and whether the ServiceMonitor CRD exists. */}}
 {{- define "pagoda.clusterReadRules" -}}

@@ -1,0 +1,211 @@
+"""What the operator renders is what the engine accepts: every example and a generated set of specs, their
+engine container's command run through `pagoda serve --dry-run` (the examples as real processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pagoda.engine.cli.dry_run import DryRunError, check
+from pagoda.engine.cli.serve import build_parser
+from pagoda.engine.sizing import well_known_shape
+from pagoda.operator import render
+from pagoda.operator.contract import dry_run_argv
+from pagoda.operator.discovery import node_gpus, pools
+from pagoda.operator.planning import decide
+from pagoda.operator.spec import SHAPE_KEYS, SpecError, parse_spec
+from pagoda_testkit import EXAMPLES, GPU_NODES, example, node
+
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+POOLS = pools(g for g in (node_gpus(node(f"n-{k}", k)) for k in GPU_NODES) if g)
+EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+KNOWN_FLAGS = {o for a in build_parser()._actions for o in a.option_strings}
+
+
+def container(body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The engine container of the StatefulSet the operator renders for `body`, and the decision."""
+    body = {**body, "metadata": {"namespace": "default", **body["metadata"]}}
+    spec = parse_spec(body["spec"])
+    decision = decide(spec, POOLS)
+    sts = render.statefulset(body, spec, decision)
+    return sts["spec"]["template"]["spec"]["containers"][0], decision
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def assert_only_known_flags(args: list[str]) -> None:
+    flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    assert flags <= KNOWN_FLAGS, f"rendered flags pagoda serve lacks: {sorted(flags - KNOWN_FLAGS)}"
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_every_example_passes_the_engines_dry_run_as_a_process(name: str) -> None:
+    engine, decision = container(example(name))
+    assert engine["command"] == ["pagoda", "serve"]
+    assert_only_known_flags(engine["args"])
+    argv = [PAGODA, *engine["command"][1:], *dry_run_argv(decision, engine["args"])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name}: {r.stderr}"
+    report = json.loads(r.stdout)
+    assert report["weights_loaded"] is False and report["fit_checked"] is True
+    # the engine runs with what the operator planned
+    assert report["config"]["max_model_len"] == int(flag(engine["args"], "--max-model-len"))
+    assert report["config"]["tensor_parallel_size"] == int(flag(engine["args"], "--tensor-parallel-size"))
+
+
+def test_the_cpu_example_passes_without_help_from_the_operator() -> None:
+    """The default model ships with the engine: the pod's own command line, --dry-run appended, nothing else."""
+    engine, _ = container(example("cpu-default-model.yaml"))
+    r = subprocess.run(
+        [PAGODA, "serve", *engine["args"], "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"]["shape_from"] == "gguf metadata"
+
+
+def test_the_70b_example_runs_on_two_gpus() -> None:
+    engine, decision = container(example("llama-3.1-70b-h100x2-tp.yaml"))
+    assert flag(engine["args"], "--tensor-parallel-size") == "2"
+    report = check(dry_run_argv(decision, engine["args"]))
+    assert report.plan is not None and report.device["tensor_parallel_size"] == 2
+
+
+# ------------------------------------------------------------------------------------- generated specs
+
+HF_MODELS = [
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "meta-llama/Llama-3.1-70B-Instruct",
+    "Qwen/Qwen2.5-7B-Instruct",
+    "Qwen/Qwen2.5-72B-Instruct",
+    "mistralai/Mistral-7B-Instruct-v0.3",
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+]
+GPU_PRODUCTS = ["", "H100", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L4", "A100-80GB", "L40S"]
+SIZES = ["2Gi", "8Gi", "16Gi", "64Gi", "200G", "512Gi"]
+
+
+def _crd_shape(model_id: str) -> dict[str, Any]:
+    """A well-known model's shape in the CRD's spec.model.shape names (what a pvc:// user writes)."""
+    s = well_known_shape(model_id)
+    config = {
+        "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size,
+        "max_position_embeddings": s.max_position_embeddings, "num_parameters": s.num_params,
+        "torch_dtype": s.dtype,
+    }  # fmt: skip
+    back = {v: k for k, v in SHAPE_KEYS.items()}
+    return {back[k]: v for k, v in config.items()}
+
+
+@st.composite
+def model_specs(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["default", "hf", "hf", "pvc"]))
+    if kind == "default":
+        return {"source": "default"}
+    model_id = draw(st.sampled_from(HF_MODELS))
+    if kind == "pvc":
+        return {"source": f"pvc://models/{model_id.split('/')[1]}", "shape": _crd_shape(model_id)}
+    out: dict[str, Any] = {"source": f"hf://{model_id}"}
+    revision = draw(st.none() | st.sampled_from(["main", "v1.0", "refs/pr/3", "0123abcd" * 5]))
+    if revision:
+        out["revision"] = revision
+    return out
+
+
+@st.composite
+def specs(draw: st.DrawFn, overrides: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": draw(model_specs()), "replicas": draw(st.integers(0, 3))}
+    if draw(st.booleans()):
+        spec["gpu"] = {"count": 0}
+    else:
+        spec["gpu"] = {
+            "product": draw(st.sampled_from(GPU_PRODUCTS)),
+            "count": draw(st.sampled_from([1, 2, 4, 8])),
+        }
+    work = {
+        "targetContext": draw(st.none() | st.sampled_from([512, 2048, 8192, 32768, 131072])),
+        "minConcurrency": draw(st.none() | st.integers(1, 16)),
+        "p99PromptTokens": draw(st.none() | st.integers(16, 20000)),
+        "p50OutputTokens": draw(st.none() | st.integers(16, 4000)),
+        "qualityFirst": draw(st.booleans()),
+    }
+    spec["workload"] = {k: v for k, v in work.items() if v is not None}
+    spec["offload"] = {
+        "host": {"size": draw(st.sampled_from(["auto", *SIZES]))},
+        "nvme": {"enabled": draw(st.booleans()), "size": draw(st.sampled_from(["auto", "100Gi", "1Ti"]))},
+    }
+    if draw(st.booleans()):
+        memory = draw(st.sampled_from(SIZES))
+        spec["resources"] = {"limits": {"memory": memory}}
+    engine: dict[str, Any] = {"enablePrefixCaching": draw(st.booleans())}
+    if overrides:
+        engine.update(
+            {
+                k: v
+                for k, v in {
+                    "maxModelLen": draw(st.none() | st.just("auto") | st.integers(16, 200_000)),
+                    "blockSize": draw(st.none() | st.sampled_from([8, 16, 32, 64, 128])),
+                    "gpuMemoryUtilization": draw(st.none() | st.floats(0.05, 1.0)),
+                    "maxNumSeqs": draw(st.none() | st.integers(1, 2048)),
+                    "kvCacheDtype": draw(st.sampled_from(["auto", "auto", "fp8", "fp8_e5m2"])),
+                }.items()
+                if v is not None
+            }
+        )
+    spec["engine"] = engine
+    return spec
+
+
+def _render(spec: dict[str, Any]) -> tuple[list[str], Any] | None:
+    body = {"apiVersion": render.API_VERSION, "kind": render.KIND, "metadata": {"name": "g"}, "spec": spec}
+    try:
+        engine, decision = container(body)
+    except SpecError as exc:
+        event(f"refused by the planner: {exc.reason}")
+        return None  # the operator refuses it before any pod (a condition and an Event)
+    event("rendered")
+    return engine["args"], decision
+
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(specs(overrides=False))
+def test_what_the_operator_plans_the_engine_accepts(spec: dict[str, Any]) -> None:
+    """Without engine overrides, every pod the planner renders passes the engine's dry run unchanged."""
+    rendered = _render(spec)
+    if rendered is None:
+        return
+    args, decision = rendered
+    assert_only_known_flags(args)
+    report = check(dry_run_argv(decision, args))
+    assert report.plan is not None
+    assert report.config.max_model_len == int(flag(args, "--max-model-len"))
+    if spec["model"].get("revision"):
+        assert report.config.revision == spec["model"]["revision"]
+
+
+@SETTINGS
+@given(specs(overrides=True))
+def test_overrides_render_only_flags_the_engine_has(spec: dict[str, Any]) -> None:
+    """With the user's engine settings a plan may not fit (the operator then refuses it, see the operator
+    tests), but nothing rendered is a flag or value the engine cannot parse."""
+    rendered = _render(spec)
+    if rendered is None:
+        return
+    args, decision = rendered
+    assert_only_known_flags(args)
+    try:
+        check(dry_run_argv(decision, args))
+    except DryRunError as exc:
+        assert str(exc).startswith("cannot start the engine:"), str(exc)  # a memory fit, not a parse error
