@@ -265,7 +265,9 @@ def _lookup_gpu(text: str) -> GPUInfo:
     except SizingError as exc:
         raise DryRunError(f"error: --gpu: {exc}") from None
     except ValueError:
-        raise DryRunError(f"error: --gpu {text!r}: the memory after @ must be a positive number of MiB") from None
+        raise DryRunError(
+            f"error: --gpu {text!r}: the memory after @ must be a positive number of MiB"
+        ) from None
     try:
         known = gpu_info(name)
     except SizingError:
