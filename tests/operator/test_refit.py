@@ -263,3 +263,16 @@ def test_the_failure_is_read_from_the_pod_status() -> None:
     other["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = 1
     assert refit.failure_of(other, PLAN_ANNOTATION) is None  # not a memory failure: no re-fit
     assert json.loads(message)["exitCode"] == 3
+
+
+def test_docs_state_the_rules_the_operator_uses() -> None:
+    from pagoda.engine.cli.exit_codes import EXIT_OUT_OF_MEMORY
+    from pagoda_testkit import ROOT
+
+    text = " ".join((ROOT / "docs" / "operator.md").read_text().split())
+    assert f"exits with code **{EXIT_OUT_OF_MEMORY}**" in text
+    assert f"`gpu-memory-utilization` by {refit.UTILIZATION_STEP}, not below {refit.UTILIZATION_FLOOR}" in text
+    assert f"by {100 - int(refit.KV_CACHE_FACTOR * 100)}%" in text
+    assert f"else {refit.MIN_MODEL_LEN}" in text and "by a quarter" in text and refit.LENGTH_FACTOR == 0.75
+    assert refit.MAX_ATTEMPTS == 3 and "After three starts in a row" in text
+    assert f"reason `{refit.EXHAUSTED}`" in text
