@@ -271,7 +271,9 @@ def test_docs_state_the_rules_the_operator_uses() -> None:
 
     text = " ".join((ROOT / "docs" / "operator.md").read_text().split())
     assert f"exits with code **{EXIT_OUT_OF_MEMORY}**" in text
-    assert f"`gpu-memory-utilization` by {refit.UTILIZATION_STEP}, not below {refit.UTILIZATION_FLOOR}" in text
+    assert (
+        f"`gpu-memory-utilization` by {refit.UTILIZATION_STEP}, not below {refit.UTILIZATION_FLOOR}" in text
+    )
     assert f"by {100 - int(refit.KV_CACHE_FACTOR * 100)}%" in text
     assert f"else {refit.MIN_MODEL_LEN}" in text and "by a quarter" in text and refit.LENGTH_FACTOR == 0.75
     assert refit.MAX_ATTEMPTS == 3 and "After three starts in a row" in text
