@@ -9,7 +9,7 @@ import pytest
 from pagoda.operator.contract import REASON
 from pagoda_testkit import STS, Cluster, running_operator
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def cr(name: str, **spec: Any) -> dict[str, Any]:
@@ -45,6 +45,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.asyncio
 async def test_what_the_engine_would_refuse_never_becomes_a_pod(cluster: Cluster) -> None:
     await cluster.add_node("gpu-l4-1", "l4")
     async with running_operator(cluster):
@@ -63,6 +64,7 @@ async def test_what_the_engine_would_refuse_never_becomes_a_pod(cluster: Cluster
             assert [e["reason"] for e in cluster.events(name) if e["type"] == "Warning"] == [reason]
 
 
+@pytest.mark.asyncio
 async def test_a_model_shape_in_the_crds_names_is_served(cluster: Cluster) -> None:
     """spec.model.shape as the CRD spells it (camelCase; a real API server prunes anything else)."""
     shape = {
@@ -84,3 +86,15 @@ async def test_a_model_shape_in_the_crds_names_is_served(cluster: Cluster) -> No
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "/models/models/my-llama" and args[args.index("--device") + 1] == "cuda"
     assert int(args[args.index("--max-model-len") + 1]) == 8192
+
+
+def test_pagoda_render_refuses_what_the_engine_would(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+    from pagoda.operator.render_cli import main as render_main
+
+    body, _, words = REFUSED["too-little-memory"]
+    path = tmp_path / "cr.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert render_main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "spec.engine: the engine would refuse to start with this plan" in err and words in err
