@@ -309,3 +309,34 @@ def test_engine_alerts_see_the_engine(prometheus):
     assert up and up[0]["value"][1] == "1"
     usage = prometheus.query('vllm:kv_cache_usage_perc{app_kubernetes_io_instance="chat"}')["data"]["result"]
     assert usage and 0 <= float(usage[0]["value"][1]) <= 1
+
+
+LATENCY_PANELS = {"Time to first token": 0.001, "End-to-end request latency": 0.001, "Queue time": 0.0}
+
+
+def test_latency_panels_show_real_durations(prometheus, engine, dash):
+    """What the latency panels plot, checked as values: positive durations no longer than the client saw
+    (a wall-clock arrival stamp once made every one of them about -1.8e9 s, drawn as the first bucket)."""
+    start = time.monotonic()
+    _load(f"http://{engine.address}/v1")  # while Prometheus scrapes, so the panels' rate() windows see it
+    wall = time.monotonic() - start
+    time.sleep(3)  # two more scrapes after the last request
+    values = _variables(dash.dashboards()["engine.json"])
+    checked = 0
+    for panel in dash.panels(dash.dashboards()["engine.json"]):
+        floor = LATENCY_PANELS.get(panel["title"])
+        if floor is None:
+            continue
+        for target in panel["targets"]:
+            expr = dash.fill(target["expr"], values)
+            result = prometheus.query(expr)["data"]["result"]
+            assert result, f"{panel['title']}: no series ({expr})"
+            value = float(result[0]["value"][1])
+            assert floor < value <= wall, f"{panel['title']}: {value} s, the load took {wall:.1f} s ({expr})"
+            checked += 1
+        family = target["expr"].split("rate(")[1].split("_bucket")[0]
+        mean = prometheus.query(
+            f"sum(rate({family}_sum[{RATE_WINDOW}])) / sum(rate({family}_count[{RATE_WINDOW}]))"
+        )["data"]["result"]
+        assert mean and 0 < float(mean[0]["value"][1]) <= wall, (family, mean)
+    assert checked == 9  # p50, p95 and p99 of each of the three panels
