@@ -139,7 +139,8 @@ def run_worker(label: str, python: Path, spec: dict, env: dict, timeout: float) 
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [str(python), str(WORKER), str(spec_path), str(out_path)]
-        say(f"--- {label}")
+        load_before = os.getloadavg()[0]
+        say(f"--- {label} (1-min load average now {load_before:.1f} on {os.cpu_count()} CPUs)")
         start = time.monotonic()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
@@ -167,6 +168,8 @@ def run_worker(label: str, python: Path, spec: dict, env: dict, timeout: float) 
             return {"label": label, "error": f"exited with {proc.returncode}; see {log_path}"}
         result = json.loads(out_path.read_text())
         result["label"] = label
+        # other processes on the machine skew every number; record how busy it was around this engine
+        result["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
         return result
 
 
@@ -227,6 +230,13 @@ def report(args: argparse.Namespace, results: list[dict], skipped: list[str], me
     )
     for why in skipped:
         print(f"skipped: {why}")
+    loads = [
+        f"{r['label']} {r['loadavg_1min']['before']:.1f} -> {r['loadavg_1min']['after']:.1f}"
+        for r in results
+        if "loadavg_1min" in r
+    ]
+    if loads:
+        print(f"1-min load average before -> after each engine ({os.cpu_count()} CPUs): " + "; ".join(loads))
     same, lines = agreement(results)
     verdict = {True: "identical", False: "NOT identical", None: "not compared (fewer than two engines ran)"}
     verdict = verdict[same]
@@ -286,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for Pagoda and vLLM, GiB")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--check-tokens", type=int, default=16, help="first greedy tokens compared")
+    ap.add_argument("--check-tokens", type=int, default=32, help="first greedy tokens compared")
     ap.add_argument("--single-prompt-len", type=int, default=512)
     ap.add_argument("--single-decode-tokens", type=int, default=128)
     ap.add_argument("--no-single-stream", action="store_true", help="skip the TTFT / decode measurement")
