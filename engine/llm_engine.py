@@ -39,7 +39,7 @@ from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
-from pagoda.engine.sizing.fit import fit_max_model_len
+from pagoda.engine.sizing.engine_plan import engine_plan, gpu_kv_budget
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
 log = logging.getLogger("pagoda.engine")
@@ -76,7 +76,7 @@ class LLMEngine:
         self.config = config
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.device = resolve_device(config.device)
-        path = resolve_model(config.model)
+        path = resolve_model(config.model, config.revision)
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
         mc = self.model_config
@@ -121,30 +121,22 @@ class LLMEngine:
         self.kv_bytes_per_token = 2 * mc.num_hidden_layers * kv_heads * mc.head_dim * elem
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
-        kv_memory, activation_bytes = self._kv_memory_bytes(weights_bytes)
-        self.max_model_len = fit_max_model_len(
-            config.max_model_len,
-            mc.max_position_embeddings,
-            self.kv_bytes_per_token,
-            kv_memory,
-            block_size,
+        kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(weights_bytes)
+        # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.
+        self.plan = engine_plan(
+            config,
+            model_max_len=mc.max_position_embeddings,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_memory_bytes=kv_memory,
             weights_bytes=weights_bytes,
             activation_bytes=activation_bytes,
             device=self.device.type,
+            **device_memory,
         )
-        config.max_model_len = self.max_model_len
-        self.num_blocks = int(max(kv_memory // (self.kv_bytes_per_token * block_size), 1))
-        self.max_model_len_fitted = self.num_blocks * block_size
-        if config.max_num_batched_tokens is None:
-            base = 2048
-            config.max_num_batched_tokens = (
-                base if config.enable_chunked_prefill else max(base, self.max_model_len)
-            )
-        elif not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off"
-            )
+        self.max_model_len = config.max_model_len = self.plan.max_model_len
+        self.num_blocks = self.plan.num_blocks
+        self.max_model_len_fitted = self.plan.max_model_len_fitted
+        config.max_num_batched_tokens = self.plan.max_num_batched_tokens
         self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
         if self.workers is not None:
             self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
@@ -230,19 +222,27 @@ class LLMEngine:
         return self.runner.model
 
     # ---- memory -------------------------------------------------------------------------------------
-    def _kv_memory_bytes(self, weights_bytes: int) -> tuple[int, int]:
-        """KV bytes to allocate, and the activation reserve that was measured (CUDA) or assumed (CPU)."""
+    def _kv_memory_bytes(self, weights_bytes: int) -> tuple[int, int, dict]:
+        """KV bytes to allocate, the activation reserve that was measured (CUDA) or assumed (CPU), and the
+        device's memory as measured (for the start-up memory profile)."""
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
-            return int(cfg.kv_cache_memory_bytes), 0
+            return int(cfg.kv_cache_memory_bytes), 0, {"source": "--kv-cache-memory-bytes"}
         if self.device.type != "cuda":
-            return cpu_kv_cache_bytes(), 0
+            return cpu_kv_cache_bytes(), 0, {"source": "host"}
         tokens = min(cfg.max_num_batched_tokens or 2048, self.model_config.max_position_embeddings)
         activation = self.runner.profile_activation_peak(tokens, cfg.block_size, self.dtype)
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * cfg.gpu_memory_utilization - used_by_others - weights_bytes - activation
-        return max(int(budget), 0), activation
+        budget, others = gpu_kv_budget(
+            total,
+            free,
+            torch.cuda.memory_reserved(self.device),
+            cfg.gpu_memory_utilization,
+            weights_bytes,
+            activation,
+        )
+        measured = {"device_total_bytes": total, "device_free_bytes": free, "other_bytes": others}
+        return budget, activation, {**measured, "source": str(self.device)}
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(

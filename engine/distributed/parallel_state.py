@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from pagoda.engine.sizing.engine_plan import kv_heads_of_rank as _kv_heads_of_rank
+from pagoda.engine.sizing.engine_plan import shard_range as _shard_range
 
 
 @dataclass(frozen=True)
@@ -73,15 +75,8 @@ def all_gather_last_dim(t: torch.Tensor, widths: list[int]) -> torch.Tensor:
 
 
 def shard_range(total: int, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
-    """[start, end) of this rank's share of ``total``: equal shares, the first ``total % size`` ranks one
-    more (9 heads over 2 ranks: 5 and 4)."""
-    rank = _group.rank if rank is None else rank
-    size = _group.size if size is None else size
-    if total < size:
-        raise ValueError(f"{total} cannot be split over {size} tensor-parallel ranks")
-    per, extra = divmod(total, size)
-    start = rank * per + min(rank, extra)
-    return start, start + per + (1 if rank < extra else 0)
+    """This rank's [start, end) share of ``total`` (see pagoda.engine.sizing.engine_plan.shard_range)."""
+    return _shard_range(total, _group.rank if rank is None else rank, _group.size if size is None else size)
 
 
 def shard_widths(total: int, size: int | None = None) -> list[int]:
@@ -92,20 +87,8 @@ def shard_widths(total: int, size: int | None = None) -> list[int]:
 def kv_heads_of_rank(
     num_heads: int, num_kv_heads: int, rank: int | None = None, size: int | None = None
 ) -> list[int]:
-    """The KV heads this rank keeps, one entry per local KV head, in order.
-
-    A rank's query heads are a contiguous share; it keeps the KV heads they read. When its query heads
-    cover whole groups (or sit inside one group), that is each needed KV head once and the grouping stays
-    uniform. Otherwise (9 query heads over 3 KV heads on 2 ranks) each query head gets its own copy of its
-    KV head, so attention sees plain multi-head attention on that rank.
-    """
-    lo, hi = shard_range(num_heads, rank, size)
-    group = num_heads // num_kv_heads
-    needed = [h // group for h in range(lo, hi)]
-    distinct = sorted(set(needed))
-    local = hi - lo
-    if local % len(distinct) == 0 and all(
-        needed[i] == distinct[i // (local // len(distinct))] for i in range(local)
-    ):
-        return distinct
-    return needed
+    """The KV heads this rank keeps (see pagoda.engine.sizing.engine_plan.kv_heads_of_rank): the same
+    function sizes the cache before any rank exists."""
+    return _kv_heads_of_rank(
+        num_heads, num_kv_heads, _group.rank if rank is None else rank, _group.size if size is None else size
+    )

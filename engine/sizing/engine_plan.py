@@ -108,22 +108,26 @@ def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of a rank's share: equal shares, the first `total % size` ranks one more."""
+    """[start, end) of a rank's share: equal shares, the first `total % size` ranks one more
+    (9 heads over 2 ranks: 5 and 4)."""
+    if total < size:
+        raise ValueError(f"{total} cannot be split over {size} tensor-parallel ranks")
     per, extra = divmod(total, size)
     start = rank * per + min(rank, extra)
     return start, start + per + (1 if rank < extra else 0)
 
 
-def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0) -> int:
-    """KV heads one tensor-parallel rank keeps in its cache.
+def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, size: int) -> list[int]:
+    """The KV heads one tensor-parallel rank keeps in its cache, one entry per local KV head, in order.
 
     A rank keeps the KV heads its contiguous share of query heads reads. When that share covers whole
-    query groups (or sits inside one), each needed KV head is kept once; otherwise every query head gets its
-    own copy, so the rank runs plain multi-head attention (9 query over 3 KV heads on 2 ranks: 5 copies).
+    query groups (or sits inside one), each needed KV head is kept once and the grouping stays uniform;
+    otherwise every query head gets its own copy, so the rank runs plain multi-head attention (9 query over
+    3 KV heads on 2 ranks: 5 and 4 copies).
     """
-    if tp <= 1:
-        return num_kv_heads
-    lo, hi = shard_range(num_heads, rank, tp)
+    if size <= 1:
+        return list(range(num_kv_heads))
+    lo, hi = shard_range(num_heads, rank, size)
     group = num_heads // num_kv_heads
     needed = [h // group for h in range(lo, hi)]
     distinct = sorted(set(needed))
@@ -131,8 +135,13 @@ def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0)
     if local % len(distinct) == 0 and all(
         needed[i] == distinct[i // (local // len(distinct))] for i in range(local)
     ):
-        return len(distinct)
-    return len(needed)
+        return distinct
+    return needed
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0) -> int:
+    """How many KV heads rank ``rank`` keeps (see kv_heads_of_rank)."""
+    return len(kv_heads_of_rank(num_heads, num_kv_heads, rank, tp))
 
 
 def kv_bytes_per_token(

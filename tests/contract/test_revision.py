@@ -71,11 +71,6 @@ def test_the_dry_run_reads_the_revision_asked_for(in_cache: Path) -> None:
         check([*common, "--revision", "nope"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLMEngine resolves config.model without config.revision: engine/llm_engine.py needs "
-    "`resolve_model(config.model, config.revision)` (owned by the engine-core lead)",
-)
 def test_the_engine_serves_the_revision_asked_for(in_cache: Path) -> None:
     from pagoda.engine.llm_engine import LLMEngine
 

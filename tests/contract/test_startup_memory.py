@@ -42,11 +42,6 @@ def test_a_context_that_does_not_fit_exits_3(termination_log: Path, capsys) -> N
     assert "the largest max_model_len that fits is 1456" in failure["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLMEngine sizes its KV cache without pagoda.engine.sizing.engine_plan, so its refusal carries no "
-    "profile: engine/llm_engine.py has to call engine_plan (owned by the engine-core lead)",
-)
 def test_the_refusal_carries_the_measured_profile(termination_log: Path) -> None:
     import torch
 
