@@ -188,12 +188,27 @@ def test_token_ids_outside_the_vocabulary_are_400_naming_the_field(srv, path, bo
 
 
 def raw_exchange(srv, head: str, chunks: list[bytes] = (), timeout: float = 10.0) -> bytes:
-    """Send a request head (and body chunks) on a bare socket; return the first bytes of the answer."""
+    """Send a request head (and body chunks) on a bare socket; return the whole answer (head and body).
+    Raises TimeoutError if no complete answer comes within `timeout`."""
     with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as sock:
         sock.sendall(head.replace("\n", "\r\n").encode())
         for chunk in chunks:
             sock.sendall(chunk)
-        return sock.recv(65536)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
 
 
 # ---------------------------------------------------------------- 413 and the order of the guards
