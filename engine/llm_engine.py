@@ -363,8 +363,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result, self._check_stop)
+        outputs.extend(self._outputs(updates))  # records this step's finished requests for the stats
         it = self._iteration_stats(sched, updates)
-        outputs.extend(self._outputs(updates))
         self._emit_stats(it)
         return outputs
 
