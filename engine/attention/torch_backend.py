@@ -1,8 +1,14 @@
 """Paged attention in plain torch: the reference backend and the CPU serving path.
 
-Per step (not per layer) the backend plans once: which sequences are single-token decodes (all of them are
-served by one gathered SDPA call with a padding mask) and which are prefill chunks (one SDPA call each,
-over the sequence's cached prefix plus the chunk). The plan is reused by every layer of the step.
+Per step (not per layer) the backend plans once: which sequences are single-token decodes and which are
+prefill chunks. The plan is reused by every layer of the step.
+
+- Decodes: on the CPU with float32 caches, one call of the native kernel of `cpu_decode` that reads K/V in
+  place (no gather, no padding to the longest sequence); otherwise (other devices or dtypes, no compiler, or
+  ``native=False``) one gathered SDPA call with a padding mask, the reference formulation.
+- Prefill chunks: one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA
+  only takes its fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which
+  materialises the scores and ran ~5x slower).
 
 Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p (itself included), the
 Mistral / Hugging Face convention.
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagoda.engine.attention import cpu_decode
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -32,11 +39,14 @@ class _Prefill:
 class _Plan:
     num_tokens: int
     decode_rows: torch.Tensor | None  # token indices of the decodes in the flat batch; None = all tokens
+    decode_seq_idx: torch.Tensor | None  # [Sd] int64 sequence index of each decode; None = all sequences
     decode_seq_lens: torch.Tensor | None  # [Sd] int64
     decode_blocks: torch.Tensor | None  # [Sd, nb] int64
     decode_max_len: int
     prefills: list[_Prefill]
     masks: dict  # (kind, window) -> mask tensor, filled lazily per sliding window
+    block_tables: torch.Tensor  # the step's block tables and sequence lengths, int32 and contiguous
+    seq_lens: torch.Tensor
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
@@ -46,7 +56,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     for q in qlens:
         starts.append(starts[-1] + q)
     device = meta.block_tables.device
-    decode_rows = decode_seq_lens = decode_blocks = None
+    decode_rows = decode_seq_idx = decode_seq_lens = decode_blocks = None
     decode_max_len = 0
     if decode_idx:
         decode_max_len = max(slens[i] for i in decode_idx)
@@ -56,7 +66,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
             decode_blocks = meta.block_tables[:, :nb].long()
             decode_seq_lens = meta.seq_lens.long()
         else:
-            sel = torch.tensor(decode_idx, device=device, dtype=torch.long)
+            sel = decode_seq_idx = torch.tensor(decode_idx, device=device, dtype=torch.long)
             decode_blocks = meta.block_tables.index_select(0, sel)[:, :nb].long()
             decode_seq_lens = meta.seq_lens.index_select(0, sel).long()
             decode_rows = torch.tensor([starts[i] for i in decode_idx], device=device, dtype=torch.long)
@@ -68,7 +78,18 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         prefills.append(
             _Prefill(starts[i], starts[i] + q, slens[i] - q, slens[i], meta.block_tables[i, :nb].long())
         )
-    return _Plan(starts[-1], decode_rows, decode_seq_lens, decode_blocks, decode_max_len, prefills, {})
+    return _Plan(
+        starts[-1],
+        decode_rows,
+        decode_seq_idx,
+        decode_seq_lens,
+        decode_blocks,
+        decode_max_len,
+        prefills,
+        {},
+        meta.block_tables.to(torch.int32).contiguous(),
+        meta.seq_lens.to(torch.int32).contiguous(),
+    )
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -78,7 +99,10 @@ def _fp8_max(dtype: torch.dtype) -> float:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool | None = None) -> None:
+        """native: use the native CPU decode kernel where it applies (None = when it builds on this machine;
+        False = always the gathered reference formulation)."""
+        self.native = native
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
 
@@ -122,6 +146,36 @@ class TorchAttentionBackend:
 
     # ---- attention ----------------------------------------------------------------------------------
 
+    def _gathered_decode(
+        self, q: torch.Tensor, cache: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        """Decode rows by the reference formulation: gather every decode's blocks (padded to the longest),
+        one masked SDPA call. Returns [Sd, H, D]."""
+        block_size = cache.kv.shape[2]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        key = ("decode", sliding_window)
+        mask = plan.masks.get(key)
+        if mask is None:
+            length = plan.decode_blocks.shape[1] * block_size
+            pos = torch.arange(length, device=q.device)
+            lens = plan.decode_seq_lens[:, None]
+            mask = pos[None, :] < lens
+            if sliding_window is not None:
+                mask &= pos[None, :] >= lens - sliding_window
+            mask = mask[:, None, None, :]  # [Sd, 1, 1, L]
+            plan.masks[key] = mask
+        kd, vd = self._gather(cache, plan.decode_blocks, q.dtype)  # [Sd, L, Hkv, D]
+        qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+        sd, kv_heads = qd.shape[0], cache.kv.shape[3]
+        # GQA without copying K/V: the query heads sharing a KV head become that head's "query rows".
+        return F.scaled_dot_product_attention(
+            qd.view(sd, kv_heads, num_heads // kv_heads, head_dim),
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+        ).reshape(sd, num_heads, head_dim)
+
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
         # One plan per step: the runner builds a fresh AttentionMetadata every step.
         if self._meta is not meta or self._plan is None:
@@ -142,36 +196,30 @@ class TorchAttentionBackend:
         block_size = cache.kv.shape[2]
         self.write_kv(k, v, cache, meta.slot_mapping)
         plan = self._get_plan(meta, block_size)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        gqa = num_heads != cache.kv.shape[3]
+        gqa = q.shape[1] != cache.kv.shape[3]
         out = torch.empty_like(q) if plan.prefills or plan.decode_rows is not None else None
 
         if plan.decode_blocks is not None:
-            key = ("decode", sliding_window)
-            mask = plan.masks.get(key)
-            if mask is None:
-                length = plan.decode_blocks.shape[1] * block_size
-                pos = torch.arange(length, device=q.device)
-                lens = plan.decode_seq_lens[:, None]
-                mask = pos[None, :] < lens
-                if sliding_window is not None:
-                    mask &= pos[None, :] >= lens - sliding_window
-                mask = mask[:, None, None, :]  # [Sd, 1, 1, L]
-                plan.masks[key] = mask
-            kd, vd = self._gather(cache, plan.decode_blocks, q.dtype)  # [Sd, L, Hkv, D]
-            qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
-            sd, kv_heads = qd.shape[0], cache.kv.shape[3]
-            # GQA without copying K/V: the query heads sharing a KV head become that head's "query rows".
-            od = F.scaled_dot_product_attention(
-                qd.view(sd, kv_heads, num_heads // kv_heads, head_dim),
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=mask,
-                scale=scale,
-            ).reshape(sd, num_heads, head_dim)
-            if out is None:
-                return od
-            out.index_copy_(0, plan.decode_rows, od)
+            if self.native is not False and cpu_decode.supports(q, cache.kv):
+                out = torch.empty_like(q) if out is None else out
+                cpu_decode.paged_decode(
+                    q,
+                    cache.kv,
+                    plan.block_tables,
+                    plan.seq_lens,
+                    out,
+                    scale,
+                    sliding_window,
+                    seq_idx=plan.decode_seq_idx,
+                    rows=plan.decode_rows,
+                )
+                if not plan.prefills:
+                    return out
+            else:
+                od = self._gathered_decode(q, cache, plan, scale, sliding_window)
+                if out is None:
+                    return od
+                out.index_copy_(0, plan.decode_rows, od)
 
         for i, p in enumerate(plan.prefills):
             if p.context_len == 0 and cache.kv.dtype == k.dtype:
@@ -181,6 +229,8 @@ class TorchAttentionBackend:
                 kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
                 kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)
             qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
+            # 4-D inputs: with 3-D ones SDPA takes its unfused math kernel on the CPU (~5x slower).
+            qp, kp, vp = qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0)
             if p.context_len == 0 and sliding_window is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
@@ -194,5 +244,5 @@ class TorchAttentionBackend:
                         mask &= kpos > qpos - sliding_window
                     plan.masks[key] = mask
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[p.start : p.end] = op.transpose(0, 1)
+            out[p.start : p.end] = op[0].transpose(0, 1)
         return out
