@@ -4,6 +4,12 @@ Order: penalties -> min_tokens masking -> (greedy | temperature -> top-k -> top-
 Seeded rows draw from their own generator so a seeded request gives the same tokens whatever else is in
 the batch; unseeded rows share one batched draw. Log-probabilities are those of the raw model
 distribution, as vLLM reports them.
+
+Work stays on the logits' device and is only done where asked for: a greedy row without penalties is one
+argmax over the logits as they are (no copy); the logits are copied only when some row's penalties or
+min_tokens masking must change them; the full log-softmax is computed only for rows that asked for top
+logprobs, the chosen token's logprob (one logsumexp) only for rows whose caller wants it
+(`SamplingRow.chosen_logprob`). Only the chosen ids and the logprobs come back to the host.
 """
 
 from __future__ import annotations
@@ -23,28 +29,40 @@ class SamplingRow:
     generator: torch.Generator | None
     # Token ids that end generation (EOS + stop_token_ids): masked while min_tokens is not reached.
     stop_ids: list[int]
+    # Whether the caller needs the chosen token's logprob (it feeds cumulative_logprob). False: the row's
+    # `SampleResult.logprobs` entry is None unless params.logprobs asks for logprobs anyway.
+    chosen_logprob: bool = True
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]  # logprob of each chosen token
+    logprobs: list[float | None]  # logprob of each chosen token (None where nobody asked for it)
     top_logprobs: list[dict[int, Logprob] | None]
 
 
+def _changes_logits(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        p.repetition_penalty != 1.0
+        or bool((p.presence_penalty or p.frequency_penalty) and row.output_token_ids)
+        or bool(len(row.output_token_ids) < p.min_tokens and row.stop_ids)
+    )
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[-1]
+    vocab, device = logits.shape[-1], logits.device
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(
                 sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
             )
-            seen = seen[seen < vocab]
+            seen = seen[seen < vocab].to(device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            out = torch.tensor(row.output_token_ids, dtype=torch.long)
+            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
@@ -52,12 +70,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _mask_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
-            logits[i, torch.tensor(row.stop_ids, dtype=torch.long)] = float("-inf")
+            logits[i, torch.tensor(row.stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on the random rows; returns probabilities."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -65,72 +84,90 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        ranks = torch.arange(vocab).unsqueeze(0)
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).unsqueeze(1)
         drop = ranks >= k
         probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        drop |= before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        drop |= before >= torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(m > 0 for m in min_p):
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype).unsqueeze(
-            1
-        )
+        mins = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        threshold = probs.max(dim=-1, keepdim=True).values * mins
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i."""
+    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+
+    Seeded rows draw their noise on the host from their own generator (the same numbers on every device)."""
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype).exponential_()
+        noise[unseeded] = torch.empty(
+            len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
+        ).exponential_()
     for i, r in enumerate(rows):
         if r.generator is not None:
-            noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator)
+            draw = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator)
+            noise[i] = draw.to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits: float32 [N, vocab] on any device; rows: one per logits row."""
-    logits = logits.float().cpu()
-    raw_logprobs = logits.log_softmax(dim=-1)
-    work = logits.clone()
-    _apply_penalties(work, rows)
-    _mask_stops(work, rows)
-
-    chosen = torch.empty(len(rows), dtype=torch.long)
+def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Token id per row (on the logits' device)."""
+    changed = [_changes_logits(r) for r in rows]
+    work = logits
+    if any(changed):
+        work = logits.clone()
+        _apply_penalties(work, rows)
+        _mask_stops(work, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+    if len(greedy) == len(rows):
+        return work.argmax(dim=-1)
     rand = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
         chosen[greedy] = work[greedy].argmax(dim=-1)
-    if rand:
-        sub = [rows[i] for i in rand]
-        chosen[rand] = _draw(_filter(work[rand], sub), sub)
+    sub = [rows[i] for i in rand]
+    chosen[rand] = _draw(_filter(work[rand], sub), sub)
+    return chosen
 
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """logits: [N, vocab] on any device (computed in float32); rows: one per logits row."""
+    logits = logits.float()
+    chosen = _choose(logits, rows)
     token_ids = chosen.tolist()
-    picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    tops: list[dict[int, Logprob] | None] = []
-    want = [r.params.logprobs for r in rows]
-    kmax = max((k for k in want if k is not None), default=None)
-    top_vals = top_ids = None
-    if kmax is not None:
-        top_vals, top_ids = raw_logprobs.topk(max(kmax, 1), dim=-1)
-    for i, k in enumerate(want):
-        if k is None:
-            tops.append(None)
-            continue
-        tok = token_ids[i]
-        rank = int((raw_logprobs[i] > raw_logprobs[i, tok]).sum()) + 1
-        entry = {tok: Logprob(picked[i], rank)}
-        for r in range(k):
-            tid = int(top_ids[i, r])
-            if tid not in entry:
-                entry[tid] = Logprob(float(top_vals[i, r]), r + 1)
-        tops.append(entry)
+
+    picked: list[float | None] = [None] * len(rows)
+    tops: list[dict[int, Logprob] | None] = [None] * len(rows)
+    full = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    only_chosen = [i for i, r in enumerate(rows) if r.chosen_logprob and r.params.logprobs is None]
+    if only_chosen:
+        idx = torch.tensor(only_chosen, device=logits.device)
+        sub = logits.index_select(0, idx)
+        vals = sub.gather(1, chosen.index_select(0, idx).unsqueeze(1)).squeeze(1) - sub.logsumexp(dim=-1)
+        for i, v in zip(only_chosen, vals.tolist(), strict=True):
+            picked[i] = v
+    if full:
+        idx = torch.tensor(full, device=logits.device)
+        raw = logits.index_select(0, idx).log_softmax(dim=-1)
+        sel = chosen.index_select(0, idx).unsqueeze(1)
+        chosen_lp = raw.gather(1, sel)
+        ranks = ((raw > chosen_lp).sum(dim=-1) + 1).tolist()
+        kmax = max(rows[i].params.logprobs for i in full)
+        top_vals, top_ids = (t.tolist() for t in raw.topk(max(kmax, 1), dim=-1))
+        for j, (i, lp) in enumerate(zip(full, chosen_lp.squeeze(1).tolist(), strict=True)):
+            picked[i] = lp
+            entry = {token_ids[i]: Logprob(lp, ranks[j])}
+            for r in range(rows[i].params.logprobs):
+                if top_ids[j][r] not in entry:
+                    entry[top_ids[j][r]] = Logprob(top_vals[j][r], r + 1)
+            tops[i] = entry
     return SampleResult(token_ids=token_ids, logprobs=picked, top_logprobs=tops)
