@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from pagoda.engine.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
+from pagoda.engine.models import cpu_ops
 from torch import nn
 
 
@@ -37,6 +38,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
+        return fused if fused is not None else self._torch(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x): the residual add fused with the next norm. The residual
+        tensor may be updated in place."""
+        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused, residual
+        residual = residual + x
+        return self._torch(residual), residual
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -57,8 +71,12 @@ class SiluMLP(nn.Module):
         self.down_proj = Linear(self.intermediate, hidden, bias and tp_rank() == 0, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        act = cpu_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return all_reduce(self.down_proj(act))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -141,7 +159,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -19,6 +19,7 @@ from pagoda.engine.distributed.parallel_state import (
     tp_rank,
     tp_size,
 )
+from pagoda.engine.models import cpu_ops
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.models.layers import (
     Linear,
@@ -69,9 +70,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rope_heads = self.num_heads + self.num_kv_heads  # q and k heads lie side by side in qkv
+        if cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
         return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
@@ -85,9 +92,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = SiluMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it): each residual add is fused into the norm after it, so
+        the caller adds the last layer's output in the final norm."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,9 +158,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {len(self.layers)}")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, meta.max_seq_len, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Fused element-wise ops of the decoder layer for float32 on the CPU: one pass over memory instead of five.
+
+- `add_rms_norm`: residual += x, then RMSNorm of the sum (vLLM's fused_add_rms_norm); the torch version reads
+  and writes the hidden state ~6 times (add, pow, mean, rsqrt, two muls).
+- `rotary_`: rotate-half rotary embedding applied in place to the query and key heads of the fused QKV output
+  (the torch version builds the rotated copy with a neg and a cat, then three more passes).
+- `silu_mul`: silu(gate) * up from the fused gate/up output, without the intermediate silu tensor.
+
+Rounding: built with no implicit FMA contraction and the same operation order as the torch expressions in
+`layers.py`, the residual add and rotary are bit-identical to them; RMSNorm differs only in the summation order
+of the mean of squares, and silu in its exp (both about an ulp). Each returns None (or False) where it does not
+apply (other dtypes or devices, odd layouts, no compiler), and the caller runs its torch expression.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from pagoda.engine.attention.native import C_PRELUDE, load_library
+
+_SOURCE = (
+    C_PRELUDE
+    + r"""
+#define PAR_MIN_ELEMS 65536  /* below this, one thread: a parallel region costs more than it saves */
+
+/* out[t] = w * (r * 1/sqrt(mean(r^2) + eps)) with r = x[t] + residual[t] (written back to residual) when
+   residual is given, else r = x[t]. */
+void pagoda_add_rms_norm(float *out, float *residual, const float *x, const float *w, int64_t T, int64_t n,
+                         int64_t x_stride, int64_t out_stride, int64_t res_stride, float eps, int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * n >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * x_stride;
+        float *o = out + t * out_stride;
+        const float *r = xt;
+        if (residual) {
+            float *rt = residual + t * res_stride;
+            for (int64_t i = 0; i < n; i++) rt[i] = xt[i] + rt[i];
+            r = rt;
+        }
+        float ss = 0.0f;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = _mm512_loadu_ps(r + i);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        ss = _mm512_reduce_add_ps(acc);
+        for (; i < n; i++) ss += r[i] * r[i];
+#else
+        for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
+#endif
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+/* In place, heads [0, nheads) of every token of x (token stride x_stride, head stride D):
+   x = x * cos + rotate_half(x) * sin, with the token's cos/sin rows ([T, D], contiguous). */
+void pagoda_rotary(float *x, int64_t T, int64_t x_stride, int nheads, int D, const float *cos_t,
+                   const float *sin_t, int nthreads)
+{
+    const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * nheads * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int h = 0; h < nheads; h++) {
+            float *v = x + t * x_stride + (int64_t)h * D;
+            for (int i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] + (-x2) * s[i];
+                v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)). */
+void pagoda_silu_mul(float *out, const float *gu, int64_t T, int64_t I, int64_t gu_stride, int64_t out_stride,
+                     int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * gu_stride, *u = g + I;
+        float *o = out + t * out_stride;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+"""
+)
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load_library("layer_ops", _SOURCE)
+    if lib is not None and not hasattr(lib, "_pagoda_typed"):
+        lib.pagoda_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I]
+        lib.pagoda_rotary.argtypes = [_P, _I64, _I64, _I, _I, _P, _P, _I]
+        lib.pagoda_silu_mul.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I]
+        for fn in (lib.pagoda_add_rms_norm, lib.pagoda_rotary, lib.pagoda_silu_mul):
+            fn.restype = None
+        lib._pagoda_typed = True
+    return lib
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    """2-D float32 CPU tensors whose rows are contiguous."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+        for t in tensors
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """RMSNorm(x) or, with a residual, residual += x in place and RMSNorm(residual); None = not handled."""
+    lib = _library()
+    if (
+        lib is None
+        or not _rows_ok(x, weight.view(1, -1))
+        or (residual is not None and not _rows_ok(residual))
+    ):
+        return None
+    if residual is not None and residual.shape != x.shape:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.pagoda_add_rms_norm(
+        out.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        out.stride(0),
+        0 if residual is None else residual.stride(0),
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rotary_(x: torch.Tensor, nheads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first ``nheads`` heads of each row of ``x`` [T, >= nheads * head_dim] in place with the
+    tokens' cos/sin rows [T, head_dim]; False = not handled, x untouched."""
+    lib = _library()
+    if (
+        lib is None
+        or head_dim % 2
+        or not _rows_ok(x, cos, sin)
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.shape != (x.shape[0], head_dim)
+        or sin.shape != cos.shape
+        or x.shape[1] < nheads * head_dim
+    ):
+        return False
+    lib.pagoda_rotary(
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        nheads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a [T, 2I] gate/up output; None = not handled."""
+    lib = _library()
+    if lib is None or not _rows_ok(gate_up) or gate_up.shape[1] % 2:
+        return None
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, inter), dtype=gate_up.dtype)
+    lib.pagoda_silu_mul(
+        out.data_ptr(),
+        gate_up.data_ptr(),
+        t,
+        inter,
+        gate_up.stride(0),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out

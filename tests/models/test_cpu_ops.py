@@ -1,0 +1,71 @@
+"""The fused CPU element-wise ops against the torch expressions they replace (layers.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.engine.models import cpu_ops
+from pagoda.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_ops._library() is None, reason="native kernels not available")
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 64), (300, 576), (33, 100)])
+def test_rms_norm_and_fused_residual_add(tokens, hidden):
+    torch.manual_seed(tokens)
+    norm = RMSNorm(hidden, 1e-5, torch.float32, torch.device("cpu"))
+    norm.weight.copy_(torch.rand(hidden) + 0.5)
+    x, res = torch.randn(tokens, hidden) * 3, torch.randn(tokens, hidden)
+    ref_sum = res + x
+    ref = norm._torch(ref_sum)
+    assert (cpu_ops.add_rms_norm(x, None, norm.weight, 1e-5) - norm._torch(x)).abs().max() < 1e-5
+    res_in = res.clone()
+    out, new_res = norm.add_forward(x, res_in)
+    assert torch.equal(new_res, ref_sum)  # the residual add is exact
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_rms_norm_on_a_strided_view():
+    torch.manual_seed(0)
+    base = torch.randn(10, 96)
+    x = base[:, 16:80]  # rows not contiguous with each other
+    w = torch.rand(64)
+    got = cpu_ops.add_rms_norm(x, None, w, 1e-6)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 2, 16), (2, 1, 6)])
+def test_rotary_in_place_is_bit_identical(heads, kv_heads, d):
+    torch.manual_seed(d)
+    t = 37
+    rope = RotaryEmbedding(d, 10000.0, None, 4096, torch.device("cpu"))
+    positions = torch.randint(0, 3000, (t,))
+    cos, sin = rope.cos_sin(positions, 3000, torch.float32)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = apply_rotary(q.reshape(t, heads, d), cos, sin)
+    want_k = apply_rotary(k.reshape(t, kv_heads, d), cos, sin)
+    assert cpu_ops.rotary_(qkv, heads + kv_heads, d, cos.view(t, d), sin.view(t, d))
+    assert torch.equal(qkv[:, : heads * d].view(t, heads, d), want_q)
+    assert torch.equal(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d), want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v)  # V untouched
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (65, 1536), (5, 23)])
+def test_silu_mul(tokens, inter):
+    torch.manual_seed(inter)
+    gate_up = torch.randn(tokens, 2 * inter) * 4
+    gate, up = gate_up.split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_ops.silu_mul(gate_up)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_declines_what_it_does_not_handle():
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert cpu_ops.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-6) is None
+    assert cpu_ops.silu_mul(x) is None
+    cos = torch.ones(4, 8)
+    assert not cpu_ops.rotary_(torch.randn(4, 32)[:, ::2], 2, 8, cos, cos)  # elements not contiguous
