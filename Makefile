@@ -57,6 +57,11 @@ bench-offload: install
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
 
+# three replicas behind `pagoda router`, each policy on one chat workload (docs/router.md); ARGS="--quick"
+.PHONY: bench-router
+bench-router: install
+	$(PY) benchmarks/bench_router.py $(ARGS)
+
 # 10,000 mixed requests with random disconnects through the real server, then 0 leaks (docs/serving.md)
 .PHONY: soak
 soak: install

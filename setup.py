@@ -1,4 +1,4 @@
-"""Maps the folders engine/, kernels/, operator/ and cli/ onto the pagoda.* namespace.
+"""Maps the folders engine/, kernels/, operator/, router/ and cli/ onto the pagoda.* namespace.
 
 A bare `operator` would shadow the standard library and a bare `kernels` collides with a Hugging Face
 package, so the folders are only ever importable as pagoda.engine, pagoda.kernels and pagoda.operator.
@@ -11,6 +11,7 @@ FOLDERS = {
     "kernels": "pagoda.kernels",
     "operator": "pagoda.operator",
     "cli": "pagoda.cli",  # the `pagoda` command, over both halves
+    "router": "pagoda.router",  # the KV-aware router in front of the replicas
 }
 
 packages, package_dir = [], {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import difflib
 import json
@@ -157,7 +158,27 @@ def _make_uvicorn_server(config: Any) -> Any:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after a graceful shutdown (exit 143); a drained server exits 0."""
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit 143); a drained server exits 0.
+        SIGTERM first drains (engine/server/drain.py): /health says 503 "draining" while requests finish."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._drain_loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state = getattr(getattr(self.config, "app", None), "state", None)
+            loop = getattr(self, "_drain_loop", None)
+            if sig != signal.SIGTERM or loop is None or state is None or getattr(state, "draining", True):
+                return super().handle_exit(sig, frame)
+            from pagoda.engine.server.drain import drain_then_exit
+
+            state.draining = True
+            grace = self.config.timeout_graceful_shutdown or 0.0
+
+            def start() -> None:  # keep a reference: the loop holds tasks only weakly
+                self._drain_task = loop.create_task(drain_then_exit(self, self.config.app, grace))
+
+            loop.call_soon_threadsafe(start)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

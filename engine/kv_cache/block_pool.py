@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from pagoda.engine.kv_cache.events import NULL_EVENTS
 from pagoda.engine.kv_cache.hashing import BlockHash
 
 EvictHook = Callable[[int, BlockHash], None]
@@ -110,6 +111,7 @@ class BlockPool:
         self.evictable_queue = FreeBlockQueue()
         self.cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
+        self.events = NULL_EVENTS  # a KVEventLog when a server publishes block events (events.py)
 
     # -- counts -------------------------------------------------------------------------------------------
     @property
@@ -148,6 +150,7 @@ class BlockPool:
         del self.cached[block_hash]
         block.block_hash = None
         self.num_evictions += 1
+        self.events.removed("device", block_hash)
         if self.on_evict is not None:
             self.on_evict(block.block_id, block_hash)
 
@@ -198,6 +201,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.events.stored("device", block_hash)
         return True
 
     def insert_external(self, block_hash: BlockHash) -> Block | None:
@@ -212,6 +216,7 @@ class BlockPool:
         (block,) = self.get_new_blocks(1)
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.events.stored("device", block_hash)
         return block
 
     def reset_prefix_cache(self) -> bool:
@@ -224,6 +229,7 @@ class BlockPool:
             block.block_hash = None
             self.free_queue.append(block)
         self.cached.clear()
+        self.events.cleared("device")
         return True
 
     # -- checks -------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, ErrorResponseModel, bad_request, install_error_handlers
+from pagoda.engine.server.kv_routes import install_kv_routes
 from pagoda.engine.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.engine.server.serving import OpenAIServing
 from pagoda.engine.server.settings import ServerSettings
@@ -74,8 +75,23 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
             ]
         )
 
+    app.state.draining = False  # set on SIGTERM (cli/serve.py): routers stop sending, in-flight work ends
+    install_kv_routes(app, engine)
+
     @app.get("/health")
     async def health() -> Response:
+        if app.state.draining and engine.is_alive:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "draining: finishing in-flight requests before shutdown",
+                        "type": "service_unavailable_error",
+                        "param": None,
+                        "code": "draining",
+                    }
+                },
+                status_code=503,
+            )
         if engine.is_alive:
             return Response(status_code=200)
         return JSONResponse(

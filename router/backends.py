@@ -1,0 +1,214 @@
+"""The replicas behind the router: discovery (static URLs, a headless Service's A records), health, load
+(from each replica's /metrics) and the KV block index (following /v1/kv_events, re-syncing from
+/v1/kv_snapshot), each refreshed by its own background loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from pagoda.router.config import RouterConfig
+from pagoda.router.index import BlockIndex
+from pagoda.router.policies import Candidate
+
+log = logging.getLogger("pagoda.router")
+_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def parse_load(text: str) -> int:
+    """running + waiting from a replica's Prometheus text (summed over label sets)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(_LOAD_METRICS):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = False
+    draining: bool = False
+    scraped_load: int = 0
+    inflight: int = 0  # requests this router has open there
+    info: dict[str, Any] | None = None  # the replica's /v1/router_info
+    index: BlockIndex = field(default_factory=BlockIndex)
+    last_error: str | None = None
+    checked_at: float = 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def load(self) -> int:
+        return self.scraped_load + self.inflight
+
+    def candidate(self) -> Candidate:
+        info = self.info or {}
+        return Candidate(
+            name=self.url,
+            load=self.load,
+            index=self.index,
+            block_size=int(info.get("block_size") or 16),
+            prefill_tps=info.get("prefill_tokens_per_s"),
+            load_tps=dict(info.get("load_tokens_per_s") or {}),
+        )
+
+    def mark_failed(self, why: str) -> None:
+        if self.healthy:
+            log.warning("replica %s unhealthy: %s", self.url, why)
+        self.healthy = False
+        self.last_error = why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "load": self.load,
+            "inflight": self.inflight,
+            "blocks": self.index.counts(),
+            "synced": self.index.synced,
+            "seq": self.index.seq,
+            "info": self.info,
+            "last_error": self.last_error,
+        }
+
+
+class BackendPool:
+    def __init__(self, config: RouterConfig, on_change: Any = None) -> None:
+        self.config = config
+        self.backends: dict[str, Backend] = {u: Backend(u) for u in config.backends}
+        self._dns: dict[str, set[str]] = {t: set() for t in config.backend_dns}
+        self._tasks: list[asyncio.Task] = []
+        self.session: aiohttp.ClientSession | None = None
+        self.on_change = on_change  # called after every health round (metrics refresh)
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None), headers=self.headers
+        )
+        if self._dns:
+            await self.resolve_dns()
+        await self.check_all()
+        self._tasks = [
+            asyncio.create_task(self._every(self.config.health_interval, self.check_all)),
+            asyncio.create_task(self._every(self.config.events_interval, self.follow_all)),
+        ]
+        if self._dns:
+            self._tasks.append(asyncio.create_task(self._every(self.config.dns_interval, self.resolve_dns)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def _every(self, seconds: float, fn: Any) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a loop must survive anything one round throws
+                log.exception("router background round failed")
+
+    def routable(self, exclude: set[str] = frozenset()) -> list[Backend]:
+        return [b for b in self.backends.values() if b.routable and b.url not in exclude]
+
+    # -- discovery -------------------------------------------------------------------------------------------
+    async def resolve_dns(self) -> None:
+        loop = asyncio.get_running_loop()
+        for target in list(self._dns):
+            host, _, port = target.rpartition(":")
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("cannot resolve %s: %s", target, exc)
+                continue  # keep the last known replicas
+            urls = set()
+            for family, *_, addr in infos:
+                ip = addr[0]
+                urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
+            for url in urls - self._dns[target]:
+                self.backends.setdefault(url, Backend(url))
+                log.info("replica %s found via %s", url, target)
+            for url in self._dns[target] - urls:
+                if url not in self.config.backends:
+                    self.backends.pop(url, None)
+                    log.info("replica %s left %s", url, target)
+            self._dns[target] = urls
+
+    # -- health and load --------------------------------------------------------------------------------------
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in list(self.backends.values())))
+        if self.on_change is not None:
+            self.on_change(self)
+
+    async def check(self, b: Backend) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.health_interval))
+        try:
+            async with self.session.get(b.url + "/health", timeout=timeout) as r:
+                body = await r.text()
+                if r.status == 200:
+                    was = b.healthy
+                    b.healthy, b.draining, b.last_error = True, False, None
+                    if not was:
+                        log.info("replica %s healthy", b.url)
+                elif r.status == 503 and "draining" in body:
+                    b.healthy, b.draining = True, True
+                else:
+                    b.mark_failed(f"/health answered {r.status}")
+            if b.healthy:
+                async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        b.scraped_load = parse_load(await r.text())
+                if b.info is None or time.monotonic() - b.checked_at > 10 * self.config.health_interval:
+                    await self._fetch_info(b, timeout)
+                    b.checked_at = time.monotonic()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            b.mark_failed(f"{type(exc).__name__}: {exc}")
+
+    async def _fetch_info(self, b: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        assert self.session is not None
+        async with self.session.get(b.url + "/v1/router_info", timeout=timeout) as r:
+            if r.status == 200:
+                info = await r.json()
+                if b.info is not None and info.get("epoch") != b.info.get("epoch"):
+                    b.index.reset()  # restarted: its blocks are what its new snapshot says
+                b.info = info
+
+    # -- KV events ------------------------------------------------------------------------------------------
+    async def follow_all(self) -> None:
+        await asyncio.gather(*(self.follow(b) for b in list(self.backends.values()) if b.healthy and b.info))
+
+    async def follow(self, b: Backend) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=5)
+        try:
+            if b.index.synced:
+                params = {"since": str(b.index.seq), "epoch": b.index.epoch or ""}
+                async with self.session.get(b.url + "/v1/kv_events", params=params, timeout=timeout) as r:
+                    if r.status != 200:
+                        return
+                    if b.index.apply(await r.json()):
+                        return
+            async with self.session.get(b.url + "/v1/kv_snapshot", timeout=timeout) as r:
+                if r.status == 200:
+                    b.index.load_snapshot(await r.json())
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            log.debug("kv events from %s: %s", b.url, exc)

@@ -1,0 +1,137 @@
+"""A request's block-hash chain, computed exactly as the engine computes it.
+
+The engine renders chat messages with the model's chat template, tokenizes without special tokens
+(completions: a text prompt with them), and hashes every full block with
+pagoda.engine.kv_cache.hashing and the extra keys it publishes in /v1/router_info. The router does the same
+with the same tokenizer files (the engines' model source, read locally; transformers runs without torch).
+Where no local tokenizer can be had it asks a replica's /tokenize.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pagoda.engine.kv_cache.hashing import encode_extra_keys, hash_full_blocks
+
+log = logging.getLogger("pagoda.router")
+
+
+def find_tokenizer_dir(source: str | None) -> Path | None:
+    """The directory with tokenizer.json for a model source as the engine takes it (None = the embedded
+    default), without converting anything: a GGUF must have been converted by an engine on this machine
+    (its directory in the Pagoda cache names the GGUF in pagoda_source.json)."""
+    import json
+
+    from pagoda.engine.loader.resolve import locate_model, pagoda_cache_dir
+
+    try:
+        path = locate_model(source)
+    except Exception as exc:  # noqa: BLE001 - any lookup failure means "ask a replica"
+        log.info("no local model for %r: %s", source, exc)
+        return None
+    if path.is_dir():
+        return path if (path / "tokenizer.json").is_file() else None
+    cache = pagoda_cache_dir()
+    if not cache.is_dir():
+        return None
+    for meta in cache.glob("*/pagoda_source.json"):
+        try:
+            if os.path.samefile(json.loads(meta.read_text())["gguf"], path):
+                if (meta.parent / "tokenizer.json").is_file():
+                    return meta.parent
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def load_local_tokenizer(source: str | None) -> Any | None:
+    if source == "backend":
+        return None
+    where = find_tokenizer_dir(source)
+    if where is None:
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return PreTrainedTokenizerFast.from_pretrained(str(where), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("cannot load the tokenizer from %s (%s); asking the replicas instead", where, exc)
+        return None
+
+
+def render_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dicts the engine hands to the chat template (engine/server/serving.py: render_chat)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            text = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        role = m.get("role")
+        d: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+        if m.get("name"):
+            d["name"] = m["name"]
+        out.append(d)
+    return out
+
+
+class ChainHasher:
+    """Token ids and block hashes of a request body, for one (block size, extra keys) pair."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The fast tokenizer's Rust encoder directly: the same ids, without the Python wrapper's cost."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """None when the prompt cannot be tokenized here (then the caller may ask a replica)."""
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or self.tokenizer is None:
+                return None
+            cont = bool(body.get("continue_final_message", False))
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    render_messages(messages),
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)) and not cont,
+                    continue_final_message=cont,
+                    tokenize=False,
+                )
+                return self._encode(text, add_special_tokens=False)
+            except Exception:  # noqa: BLE001 - the replica will answer the error
+                return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            try:
+                return self._encode(prompt, add_special_tokens=True)
+            except Exception:  # noqa: BLE001
+                return None
+        return None
+
+
+@lru_cache(maxsize=16)
+def _extra(keys: tuple[str, ...]) -> bytes:
+    return encode_extra_keys(keys)
+
+
+def chain_of(token_ids: list[int], block_size: int, extra_keys: tuple[str, ...]) -> list[str]:
+    """Hex block hashes of the full blocks of ``token_ids``, identical to the engine's."""
+    return [h.hex() for h in hash_full_blocks(token_ids, block_size, _extra(extra_keys))]

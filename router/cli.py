@@ -1,0 +1,94 @@
+"""`pagoda router`: parse, validate (--dry-run prints the config as JSON), then serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from pagoda.router.config import POLICIES, ConfigError, RouterConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagoda router",
+        description="KV-aware router in front of `pagoda serve` replicas (docs/router.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = RouterConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--backend", action="append", default=[], metavar="URL", help="a replica (repeatable)")
+    p.add_argument(
+        "--backend-dns",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a headless Service: every A record is a replica (repeatable)",
+    )
+    p.add_argument("--dns-interval", type=float, default=d.dns_interval, help="seconds between DNS lookups")
+    p.add_argument("--health-interval", type=float, default=d.health_interval, help="seconds between checks")
+    p.add_argument("--events-interval", type=float, default=d.events_interval, help="KV event poll seconds")
+    p.add_argument("--model", default=None, help="served model name (answers /v1/models if no replica is up)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGODA_API_KEY"),
+        help="forwarded to the replicas and required from clients (env PAGODA_API_KEY)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model source to hash prompts locally (default: the engines' default model; 'backend' asks a "
+        "replica's /tokenize)",
+    )
+    p.add_argument("--load-slack", type=int, default=d.load_slack, help="extra requests a cache hit may cost")
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--dry-run", action="store_true", help="validate, print the config as JSON, exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        backends=list(args.backend),
+        backend_dns=list(args.backend_dns),
+        dns_interval=args.dns_interval,
+        health_interval=args.health_interval,
+        events_interval=args.events_interval,
+        model=args.model,
+        api_key=args.api_key or None,
+        tokenizer=args.tokenizer,
+        load_slack=args.load_slack,
+        max_retries=args.max_retries,
+        request_timeout=args.request_timeout,
+    ).validate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad value (2)
+        return int(exc.code or 0)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"pagoda router: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    from pagoda.router.app import run
+
+    run(config)
+    return 0

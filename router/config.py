@@ -1,0 +1,60 @@
+"""The router's settings, checked once at start (and by ``pagoda router --dry-run``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+POLICIES = ("roundRobin", "leastLoaded", "prefix", "tierAware")
+
+
+class ConfigError(ValueError):
+    """A setting the router cannot start with; the message names it."""
+
+
+@dataclass
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    policy: str = "tierAware"
+    backends: list[str] = field(default_factory=list)  # static base URLs, e.g. http://10.0.0.5:8000
+    backend_dns: list[str] = field(default_factory=list)  # HOST:PORT of a headless Service
+    dns_interval: float = 5.0
+    health_interval: float = 2.0
+    events_interval: float = 0.25  # how often each replica's KV events are pulled
+    model: str | None = None
+    api_key: str | None = None
+    tokenizer: str | None = None  # model source for local chain hashing; None = the engines' default model
+    load_slack: int = (
+        2  # "bounded by load": a replica may carry this many more requests than the least loaded
+    )
+    request_timeout: float = 600.0
+    max_retries: int = 2  # other replicas tried when one refuses the connection before any byte was sent
+
+    def validate(self) -> RouterConfig:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.backends and not self.backend_dns:
+            raise ConfigError("give at least one --backend URL or --backend-dns HOST:PORT")
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+                raise ConfigError(f"--backend must be an http(s) URL, got {url!r}")
+        for target in self.backend_dns:
+            host, sep, port = target.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--backend-dns must be HOST:PORT, got {target!r}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be 1..65535, got {self.port}")
+        for name in ("dns_interval", "health_interval", "events_interval", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.load_slack < 0 or self.max_retries < 0:
+            raise ConfigError("--load-slack and --max-retries must not be negative")
+        self.backends = [u.rstrip("/") for u in self.backends]
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["api_key"]:
+            d["api_key"] = "***"
+        return d

@@ -1,0 +1,130 @@
+"""Real `pagoda serve` replicas and `pagoda router` processes for the router's end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+# Small KV pools and context: two replicas share 2 CPU cores with the test.
+SMALL = ["--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024", "--max-num-seqs", "8"]
+START_TIMEOUT_S = float(os.environ.get("PAGODA_TEST_SERVER_START_TIMEOUT", "300"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=30).text):
+            for s in fam.samples:
+                if s.name == name and set(labels.items()) <= set(s.labels.items()):
+                    total += s.value
+        return total
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start(log_dir: Path, argv: list[str], port: int, name: str) -> Proc:
+    log_path = log_dir / f"{name}-{port}.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("PAGODA_API_KEY", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Proc(proc, port, log_path)
+
+
+def wait_healthy(p: Proc, timeout: float = START_TIMEOUT_S) -> Proc:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.proc.poll() is not None:
+            raise RuntimeError(f"{p.url} exited {p.proc.returncode}:\n{p.log()}")
+        try:
+            if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    p.stop(signal.SIGKILL)
+    raise RuntimeError(f"{p.url} not healthy after {timeout} s:\n{p.log()}")
+
+
+def start_replica(log_dir: Path, *extra: str) -> Proc:
+    port = free_port()
+    argv = [
+        PAGODA,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SMALL,
+        "--uvicorn-log-level",
+        "warning",
+    ]
+    return start(log_dir, [*argv, *extra], port, "replica")
+
+
+def start_router(log_dir: Path, backends: list[str], *extra: str) -> Proc:
+    port = free_port()
+    argv = [PAGODA, "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    for b in backends:
+        argv += ["--backend", b]
+    return wait_healthy(start(log_dir, [*argv, *extra], port, "router"), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("replicas")
+    procs = [start_replica(log_dir), start_replica(log_dir)]  # both load at once
+    try:
+        yield [wait_healthy(p) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def kit():
+    """The helpers above, for test modules (conftest itself is not importable under importlib mode)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        free_port=free_port, start=start, start_router=start_router, wait_healthy=wait_healthy
+    )
