@@ -3,6 +3,7 @@
 - InferenceDeployment created, changed, or seen at operator start-up: reconcile it.
 - A managed StatefulSet changed (hand edit, deletion, pods becoming ready): reconcile its owner.
 - An engine pod ran out of memory (OOMKilled, or the engine's exit code 3): re-fit its owner (refit.py).
+- An engine pod of a new image became Ready: compare its measured memory with the plan (profile.py).
 - The GPU inventory on the nodes changed (a GPU node appears, goes away, changes product): reconcile all,
   so a deployment waiting for an L40S gets one as soon as an L40S node joins.
 
@@ -140,13 +141,18 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         # An engine that ran out of memory (OOMKilled, or exit code 3 at start-up): re-fit its deployment.
         failure = failure_of(dict(body), render.PLAN_ANNOTATION)
         owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
-        if failure is not None and owner:
-            try:
+        if not owner:
+            return
+        try:
+            if failure is not None:
                 await reconciler().reconcile(namespace, owner, _nodes(gpu_nodes), failure=failure)
-            except ApiError as exc:
-                if exc.transient:
-                    raise _retry(exc) from None
-                raise
+            else:
+                # A Ready engine of a new image: does it measure the memory the plan assumed? (profile.py)
+                await reconciler().check_profile(namespace, owner, _nodes(gpu_nodes), dict(body))
+        except ApiError as exc:
+            if exc.transient:
+                raise _retry(exc) from None
+            raise
 
     @kopf.on.event("", "v1", "nodes", id="nodes", registry=registry)
     async def node(gpu_nodes: Any, **_: Any) -> None:

@@ -21,6 +21,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "InferenceDeployment": ("apis/pagoda.dev/v1alpha1", "inferencedeployments"),
     "Event": ("api/v1", "events"),
     "Pod": ("api/v1", "pods"),
+    "Deployment": ("apis/apps/v1", "deployments"),
+    "HorizontalPodAutoscaler": ("apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("apis/keda.sh/v1alpha1", "scaledobjects"),
 }
 
 

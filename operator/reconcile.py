@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
 from pagoda.operator import render
 from pagoda.operator.contract import check_engine_args
@@ -68,6 +69,20 @@ def in_sync(desired: dict[str, Any], live: dict[str, Any]) -> bool:
     )
 
 
+def _engine_image(pod: dict[str, Any]) -> str | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == refitting.ENGINE_CONTAINER:
+            return container.get("image")
+    return None
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
 def replacement(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     """`desired` as a whole replacement for `live`: with the resourceVersion read (a concurrent write then
     fails with 409 instead of being lost), other controllers' finalizers and the fields the server filled."""
@@ -101,7 +116,8 @@ class Reconciler:
         self.metrics = metrics
         self.allowed_images = tuple(allowed_images)  # empty: any spec.image
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._monitoring: tuple[bool, float] | None = None
+        self._apis: dict[str, tuple[bool, float]] = {}  # group/version -> (served, until when we trust it)
+        self.plan_images: dict[tuple[str, str], str] = {}  # status.planImage as last written or read
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
         self.gpus: dict[tuple[str, str], tuple[str, int]] = {}
         self._written: dict[tuple[str, str], str] = {}  # StatefulSet -> resourceVersion of our last write
@@ -117,13 +133,26 @@ class Reconciler:
         self._locks.pop(key, None)
         self.conditions.pop(key, None)
         self.gpus.pop(key, None)
+        self.plan_images.pop(key, None)
         self.metrics.publish(self.conditions, self.gpus)
 
-    async def monitoring_available(self) -> bool:
+    async def _api_available(self, group_version: str) -> bool:
         now = time.monotonic()
-        if self._monitoring is None or self._monitoring[1] < now:
-            self._monitoring = (await self.kube.has_api("monitoring.coreos.com/v1"), now + MONITORING_TTL)
-        return self._monitoring[0]
+        cached = self._apis.get(group_version)
+        if cached is None or cached[1] < now:
+            cached = self._apis[group_version] = (
+                await self.kube.has_api(group_version),
+                now + MONITORING_TTL,
+            )
+        return cached[0]
+
+    async def monitoring_available(self) -> bool:
+        """Whether the Prometheus Operator's CRDs are served (then a ServiceMonitor is rendered)."""
+        return await self._api_available("monitoring.coreos.com/v1")
+
+    async def keda_available(self) -> bool:
+        """Whether KEDA's CRDs are served (then autoscaling renders a ScaledObject instead of an HPA)."""
+        return await self._api_available("keda.sh/v1alpha1")
 
     def own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
         """Whether a StatefulSet event only echoes a write this operator made (nothing to correct)."""
@@ -172,6 +201,8 @@ class Reconciler:
                 self.metrics.reconcile_errors.labels(outcome.error.reason).inc()
             if outcome.status is not None:
                 key = (namespace, name)
+                if outcome.status.get("planImage"):
+                    self.plan_images[key] = outcome.status["planImage"]
                 self.conditions[key] = {c["type"]: c["status"] for c in outcome.status.get("conditions", [])}
                 gpu = outcome.status.get("gpu") or {}
                 replicas = int((body.get("spec") or {}).get("replicas", 1) or 0)
@@ -183,12 +214,16 @@ class Reconciler:
             return outcome
 
     async def _reconcile(
-        self, body: dict[str, Any], nodes: list[NodeGPUs], refit: dict[str, Any] | None = None
+        self,
+        body: dict[str, Any],
+        nodes: list[NodeGPUs],
+        refit: dict[str, Any] | None = None,
+        plan_image: str | None = None,
     ) -> Outcome:
         outcome = Outcome()
         old_status = body.get("status") or {}
         if refit is None:
-            refit = refitting.current(old_status, body["metadata"].get("generation"))
+            refit = refitting.current(old_status, body["metadata"].get("generation"), body.get("spec"))
         if refit.get("exhausted"):
             return outcome  # RefitExhausted: nothing more is written until the spec changes
         try:
@@ -207,13 +242,18 @@ class Reconciler:
             return outcome
 
         monitor = await self.monitoring_available()
+        keda = spec.autoscaling is not None and await self.keda_available()
         sts_live = None
         fresh = not old_status  # never reconciled: its children are most likely absent, create first
-        for child in render.children(body, spec, decision, with_service_monitor=monitor):
+        for child in render.children(body, spec, decision, with_service_monitor=monitor, with_keda=keda):
             live = await self._apply(child, outcome, fresh=fresh)
             if child["kind"] == "StatefulSet":
                 sts_live = live
-        status = ready_status(body, spec, decision, sts_live, refit)
+        if not fresh:
+            await self._delete_unwanted(body, spec, keda, outcome)
+        # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
+        image = plan_image or old_status.get("planImage") or render.engine_image(spec)
+        status = ready_status(body, spec, decision, sts_live, refit, plan_image=image)
         outcome.status = status
         old_plan = old_status.get("plan")
         await self._write_status(body, status, outcome)
@@ -237,7 +277,7 @@ class Reconciler:
         """
         meta = body["metadata"]
         namespace, name, generation = meta.get("namespace"), meta["name"], meta.get("generation")
-        state = refitting.current(body.get("status"), generation)
+        state = refitting.current(body.get("status"), generation, body.get("spec"))
         if state.get("exhausted") or refitting.handled(state, failure):
             return None
         sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
@@ -257,7 +297,7 @@ class Reconciler:
             change = refitting.next_settings(
                 spec, decision.plan, memory, failure, state.get("settings") or {}
             )
-        new_state = refitting.record(state, generation, failure, change)
+        new_state = refitting.record(state, generation, failure, change, body.get("spec"))
         outcome = Outcome()
         what = f"pod {failure.pod}: {failure.reason} (exit code {failure.exit_code})"
         if change is None:
@@ -283,6 +323,140 @@ class Reconciler:
         result.writes[:0] = outcome.writes
         await self._roll(namespace, name, failure.plan, result)
         return result
+
+    async def check_profile(
+        self, namespace: str, name: str, nodes: Iterable[NodeGPUs], pod: dict[str, Any]
+    ) -> Outcome | None:
+        """After an engine image change: compare what a Ready pod of the new image and the current plan
+        measured with the plan, and re-plan from the measurement if it is off (profile.py). None when
+        there is nothing to check (the pod runs the image the plan was made for, an old plan, ...)."""
+        image = _engine_image(pod)
+        key = (namespace, name)
+        if image is None or self.plan_images.get(key) == image or not _ready(pod):
+            return None
+        async with self._lock(key):
+            body = await self.kube.get(object_path("InferenceDeployment", namespace, name))
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return None
+            status = body.get("status") or {}
+            if status.get("planImage"):
+                self.plan_images[key] = status["planImage"]
+            if not status.get("planImage") or status["planImage"] == image:
+                return None
+            try:
+                spec = parse_spec(body.get("spec"))
+            except SpecError:
+                return None
+            if render.engine_image(spec) != image:
+                return None  # a pod of an image the spec no longer asks for
+            meta = body["metadata"]
+            generation = meta.get("generation")
+            state = refitting.current(status, generation, body.get("spec"))
+            if state.get("exhausted"):
+                return None
+            sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
+            live_plan = (
+                ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
+            ).get(render.PLAN_ANNOTATION)
+            pod_meta = pod.get("metadata") or {}
+            plan = (pod_meta.get("annotations") or {}).get(render.PLAN_ANNOTATION)
+            if plan is None or plan != live_plan:
+                return None
+            path = f"/api/v1/namespaces/{namespace}/pods/{pod_meta.get('name')}:{render.ENGINE_PORT}/proxy"
+            try:
+                measured = await self.kube.get(path + profiling.MEMORY_PATH)
+            except (ApiError, OSError) as exc:
+                log.warning("could not read the memory profile of pod %s: %s", pod_meta.get("name"), exc)
+                return None
+            if not isinstance(measured, dict):
+                return None
+            nodes = list(nodes)
+            try:
+                decision = decide(spec, pools(nodes), state)
+            except SpecError:
+                return None
+            return await self._replan_from_profile(
+                body, spec, decision, state, nodes, pod_meta, image, measured
+            )
+
+    async def _replan_from_profile(
+        self,
+        body: dict[str, Any],
+        spec: Any,
+        decision: Any,
+        state: dict[str, Any],
+        nodes: list[NodeGPUs],
+        pod_meta: dict[str, Any],
+        image: str,
+        measured: dict[str, Any],
+    ) -> Outcome:
+        meta = body["metadata"]
+        namespace, name, generation = meta.get("namespace"), meta["name"], meta.get("generation")
+        outcome = Outcome()
+        found = profiling.differences(decision.plan, measured)
+        if not found:
+            outcome.writes.append("status")
+            await self.kube.merge_patch(
+                object_path("InferenceDeployment", namespace, name, "status"),
+                {"status": {"planImage": image}},
+            )
+            self.plan_images[(namespace, name)] = image
+            await self.event(
+                body,
+                "Normal",
+                "MemoryProfileChecked",
+                f"pod {pod_meta.get('name')} of image {image} measured the memory the plan assumed "
+                f"(within {profiling.TOLERANCE:.0%})",
+                outcome,
+            )
+            return outcome
+        failure = Failure(
+            key=f"{pod_meta.get('uid') or pod_meta.get('name')}/profile/{image}",
+            pod=str(pod_meta.get("name")),
+            reason=profiling.REASON,
+            exit_code=None,
+            plan=(pod_meta.get("annotations") or {}).get(render.PLAN_ANNOTATION),
+            message="; ".join(found)[:500],
+            profile=measured,
+        )
+        what = f"pod {pod_meta.get('name')} of image {image}: " + "; ".join(found)
+        if refitting.too_many(state):
+            new_state = refitting.record(state, generation, failure, None, body.get("spec"))
+            message = f"{what}; " + refitting.exhausted_message(
+                new_state, f"{refitting.MAX_ATTEMPTS} re-plans in a row"
+            )
+            status = failed_status(body, refitting.EXHAUSTED, message, new_state)
+            status["planImage"] = image
+            outcome.status = status
+            await self._write_status(body, status, outcome)
+            await self.event(body, "Warning", refitting.EXHAUSTED, message, outcome)
+            return outcome
+        change = profiling.next_settings(spec, decision.plan, measured, state.get("settings") or {})
+        new_state = refitting.record(state, generation, failure, change, body.get("spec"))
+        await self.event(
+            body,
+            "Warning",
+            "Replanned",
+            f"{what}; re-planned from the measured profile ({change[1]}), attempt {new_state['attempts']} of "
+            f"at most {refitting.MAX_ATTEMPTS - 1}",
+            outcome,
+        )
+        result = await self._reconcile(body, nodes, new_state, plan_image=image)
+        result.writes[:0] = outcome.writes
+        self.plan_images[(namespace, name)] = image
+        return result
+
+    async def _delete_unwanted(self, body: dict[str, Any], spec: Any, keda: bool, outcome: Outcome) -> None:
+        """Delete the optional children this spec no longer has (only ones this operator made)."""
+        meta = body["metadata"]
+        for kind, child in render.unwanted(body, spec, with_keda=keda):
+            path = object_path(kind, meta.get("namespace"), child)
+            live = await self.kube.get(path)
+            labels = ((live or {}).get("metadata") or {}).get("labels") or {}
+            if live is None or labels.get(render.LABEL_OWNER) != meta["name"]:
+                continue
+            await self.kube.delete(path)
+            outcome.writes.append(f"deleted {kind} {meta.get('namespace')}/{child}")
 
     async def _roll(self, namespace: str, name: str, old_plan: str, outcome: Outcome) -> None:
         """Delete the pods of `old_plan` that are not Ready: a crash-looping pod blocks a StatefulSet's rolling

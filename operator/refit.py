@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +96,19 @@ def failure_of(pod: dict[str, Any], plan_annotation: str) -> Failure | None:
     return None
 
 
-def current(status: dict[str, Any] | None, generation: int | None) -> dict[str, Any]:
-    """status.refit if it belongs to this generation of the spec; {} once the spec has changed."""
+def spec_key(spec: Any) -> str:
+    """A digest of the spec without `replicas`: an autoscaler writes replicas (the scale subresource), and a
+    re-fit holds for every replica count, so only another change to the spec starts over."""
+    body = {k: v for k, v in (spec or {}).items() if k != "replicas"} if isinstance(spec, dict) else spec
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def current(status: dict[str, Any] | None, generation: int | None, spec: Any = None) -> dict[str, Any]:
+    """status.refit if it belongs to this spec (all but replicas; this generation where no spec is given or
+    recorded); {} once the spec has changed."""
     refit = (status or {}).get("refit") or {}
+    if spec is not None and refit.get("specKey"):
+        return refit if refit["specKey"] == spec_key(spec) else {}
     return refit if refit.get("generation") == generation else {}
 
 
@@ -201,6 +213,13 @@ def apply(p: Plan, settings: dict[str, Any], gpu_memory_bytes: int | None, why: 
         blocks = kv // max(block_bytes, 1)
         changes.update(kv_cache_memory_bytes=kv, num_gpu_blocks=blocks, kv_cache_bytes=blocks * block_bytes)
         reasons["kv_cache_memory_bytes"] = f"{why}: lowered from {p.kv_cache_memory_bytes}"
+    measured = settings.get("measuredKvCacheBytes")  # an image upgrade's measured profile (profile.py)
+    if measured is not None:
+        blocks = measured // max(block_bytes, 1)
+        changes.update(num_gpu_blocks=blocks, kv_cache_bytes=blocks * block_bytes)
+        reasons["kv_cache_bytes"] = f"{why}: measured by the engine, planned {p.kv_cache_bytes}"
+    if settings.get("measuredWeightsBytes") is not None:
+        changes["weights_bytes_per_gpu"] = settings["measuredWeightsBytes"]
     for key, name in (
         ("maxModelLen", "max_model_len"),
         ("maxNumSeqs", "max_num_seqs"),
@@ -217,7 +236,11 @@ def now() -> str:
 
 
 def record(
-    refit: dict[str, Any], generation: int | None, failure: Failure, change: tuple[dict[str, Any], str] | None
+    refit: dict[str, Any],
+    generation: int | None,
+    failure: Failure,
+    change: tuple[dict[str, Any], str] | None,
+    spec: Any = None,
 ) -> dict[str, Any]:
     """The new status.refit after `failure`: the next settings, or exhausted."""
     attempts = int(refit.get("attempts") or 0) + 1
@@ -237,6 +260,8 @@ def record(
         "history": list(refit.get("history") or []),
         "exhausted": change is None,
     }
+    if spec is not None:
+        out["specKey"] = spec_key(spec)
     if change is not None:
         out["settings"], entry["change"] = change
     out["history"] = (out["history"] + [entry])[-HISTORY:]

@@ -33,6 +33,22 @@ PLAN_ANNOTATION = "pagoda.dev/plan-hash"  # on the pod template: which plan a po
 TERMINATION_LOG = "/dev/termination-log"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-engine"
+ROUTER_PORT = 8000
+LABEL_SERVICE = "pagoda.dev/service"
+LABEL_SCRAPE = "pagoda.dev/scrape"  # Services whose endpoints the ServiceMonitor scrapes
+# Drain (docs/operator.md): before SIGTERM the pod waits PRESTOP_SECONDS (endpoints and the router's health
+# checks catch up), then the engine answers /health 503 while in-flight requests finish for up to
+# spec.drain.timeoutSeconds (--shutdown-grace-seconds); the kubelet's grace period covers both plus a margin.
+PRESTOP_SECONDS = 5
+GRACE_MARGIN_SECONDS = 10
+# What the autoscaler reads: the Prometheus Adapter rules in docs/operator.md expose these names.
+ADAPTER_METRICS = {
+    "kvCacheUsage": ("Pods", "pagoda_kv_cache_usage"),
+    "waitingRequests": ("Pods", "pagoda_requests_waiting"),
+    "ttftP90": ("External", "pagoda_ttft_p90_seconds"),
+}
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
 def default_image() -> str:
@@ -49,8 +65,30 @@ def default_image() -> str:
     return f"{DEFAULT_IMAGE_REPO}:{tag}"
 
 
+def engine_image(spec: InferenceSpec) -> str:
+    """The image the engine (and router) pods run: spec.image, else the operator's engine image."""
+    return spec.image or default_image()
+
+
 def selector_labels(name: str) -> dict[str, str]:
     return {LABEL_NAME: "pagoda-engine", LABEL_INSTANCE: name}
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_NAME: "pagoda-router", LABEL_INSTANCE: name}
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def headless_name(name: str) -> str:
+    return f"{name}-headless"
+
+
+def prometheus_url() -> str:
+    """Where a KEDA ScaledObject queries Prometheus: $PAGODA_PROMETHEUS_URL (the chart sets it)."""
+    return os.environ.get("PAGODA_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL
 
 
 def selector_string(name: str) -> str:
@@ -134,7 +172,19 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     )
     if plan.kv_offload_disk_bytes:
         args += ["--kv-offload-disk-dir", KV_DIR]
+    args += ["--shutdown-grace-seconds", str(spec.drain_seconds)]
     return args + list(spec.engine.extra_args)
+
+
+def termination_grace_seconds(spec: InferenceSpec) -> int:
+    """The kubelet's grace period: the preStop pause, the engine's drain, and a margin to exit."""
+    return PRESTOP_SECONDS + spec.drain_seconds + GRACE_MARGIN_SECONDS
+
+
+def _drain_hook() -> dict[str, Any]:
+    # A pause before SIGTERM: the pod leaves the Service endpoints and the router's view while it still
+    # serves; after SIGTERM the engine itself drains (503 on /health, in-flight requests finish).
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}}
 
 
 def _resources(spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
@@ -210,7 +260,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     args = engine_args(spec, decision)
     container = {
         "name": "engine",
-        "image": spec.image or default_image(),
+        "image": engine_image(spec),
         "imagePullPolicy": "IfNotPresent",
         "command": ["pagoda", "serve"],
         "args": args,
@@ -221,6 +271,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
+        "lifecycle": _drain_hook(),
         # An engine that runs out of memory at start-up writes what it measured here (exit code 3); the
         # operator re-plans from it. Any other failure leaves the log's tail.
         "terminationMessagePath": TERMINATION_LOG,
@@ -241,7 +292,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "enableServiceLinks": False,
         # The engine never calls the Kubernetes API: no token to steal from a compromised pod.
         "automountServiceAccountToken": False,
@@ -258,8 +309,8 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     if tolerations:
         pod_spec["tolerations"] = tolerations
     sts_spec: dict[str, Any] = {
-        "replicas": spec.replicas,
-        "serviceName": f"{name}-headless",
+        "replicas": spec.engine_replicas,
+        "serviceName": headless_name(name),
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector_labels(name)},
         "template": {
@@ -284,20 +335,30 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     )
 
 
-def services(body: dict[str, Any]) -> list[dict[str, Any]]:
+def services(body: dict[str, Any], spec: InferenceSpec | None = None) -> list[dict[str, Any]]:
+    """The client Service (named as the InferenceDeployment, so clients never change) and the engines'
+    headless Service. With a router the client Service selects the router pods; the router finds the
+    engines through the headless Service's DNS."""
     name = body["metadata"]["name"]
+    routed = spec is not None and spec.routing.policy is not None
     port = {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
     client = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(body, name),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(name), "ports": [port]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector_labels(name) if routed else selector_labels(name),
+            "ports": [port],
+        },
     }
-    client["metadata"]["labels"]["pagoda.dev/service"] = "client"
+    client["metadata"]["labels"][LABEL_SERVICE] = "client"
+    if routed:  # the router's own metrics; the engines' come through the headless Service
+        client["metadata"]["labels"][LABEL_SCRAPE] = "true"
     headless = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(body, f"{name}-headless"),
+        "metadata": _metadata(body, headless_name(name)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -305,8 +366,218 @@ def services(body: dict[str, Any]) -> list[dict[str, Any]]:
             "ports": [port],
         },
     }
-    headless["metadata"]["labels"]["pagoda.dev/service"] = "headless"
+    headless["metadata"]["labels"][LABEL_SERVICE] = "headless"
+    headless["metadata"]["labels"][LABEL_SCRAPE] = "true"
     return [with_hash(client), with_hash(headless)]
+
+
+def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
+    """`pagoda router` arguments: the policy, the engines' headless Service as DNS, the served model
+    (tests/contract/test_router_args.py runs them through `pagoda router --dry-run`)."""
+    meta = body["metadata"]
+    namespace = meta.get("namespace") or "default"
+    assert spec.routing.policy is not None
+    args = [
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--policy", spec.routing.policy,
+        "--backend-dns", f"{headless_name(meta['name'])}.{namespace}.svc.cluster.local:{ENGINE_PORT}",
+        "--model", spec.model.served_model_name,
+    ]  # fmt: skip
+    if spec.model.kind != "default":
+        # The router hashes prompts into the engines' block hashes with the model's tokenizer; only the
+        # default model's ships in the image, others are asked of an engine (/tokenize).
+        args += ["--tokenizer", "backend"]
+    # The API key (apiKeySecretRef) reaches the router as $PAGODA_API_KEY, which `pagoda router` reads.
+    return args
+
+
+def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """The router: one pod from the engine image (`pagoda router`), in front of the engine pods."""
+    name = body["metadata"]["name"]
+    env: list[dict[str, Any]] = []
+    if spec.api_key_secret:
+        secret, key = spec.api_key_secret
+        env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    container = {
+        "name": "router",
+        "image": engine_image(spec),
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["pagoda", "router"],
+        "args": router_args(body, spec),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6, initial=10),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    labels = {**common_labels(name), **router_selector_labels(name)}
+    meta = _metadata(body, router_name(name))
+    meta["labels"] = dict(labels)
+    return with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": router_selector_labels(name)},
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": {
+                            "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(ROUTER_PORT),
+                            "prometheus.io/path": "/metrics",
+                        },
+                    },
+                    "spec": {
+                        "containers": [container],
+                        "volumes": [{"name": "tmp", "emptyDir": {}}],
+                        "terminationGracePeriodSeconds": 30,
+                        "enableServiceLinks": False,
+                        "automountServiceAccountToken": False,  # DNS finds the engines, not the API
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": 1000,
+                            "runAsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"},
+                        },
+                    },
+                },
+            },
+        }
+    )
+
+
+def quantity(value: float) -> str:
+    """A number as the API server writes a Quantity back (800m, 4, 2500m): rendered in canonical form, or
+    every reconcile would see drift."""
+    milli = round(value * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _scale_target(name: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": name}
+
+
+def _behavior(spec: InferenceSpec) -> dict[str, Any]:
+    """Scale down one engine at a time, no faster than one drains; scale up a couple of pods a minute."""
+    period = min(max(60, PRESTOP_SECONDS + spec.drain_seconds), 1800)
+    return {
+        "scaleDown": {
+            "stabilizationWindowSeconds": 300,
+            "selectPolicy": "Min",
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": period}],
+        },
+        "scaleUp": {
+            "stabilizationWindowSeconds": 0,
+            "selectPolicy": "Max",
+            "policies": [{"type": "Pods", "value": SCALE_UP_PODS, "periodSeconds": 60}],
+        },
+    }
+
+
+def hpa_metric(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """The HPA metric for spec.autoscaling, named as the Prometheus Adapter rules expose it."""
+    auto = spec.autoscaling
+    assert auto is not None
+    kind, metric = ADAPTER_METRICS[auto.metric]
+    if kind == "Pods":
+        return {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": metric},
+                "target": {"type": "AverageValue", "averageValue": quantity(auto.target)},
+            },
+        }
+    selector = {"matchLabels": {"app_kubernetes_io_instance": body["metadata"]["name"]}}
+    return {
+        "type": "External",
+        "external": {
+            "metric": {"name": metric, "selector": selector},
+            "target": {"type": "Value", "value": quantity(auto.target)},
+        },
+    }
+
+
+def hpa(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """An autoscaling/v2 HPA on the InferenceDeployment's scale subresource (it writes spec.replicas)."""
+    auto = spec.autoscaling
+    assert auto is not None
+    name = body["metadata"]["name"]
+    return with_hash(
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": _metadata(body, name),
+            "spec": {
+                "scaleTargetRef": _scale_target(name),
+                "minReplicas": auto.min_replicas,
+                "maxReplicas": auto.max_replicas,
+                "metrics": [hpa_metric(body, spec)],
+                "behavior": _behavior(spec),
+            },
+        }
+    )
+
+
+def prometheus_query(body: dict[str, Any], spec: InferenceSpec) -> tuple[str, str]:
+    """(PromQL, KEDA metricType) for spec.autoscaling: sums KEDA averages over the pods, or one value."""
+    auto = spec.autoscaling
+    assert auto is not None
+    meta = body["metadata"]
+    sel = f'namespace="{meta.get("namespace") or "default"}",app_kubernetes_io_instance="{meta["name"]}"'
+    if auto.metric == "kvCacheUsage":
+        return f"sum(vllm:kv_cache_usage_perc{{{sel}}})", "AverageValue"
+    if auto.metric == "waitingRequests":
+        return f"sum(vllm:num_requests_waiting{{{sel}}})", "AverageValue"
+    query = (
+        f"histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{{{sel}}}[2m])))"
+    )
+    return query, "Value"
+
+
+def scaled_object(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """A KEDA ScaledObject (when KEDA is installed) on the scale subresource, querying Prometheus."""
+    auto = spec.autoscaling
+    assert auto is not None
+    name = body["metadata"]["name"]
+    query, metric_type = prometheus_query(body, spec)
+    return with_hash(
+        {
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "ScaledObject",
+            "metadata": _metadata(body, name),
+            "spec": {
+                "scaleTargetRef": _scale_target(name),
+                "minReplicaCount": auto.min_replicas,
+                "maxReplicaCount": auto.max_replicas,
+                "pollingInterval": 15,
+                "cooldownPeriod": 300,
+                "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
+                "triggers": [
+                    {
+                        "type": "prometheus",
+                        "metricType": metric_type,
+                        "metadata": {
+                            "serverAddress": prometheus_url(),
+                            "query": query,
+                            "threshold": f"{auto.target:g}",
+                        },
+                    }
+                ],
+            },
+        }
+    )
 
 
 def disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
@@ -329,7 +600,9 @@ def service_monitor(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]
             "kind": "ServiceMonitor",
             "metadata": _metadata(body, name),
             "spec": {
-                "selector": {"matchLabels": {**selector_labels(name), "pagoda.dev/service": "client"}},
+                # The engines through the headless Service, the router through the client Service when
+                # there is one (never both for one pod).
+                "selector": {"matchLabels": {LABEL_INSTANCE: name, LABEL_SCRAPE: "true"}},
                 # Dashboards and alerts select engine series by these pod labels.
                 "podTargetLabels": ["app.kubernetes.io/name", "app.kubernetes.io/instance"],
                 "endpoints": [
@@ -341,11 +614,35 @@ def service_monitor(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]
 
 
 def children(
-    body: dict[str, Any], spec: InferenceSpec, decision: Decision, *, with_service_monitor: bool
+    body: dict[str, Any],
+    spec: InferenceSpec,
+    decision: Decision,
+    *,
+    with_service_monitor: bool,
+    with_keda: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every child, in the order they are applied (the workload last, after what it depends on)."""
-    out = [*services(body), disruption_budget(body)]
+    """Every child, in the order they are applied (the engines' StatefulSet last, after what it depends on:
+    the router is ready to find engines as they come, the autoscaler targets this object, not the pods)."""
+    out = [*services(body, spec), disruption_budget(body)]
     if with_service_monitor and spec.service_monitor:
         out.append(service_monitor(body, spec))
+    if spec.routing.policy is not None:
+        out.append(router_deployment(body, spec))
+    if spec.autoscaling is not None:
+        out.append(scaled_object(body, spec) if with_keda else hpa(body, spec))
     out.append(statefulset(body, spec, decision))
+    return out
+
+
+def unwanted(body: dict[str, Any], spec: InferenceSpec, *, with_keda: bool) -> list[tuple[str, str]]:
+    """(kind, name) of the optional children this spec does not have: deleted if they exist (a router turned
+    off, autoscaling turned off, or KEDA installed after an HPA was made)."""
+    name = body["metadata"]["name"]
+    out: list[tuple[str, str]] = []
+    if spec.routing.policy is None:
+        out.append(("Deployment", router_name(name)))
+    if spec.autoscaling is None or with_keda:
+        out.append(("HorizontalPodAutoscaler", name))
+    if with_keda and spec.autoscaling is None:
+        out.append(("ScaledObject", name))
     return out

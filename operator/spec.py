@@ -27,6 +27,17 @@ SHAPE_KEYS = {
     "numParams": "num_parameters",
     "dtype": "torch_dtype",
 }
+ROUTING_POLICIES = ("roundRobin", "leastLoaded", "prefix", "tierAware")
+NO_ROUTER = "none"
+DEFAULT_POLICY = "tierAware"  # when more than one replica may run and spec.routing.policy is unset
+# spec.autoscaling.metric -> (lowest target exclusive, highest target inclusive, default target)
+AUTOSCALING_METRICS: dict[str, tuple[float, float, float]] = {
+    "kvCacheUsage": (0.0, 1.0, 0.8),  # share of the KV cache in use, averaged over the engine pods
+    "waitingRequests": (0.0, 10000.0, 4.0),  # requests waiting per engine pod
+    "ttftP90": (0.0, 600.0, 2.0),  # seconds: the deployment's p90 time to first token
+}
+MAX_REPLICAS_LIMIT = 1000
+DEFAULT_DRAIN_SECONDS = 60
 _SOURCE = re.compile(r"^(default|hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/\S+|file:///\S+)$")
 
 
@@ -100,6 +111,24 @@ class OffloadSpec:
 
 
 @dataclass
+class RoutingSpec:
+    """The router in front of the engines; `policy` None means no router (plain Service to the engines)."""
+
+    policy: str | None = None
+    explicit: bool = False  # the spec named the policy (else the default applied)
+
+
+@dataclass
+class AutoscalingSpec:
+    """An HPA (or KEDA ScaledObject) on the InferenceDeployment's scale subresource."""
+
+    min_replicas: int
+    max_replicas: int
+    metric: str = "kvCacheUsage"
+    target: float = 0.8
+
+
+@dataclass
 class InferenceSpec:
     model: ModelSpec
     replicas: int = 1
@@ -112,6 +141,24 @@ class InferenceSpec:
     api_key_secret: tuple[str, str] | None = None
     service_monitor: bool = True
     service_monitor_interval: str = "30s"
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    autoscaling: AutoscalingSpec | None = None
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+
+    @property
+    def max_possible_replicas(self) -> int:
+        """The most engine pods this spec may run: the autoscaler's maximum, else spec.replicas."""
+        if self.autoscaling is not None:
+            return max(self.autoscaling.max_replicas, self.replicas)
+        return self.replicas
+
+    @property
+    def engine_replicas(self) -> int:
+        """The StatefulSet's replicas: spec.replicas (the autoscaler writes it through the scale
+        subresource), kept within the autoscaler's bounds so a stale value never fights them."""
+        if self.autoscaling is None:
+            return self.replicas
+        return min(max(self.replicas, self.autoscaling.min_replicas), self.autoscaling.max_replicas)
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -276,9 +323,14 @@ def parse_spec(spec: Any) -> InferenceSpec:
         api_key = (secret["name"], secret.get("key") or "api-key")
 
     monitor = _obj(spec.get("serviceMonitor"), "serviceMonitor")
+    replicas = _int(spec, "replicas", "") if spec.get("replicas") is not None else 1
+    autoscaling = parse_autoscaling(spec.get("autoscaling"))
+    drain = _int(_obj(spec.get("drain"), "drain"), "timeoutSeconds", "drain")
+    if drain is not None and drain > 3600:
+        raise SpecError("drain.timeoutSeconds", f"must be at most 3600, got {drain}")
     return InferenceSpec(
         model=model_spec,
-        replicas=_int(spec, "replicas", "") if spec.get("replicas") is not None else 1,
+        replicas=replicas,
         gpu=GPUSpec(product=product, count=count, node_selector=dict(node_selector), tolerations=tolerations),
         engine=engine_spec,
         workload=workload,
@@ -288,4 +340,58 @@ def parse_spec(spec: Any) -> InferenceSpec:
         api_key_secret=api_key,
         service_monitor=_bool(monitor, "enabled", "serviceMonitor", True),
         service_monitor_interval=str(monitor.get("interval", "30s")),
+        routing=parse_routing(spec.get("routing"), replicas, autoscaling),
+        autoscaling=autoscaling,
+        drain_seconds=DEFAULT_DRAIN_SECONDS if drain is None else drain,
     )
+
+
+def parse_autoscaling(data: Any) -> AutoscalingSpec | None:
+    """spec.autoscaling, or None when absent; raises SpecError (InvalidAutoscaling) for a bad combination."""
+    if data is None:
+        return None
+    data = _obj(data, "autoscaling")
+
+    def bad(field: str, message: str) -> SpecError:
+        return SpecError(f"autoscaling.{field}", message, reason="InvalidAutoscaling")
+
+    try:
+        low = _int(data, "minReplicas", "autoscaling", minimum=1)
+        high = _int(data, "maxReplicas", "autoscaling", minimum=1)
+    except SpecError as err:
+        raise SpecError(err.field, str(err).split(": ", 1)[1], reason="InvalidAutoscaling") from None
+    low = 1 if low is None else low
+    if high is None:
+        raise bad("maxReplicas", "is required when autoscaling is set")
+    if high > MAX_REPLICAS_LIMIT:
+        raise bad("maxReplicas", f"must be at most {MAX_REPLICAS_LIMIT}, got {high}")
+    if low > high:
+        raise bad("minReplicas", f"minReplicas {low} is more than maxReplicas {high}")
+    metric = data.get("metric", "kvCacheUsage")
+    if metric not in AUTOSCALING_METRICS:
+        raise bad("metric", f"must be one of {', '.join(AUTOSCALING_METRICS)}, got {metric!r}")
+    floor, ceiling, default = AUTOSCALING_METRICS[metric]
+    target = data.get("target", default)
+    if isinstance(target, bool) or not isinstance(target, int | float) or not floor < target <= ceiling:
+        raise bad(
+            "target", f"for {metric} must be more than {floor:g} and at most {ceiling:g}, got {target!r}"
+        )
+    return AutoscalingSpec(min_replicas=low, max_replicas=high, metric=metric, target=float(target))
+
+
+def parse_routing(data: Any, replicas: int, autoscaling: AutoscalingSpec | None) -> RoutingSpec:
+    """spec.routing: an explicit policy (or `none`), else tierAware when more than one engine may run."""
+    data = _obj(data, "routing")
+    policy = data.get("policy")
+    if policy is None:
+        most = max(replicas, autoscaling.max_replicas) if autoscaling is not None else replicas
+        return RoutingSpec(DEFAULT_POLICY if most > 1 else None, explicit=False)
+    if policy == NO_ROUTER:
+        return RoutingSpec(None, explicit=True)
+    if policy not in ROUTING_POLICIES:
+        raise SpecError(
+            "routing.policy",
+            f"must be one of {', '.join((*ROUTING_POLICIES, NO_ROUTER))}, got {policy!r}",
+            reason="InvalidRouting",
+        )
+    return RoutingSpec(policy, explicit=True)

@@ -61,9 +61,10 @@ def ready_status(
     decision: Decision,
     sts: dict[str, Any] | None,
     refit: dict[str, Any] | None = None,
+    plan_image: str | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful apply: the plan, the GPU choice, what the StatefulSet reports, and the
-    re-fit (status.refit) the plan carries, if any."""
+    """Status after a successful apply: the plan, the GPU choice, what the StatefulSet reports, the
+    re-fit (status.refit) the plan carries, if any, and the image the plan's memory figures are for."""
     meta = body["metadata"]
     old = body.get("status") or {}
     generation = meta.get("generation")
@@ -73,7 +74,7 @@ def ready_status(
     updated = int(sts_status.get("updatedReplicas") or 0)
     sts_generation = (sts or {}).get("metadata", {}).get("generation")
     rolled_out = sts_generation is None or sts_status.get("observedGeneration") == sts_generation
-    want = spec.replicas
+    want = spec.engine_replicas
     if want == 0:
         readiness = ("True", "ScaledToZero", "replicas is 0")
     elif ready >= want:
@@ -99,7 +100,8 @@ def ready_status(
         degraded = (
             "True",
             "Refitted",
-            f"re-planned after {refit.get('attempts')} out-of-memory failure(s): {changes} (status.refit)",
+            f"re-planned {refit.get('attempts')} time(s) from what the engines reported (out of memory, or a "
+            f"new image's measured memory): {changes} (status.refit)",
         )
     name, namespace = meta["name"], meta.get("namespace", "default")
     status = {
@@ -116,10 +118,28 @@ def ready_status(
         "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{render.ENGINE_PORT}/v1",
         "selector": render.selector_string(name),
         "refit": refit or None,
+        "planImage": plan_image,
+        "routing": {
+            "policy": spec.routing.policy or "none",
+            "router": render.router_name(name) if spec.routing.policy else None,
+        },
+        "autoscaling": _autoscaling_status(spec),
     }
     if generation is None:
         del status["observedGeneration"]
     return _normal(status)
+
+
+def _autoscaling_status(spec: InferenceSpec) -> dict[str, Any] | None:
+    auto = spec.autoscaling
+    if auto is None:
+        return None
+    return {
+        "minReplicas": auto.min_replicas,
+        "maxReplicas": auto.max_replicas,
+        "metric": auto.metric,
+        "target": auto.target,
+    }
 
 
 def error_status(

@@ -191,6 +191,8 @@ def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
 WRITE = {"create", "update", "patch", "delete"}
 OWNED = [("apps", "statefulsets"), ("", "services"), ("policy", "poddisruptionbudgets")]
 OWNED += [("monitoring.coreos.com", "servicemonitors")]
+# issue 14: the router Deployment, the HPA or KEDA ScaledObject of spec.autoscaling
+OWNED += [("apps", "deployments"), ("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")]
 
 
 def _assert_namespaced_rules(rules: dict) -> None:
@@ -202,6 +204,7 @@ def _assert_namespaced_rules(rules: dict) -> None:
     assert rules[("", "events")] == {"create", "patch"}
     assert rules[("events.k8s.io", "events")] == {"create", "patch"}
     assert rules[("", "pods")] == {"get", "list", "watch", "delete"}  # re-fit: read terminations, roll
+    assert rules[("", "pods/proxy")] == {"get"}  # an upgraded image's measured memory (GET /pagoda/memory)
 
 
 def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
@@ -221,6 +224,7 @@ def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
         ("", "events"),
         ("events.k8s.io", "events"),
         ("", "pods"),
+        ("", "pods/proxy"),
         ("", "nodes"),
         ("apiextensions.k8s.io", "customresourcedefinitions"),
         ("", "namespaces"),

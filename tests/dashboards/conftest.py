@@ -67,6 +67,11 @@ def panel_queries() -> list[tuple[str, str, str]]:
     ]
 
 
+def is_router_expr(expr: str) -> bool:
+    """Whether a query selects the router's pods (the engine dashboard's router row)."""
+    return 'app_kubernetes_io_name="pagoda-router"' in expr
+
+
 def alert_rules() -> list[dict]:
     return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
 
@@ -232,6 +237,8 @@ def dash() -> SimpleNamespace:
         panels=panels,
         panel_queries=panel_queries,
         alert_rules=alert_rules,
+        is_router_expr=is_router_expr,
+        base_name=base_name,
         metric_names=metric_names,
         documented_metrics=documented_metrics,
         unknown_metrics=unknown_metrics,

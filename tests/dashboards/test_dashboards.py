@@ -81,6 +81,8 @@ def test_dashboard_schema(dash, name):
         assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
         for target in panel["targets"]:
             for var in variables[1:]:
+                if var == "pod" and dash.is_router_expr(target["expr"]):
+                    continue  # router pods: $pod lists engine pods
                 assert f"${var}" in target["expr"], f"{panel['title']} ignores ${var}: {target['expr']}"
 
 
@@ -108,6 +110,44 @@ def test_engine_dashboard_has_the_issue_panels(dash):
     exprs = " ".join(e for n, _, e in dash.panel_queries() if n == "engine.json")
     for q in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket" in exprs
+
+
+def test_engine_dashboard_has_a_router_row(dash):
+    """Issue 14: the router's decisions, predicted vs observed cached tokens, its overhead and its view of
+    the engines, every panel on the router's series only."""
+    dashboard = dash.dashboards()["engine.json"]
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert "Router" in rows
+    router = [(t, e) for n, t, e in dash.panel_queries() if n == "engine.json" and "pagoda:router_" in e]
+    assert all(dash.is_router_expr(e) for _, e in router)
+    used = {m for _, e in router for m in dash.metric_names(e)}
+    for metric in (
+        "pagoda:router_decisions_total",
+        "pagoda:router_predicted_cached_tokens_total",
+        "pagoda:router_observed_cached_tokens_total",
+        "pagoda:router_backend_healthy",
+        "pagoda:router_routing_overhead_seconds_bucket",
+    ):
+        assert metric in used, metric
+    assert "by (policy, reason)" in " ".join(e for _, e in router)
+
+
+def test_every_router_metric_queried_is_one_the_router_registers(dash):
+    """The router row against the router's own registry (pagoda.router.metrics.RouterMetrics)."""
+    metrics = pytest.importorskip("pagoda.router.metrics")
+    registry = metrics.RouterMetrics().registry
+    exported = set()
+    for collector in list(registry._collector_to_names):
+        exported |= set(registry._collector_to_names[collector])
+    used = {
+        m
+        for n, _, e in dash.panel_queries()
+        if n == "engine.json" and dash.is_router_expr(e)
+        for m in dash.metric_names(e)
+    }
+    assert len(used) >= 8
+    missing = sorted(m for m in used if m not in exported and dash.base_name(m) not in exported)
+    assert not missing, f"not registered by the router: {missing}"
 
 
 def test_operator_dashboard_has_the_issue_panels(dash):

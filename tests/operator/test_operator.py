@@ -316,13 +316,14 @@ async def test_a_servicemonitor_only_where_the_prometheus_operator_crd_exists(cl
         )
         await cluster.settle()
     assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "30s"}
-    service = cluster.get(SVC, "default", "smollm2-cpu")
+    # The engines are scraped through the headless Service (it always selects them); the client Service only
+    # when it fronts a router (one replica here: none), so no pod is scraped twice.
     selected = monitor["spec"]["selector"]["matchLabels"]
-    assert all(service["metadata"]["labels"].get(k) == v for k, v in selected.items())
-    assert (
-        cluster.get(SVC, "default", "smollm2-cpu-headless")["metadata"]["labels"]["pagoda.dev/service"]
-        == "headless"
-    )
+    headless = cluster.get(SVC, "default", "smollm2-cpu-headless")
+    assert headless["metadata"]["labels"]["pagoda.dev/service"] == "headless"
+    assert all(headless["metadata"]["labels"].get(k) == v for k, v in selected.items())
+    client = cluster.get(SVC, "default", "smollm2-cpu")
+    assert not all(client["metadata"]["labels"].get(k) == v for k, v in selected.items())
 
 
 async def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(cluster: Cluster) -> None:

@@ -169,8 +169,22 @@ async def test_three_in_a_row_end_in_refit_exhausted_and_no_further_writes(clust
         ]
         assert writes == [("method.POST", "pods"), ("method.PATCH", "statefulsets")], writes
 
-        # A spec change starts over: a fresh plan, no re-fit settings.
+        # A new replica count (an autoscaler's write) is no new spec: the re-fit holds, nothing is written.
+        mark = cluster.emulator.request_count
         await cluster.patch(INFD, "default", NAME, {"spec": {"replicas": 2}})
+        await cluster.settle(quiet=1.0)
+        writes = [
+            (w.resource.plural if w.resource else "", w.subresource or "", sorted(w.data or {}))
+            for w in cluster.emulator.writes(mark)
+        ]
+        # the test's PATCH of the spec and kopf's own bookkeeping (metadata only): no child, no status
+        assert [w for w in writes if w[2] != ["metadata"]] == [
+            ("inferencedeployments", "", ["metadata", "spec"])
+        ], writes
+        assert refit_status(cluster)["exhausted"] is True
+
+        # Any other spec change starts over: a fresh plan, no re-fit settings.
+        await cluster.patch(INFD, "default", NAME, {"spec": {"drain": {"timeoutSeconds": 30}}})
         await cluster.wait_for(lambda: cluster.condition(NAME, "Ready").get("reason") == "PodsNotReady")
         await cluster.settle()
         assert "refit" not in cluster.get(INFD, "default", NAME)["status"]

@@ -72,7 +72,18 @@ def test_the_crd_schema_rejects_what_it_should() -> None:
 def test_every_rendered_child_validates_against_kubernetes_schemas(name: str) -> None:
     objects = rendered(name)
     kinds = [o["kind"] for o in objects]
-    assert kinds == ["Service", "Service", "PodDisruptionBudget", "ServiceMonitor", "StatefulSet"]
+    spec = parse_spec(example(name)["spec"])
+    routed = ["Deployment"] if spec.max_possible_replicas > 1 else []  # tierAware by default, else none
+    scaled = ["HorizontalPodAutoscaler"] if spec.autoscaling is not None else []
+    assert kinds == [
+        "Service",
+        "Service",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+        *routed,
+        *scaled,
+        "StatefulSet",
+    ]
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":  # a Prometheus Operator CRD: not in the Kubernetes schemas
             assert (

@@ -15,6 +15,9 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 # (the ServiceMonitor copies the pod label app.kubernetes.io/instance with podTargetLabels)
 ENGINE_SEL = 'namespace=~"$namespace", app_kubernetes_io_instance=~"$inferencedeployment", pod=~"$pod"'
 OPERATOR_SEL = 'namespace=~"$namespace", pod=~"$pod"'
+# router series (the InferenceDeployment's router pods, scraped through its client Service): the engine pod
+# variable does not apply, the router's own pod label tells them apart
+ROUTER_SEL = 'namespace=~"$namespace", app_kubernetes_io_instance=~"$inferencedeployment", app_kubernetes_io_name="pagoda-router"'
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -367,6 +370,8 @@ def engine_dashboard() -> dict:
         description="Requests refused before queueing (HTTP 503), by reason.",
     )
 
+    _router_row(lay)
+
     first = "vllm:num_requests_running"
     variables = [
         _datasource_var(),
@@ -390,6 +395,74 @@ def engine_dashboard() -> dict:
         "Pagoda engine pods: KV cache, requests, latency, throughput, offload tiers and sizing.",
         variables,
         lay.panels,
+    )
+
+
+def _router_row(lay: Layout) -> None:
+    """The router in front of the engines (spec.routing): its decisions, what it predicted the engines had
+    cached against what they reported, its own latency, and how it sees each engine."""
+    r = ROUTER_SEL
+    lay.row("Router")
+    lay.panel(
+        "Routing decisions by policy and reason",
+        [
+            (
+                f"sum by (policy, reason) (rate(pagoda:router_decisions_total{{{r}}}[{RATE}]))",
+                "{{policy}} {{reason}}",
+            )
+        ],
+        unit="reqps",
+        description="Why each request went where it did (a cached prefix, the least load, a fallback, ...).",
+    )
+    lay.panel(
+        "Cached prompt tokens: predicted vs observed",
+        [
+            (
+                f"sum(rate(pagoda:router_predicted_cached_tokens_total{{{r}}}[{RATE}]))"
+                f" / sum(rate(pagoda:router_prompt_tokens_total{{{r}}}[{RATE}]))",
+                "predicted",
+            ),
+            (
+                f"sum(rate(pagoda:router_observed_cached_tokens_total{{{r}}}[{RATE}]))"
+                f" / sum(rate(pagoda:router_prompt_tokens_total{{{r}}}[{RATE}]))",
+                "observed",
+            ),
+        ],
+        unit="percentunit",
+        maximum=1,
+        description="Share of prompt tokens the router expected the chosen engine to have cached, and the share "
+        "the engines reported cached. Observed far below predicted: the router's view of the caches is stale.",
+    )
+    lay.panel(
+        "Routing overhead",
+        _quantiles("pagoda:router_routing_overhead_seconds", r),
+        unit="s",
+        description="From the request body to the chosen engine: tokenize, hash the blocks, score the engines.",
+    )
+    lay.panel(
+        "Engines: healthy and draining",
+        [
+            (f"sum by (backend) (pagoda:router_backend_healthy{{{r}}})", "healthy {{backend}}"),
+            (f"sum by (backend) (pagoda:router_backend_draining{{{r}}})", "draining {{backend}}"),
+        ],
+        maximum=1,
+        description="An engine that fails its health check, or drains before it stops, gets no new requests.",
+    )
+    lay.panel(
+        "Engine load seen by the router",
+        [(f"sum by (backend) (pagoda:router_backend_load{{{r}}})", "{{backend}}")],
+        description="Running + waiting + in flight, per engine.",
+    )
+    lay.panel(
+        "Router requests by status",
+        [(f"sum by (code) (rate(pagoda:router_requests_total{{{r}}}[{RATE}]))", "{{code}}")],
+        unit="reqps",
+    )
+    lay.panel(
+        "KV blocks the router knows, by engine and tier",
+        [(f"sum by (backend, tier) (pagoda:router_backend_kv_blocks{{{r}}})", "{{tier}} {{backend}}")],
+        w=24,
+        description="From the engines' KV events: blocks on the device, in host RAM, on disk.",
     )
 
 

@@ -108,6 +108,17 @@ seccompProfile:
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# the router in front of the engines (spec.routing)
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# spec.autoscaling: an HPA on the InferenceDeployment's scale subresource, or a KEDA ScaledObject
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -115,8 +126,12 @@ seccompProfile:
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "delete"]
+# after an engine image change: the memory a Ready engine measured (GET /pagoda/memory via the pod proxy)
+- apiGroups: [""]
+  resources: ["pods/proxy"]
+  verbs: ["get"]
 {{- end -}}
-{{- /* Cluster-scoped reads: GPU discovery from node labels, and whether the ServiceMonitor CRD exists. */}}
+{{- /* Cluster-scoped reads: GPU discovery from node labels, and whether the ServiceMonitor / KEDA CRDs exist. */}}
 {{- define "pagoda.clusterReadRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]

@@ -22,6 +22,7 @@ import copy
 import datetime
 import functools
 import itertools
+import re
 import uuid
 from typing import Any
 
@@ -31,6 +32,7 @@ import kmock
 from kmock._internal import enums, rendering
 from pagoda.operator.jsonpath import jsonpath_get
 
+POD_PROXY = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/:]+):(\d+)/proxy(/.*)$")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"
 # The built-in resources every API server serves that Pagoda, kopf and kubectl touch.
@@ -44,6 +46,8 @@ BUILTINS = [
     ("v1/secrets", "Secret", True, set()),
     ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
     ("apps/v1/statefulsets", "StatefulSet", True, {"status", "scale"}),
+    ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
+    ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
 ]
 
@@ -101,6 +105,8 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
     """The emulator plus object metadata, CRD registration and server-side Table printing."""
 
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    # GET through the API server's pod proxy: (namespace, pod, port, path) -> the JSON the pod answers.
+    pod_proxy: dict[tuple[str, str, int, str], Any] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -118,6 +124,14 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         # kmock 0.8 cannot parse the cluster-wide namespace list (GET /api/v1/namespaces: its path parser
         # fails and it answers 500, which kopf retries forever). Serve it here: the stored Namespaces, and a
         # watch that stays open (namespaces come and go rarely in a test).
+        proxied = POD_PROXY.match(raw_request.path)
+        if proxied and raw_request.method == "GET":
+            await raw_request.read()
+            ns, pod, port, path = proxied.groups()
+            key = (ns, pod, int(port), path)
+            if key not in self.pod_proxy:
+                return aiohttp.web.json_response({"message": "no endpoint"}, status=503)
+            return aiohttp.web.json_response(self.pod_proxy[key])
         if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
             await raw_request.read()
             if raw_request.query.get("watch") == "true":

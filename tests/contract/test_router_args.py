@@ -1,0 +1,89 @@
+"""What the operator renders for the router is what `pagoda router` accepts: every routed example as a real
+process, and every policy x model kind x API key combination through the router's own parser, each with
+`--dry-run` (parse and validate, print the config, exit 0)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pagoda.operator import render
+from pagoda.operator.spec import ROUTING_POLICIES, parse_spec
+from pagoda_testkit import EXAMPLES, example
+
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+ROUTED = [
+    p.name for p in sorted(EXAMPLES.glob("*.yaml")) if parse_spec(example(p.name)["spec"]).routing.policy
+]
+
+
+def router_container(body: dict[str, Any]) -> dict[str, Any]:
+    body = {**body, "metadata": {"namespace": "team-a", **body["metadata"]}}
+    deployment = render.router_deployment(body, parse_spec(body["spec"]))
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def dry_run(container: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The container's command with --dry-run appended, as a process; the config it printed."""
+    assert container["command"] == ["pagoda", "router"]
+    argv = [PAGODA, *container["command"][1:], *container["args"], "--dry-run"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, f"{argv}: {r.stderr}"
+    return json.loads(r.stdout)
+
+
+def test_the_examples_include_a_routed_one() -> None:
+    assert "llama-3.1-8b-l40s-routed-autoscaled.yaml" in ROUTED
+    assert "llama-3.1-8b-h100-nvme.yaml" in ROUTED  # two replicas: tierAware by default
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_every_routed_example_passes_the_routers_dry_run_as_a_process(name: str) -> None:
+    body = example(name)
+    config = dry_run(router_container(body))
+    spec = parse_spec(body["spec"])
+    assert config["policy"] == spec.routing.policy
+    assert config["backend_dns"] == [f"{body['metadata']['name']}-headless.team-a.svc.cluster.local:8000"]
+    assert config["port"] == render.ROUTER_PORT and config["model"] == spec.model.served_model_name
+    assert config["tokenizer"] == "backend"  # hf:// models: the router pod has no tokenizer of its own
+
+
+def test_every_policy_model_kind_and_api_key_passes_the_routers_dry_run() -> None:
+    """In process through pagoda.router.cli (the same parser and validation the process runs)."""
+    cli = pytest.importorskip("pagoda.router.cli")
+    sources = ("default", "hf://Qwen/Qwen2.5-7B-Instruct", "pvc://models/llama", "file:///models/m")
+    seen = 0
+    for policy, source, key in itertools.product(ROUTING_POLICIES, sources, (None, "s")):
+        spec: dict[str, Any] = {"model": {"source": source}, "routing": {"policy": policy}}
+        if source.startswith(("pvc", "file")):
+            spec["model"]["shape"] = {
+                "numLayers": 2,
+                "numAttentionHeads": 2,
+                "hiddenSize": 64,
+                "vocabSize": 100,
+            }
+        if key:
+            spec["apiKeySecretRef"] = {"name": key}
+        container = router_container({"metadata": {"name": "m"}, "spec": spec})
+        args = cli.build_parser().parse_args([*container["args"], "--dry-run"])
+        config = cli.config_from_args(args)
+        assert config.policy == policy and config.backend_dns == ["m-headless.team-a.svc.cluster.local:8000"]
+        assert (config.tokenizer == "backend") == (source != "default")
+        env = {e["name"] for e in container["env"]}
+        assert env == ({"PAGODA_API_KEY"} if key else set())
+        seen += 1
+    assert seen == len(ROUTING_POLICIES) * len(sources) * 2
+
+
+def test_a_refused_router_command_exits_2() -> None:
+    """The check has teeth: a policy the router lacks is refused by the same dry run."""
+    container = router_container(example("llama-3.1-8b-l40s-routed-autoscaled.yaml"))
+    args = list(container["args"])
+    args[args.index("--policy") + 1] = "random"
+    r = subprocess.run([PAGODA, "router", *args, "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--policy" in r.stderr
