@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
 
@@ -48,7 +48,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps so decodes keep going")
     kv_cache_dtype: str = _opt(
-        "auto", "KV cache element type (fp8 needs compute capability 8.9+)", choices=KV_CACHE_DTYPES
+        "auto",
+        "KV cache element type (fp8 needs compute capability 8.9+; int8 with per-token scales runs anywhere)",
+        choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory_bytes: int | None = _opt(
         None, "KV cache size, e.g. 512MiB (overrides --gpu-memory-utilization)", parser="bytes"

@@ -32,7 +32,7 @@ from pagoda.engine.distributed.workers import Allocate, TPWorkers, free_tcp_port
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.memory import cpu_kv_cache_bytes
-from pagoda.engine.model_runner import ModelRunner, kv_torch_dtype
+from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
 from pagoda.engine.outputs import CompletionOutput, RequestOutput
@@ -116,9 +116,8 @@ class LLMEngine:
         )
 
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
-        elem = torch.empty((), dtype=kv_dtype).element_size()
-        # Per rank: each holds the KV of its own heads.
-        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * kv_heads * mc.head_dim * elem
+        # Per rank: each holds the KV of its own heads (INT8: and their scales).
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype)
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
         kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(weights_bytes)

@@ -18,11 +18,25 @@ from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, SaveBlock
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_QUANTIZED = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+SCALE_DTYPE = torch.float32  # INT8 caches: one scale per token, KV head and K|V
+SCALE_BYTES = 4
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return _FP8.get(kv_cache_dtype, model_dtype)
+    return _QUANTIZED.get(kv_cache_dtype, model_dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Bytes one token takes in the cache: K and V of every layer and KV head, plus INT8's scales."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    scale = SCALE_BYTES if kv_dtype == torch.int8 else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * elem + scale)
 
 
 @dataclass
@@ -63,15 +77,36 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.block_size = block_size
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            LayerKVCache(torch.zeros(shape, dtype=kv_dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        int8 = kv_dtype == torch.int8
+
+        def layer() -> LayerKVCache:
+            kv = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            scales = torch.zeros(shape[:4], dtype=SCALE_DTYPE, device=self.device) if int8 else None
+            return LayerKVCache(kv, scales=scales)
+
+        self.kv_caches = [layer() for _ in range(self.num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the allocated cache takes, scales included (what sizing must have counted)."""
+        total = 0
+        for cache in self.kv_caches:
+            total += cache.kv.numel() * cache.kv.element_size()
+            if cache.scales is not None:
+                total += cache.scales.numel() * cache.scales.element_size()
+        return total
+
+    @property
+    def _int8(self) -> bool:
+        return bool(self.kv_caches) and self.kv_caches[0].scales is not None
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block of every layer: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """One block of every layer as the offload tiers hold it: [num_layers, 2, block_size, num_kv_heads,
+        head_dim] in the cache dtype; INT8 rows carry their float32 scale in 4 more int8 elements (its bytes)
+        at the end of each row: [..., head_dim + 4], so a block record is self-contained."""
+        row = self.head_dim + (SCALE_BYTES if self._int8 else 0)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, row)
 
     def profile_activation_peak(self, num_tokens: int, block_size: int, dtype: torch.dtype) -> int:
         """Run one dummy forward of ``num_tokens`` tokens against a just-big-enough cache; return the peak
@@ -131,24 +166,45 @@ class ModelRunner:
             cache.kv[:, d] = cache.kv[:, s]
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, num_layers, 2, block_size, kv_heads, head_dim] on the host (pinned on CUDA)."""
+        """[n, *block_shape] on the host (pinned on CUDA)."""
+            if cache.scales is not None:  # INT8: a block's scales go with it
+                cache.scales[:, d] = cache.scales[:, s]
+
+    def _packed(self, cache: LayerKVCache, ids: torch.Tensor) -> torch.Tensor:
+        """[2, n, bs, H, D(+4)] of the given blocks: the cache rows, INT8 rows followed by their scale bytes."""
+        kv = cache.kv.index_select(1, ids)
+        if cache.scales is None:
+            return kv
+        scales = cache.scales.index_select(1, ids).unsqueeze(-1).view(torch.int8)  # [2, n, bs, H, 4]
+        return torch.cat((kv, scales), dim=-1)
         pin = self.device.type == "cuda"
         ids = torch.tensor(block_ids, device=self.device)
         dtype = self.kv_caches[0].kv.dtype
         out = torch.empty((len(block_ids), *self.block_shape), dtype=dtype, pin_memory=pin)
         for layer, cache in enumerate(self.kv_caches):
-            out[:, layer].copy_(cache.kv.index_select(1, ids).transpose(0, 1), non_blocking=pin)
+            out[:, layer].copy_(self._packed(cache, ids).transpose(0, 1), non_blocking=pin)
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def _scatter(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         ids = torch.tensor(block_ids, device=self.device)
-        stacked = torch.stack(data)  # [n, L, 2, bs, H, D] on the host
+        stacked = torch.stack(data)  # [n, *block_shape] on the host
+        if tuple(stacked.shape[1:]) != self.block_shape or stacked.dtype != self.kv_caches[0].kv.dtype:
+            raise ValueError(
+                f"KV block of {tuple(stacked.shape[1:])} {stacked.dtype} cannot load into a cache of "
+                f"{self.block_shape} {self.kv_caches[0].kv.dtype}"
+            )
         if self.device.type == "cuda":
             stacked = stacked.to(self.device, non_blocking=True)
         for layer, cache in enumerate(self.kv_caches):
-            cache.kv.index_copy_(1, ids, stacked[:, layer].transpose(0, 1))
+            rows = stacked[:, layer].transpose(0, 1)  # [2, n, bs, H, D(+4)]
+            if cache.scales is None:
+                cache.kv.index_copy_(1, ids, rows)
+            else:
+                cache.kv.index_copy_(1, ids, rows[..., :d].contiguous())
+                scales = rows[..., d:].contiguous().view(SCALE_DTYPE).squeeze(-1)
+                cache.scales.index_copy_(1, ids, scales)
 
     # ---- the step -----------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -156,6 +212,7 @@ class ModelRunner:
         result = RunnerOutput()
         step = None if out.empty else prepare_step(out.scheduled)
         if self.peers is not None and (out.kv_ops or step is not None):
+        d = self.head_dim
             self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
             start = time.perf_counter()

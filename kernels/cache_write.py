@@ -1,12 +1,30 @@
-"""reshape_and_cache: write the step's new K and V into their cache slots, quantizing for FP8 caches."""
+"""reshape_and_cache: write the step's new K and V into their cache slots, quantizing for FP8 and INT8 caches.
+
+INT8: one scale per token and KV head (amax / 127), written to the scales tensor beside the cache at the
+same slot; values rounded to nearest (ties to even, by the float32 add trick the torch twin uses too).
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.reference import is_fp8
-from pagoda.kernels.runtime import check_launchable, next_power_of_2
+from pagoda.kernels.reference import is_fp8, is_int8
+from pagoda.kernels.runtime import check_int8_scales, check_launchable, next_power_of_2
+
+
+@triton.jit
+def _quantize_rows_int8(x):
+    """[rows, dim] float32 -> (int8 values, float32 scale per row); the twin of `reference.quantize_int8`."""
+    scale = tl.max(tl.abs(x), 1) * (1.0 / 127.0)
+    nonzero = scale > 0
+    inv = tl.where(
+        nonzero, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(nonzero, scale, 1.0)), 0.0
+    )
+    y = x * inv[:, None]
+    y = (y + 12582912.0) - 12582912.0  # round to nearest, ties to even (|y| <= 127)
+    y = tl.clamp(y, -127.0, 127.0)
+    return y.to(tl.int8), scale
 
 
 @triton.jit
@@ -14,6 +32,7 @@ def _reshape_and_cache_kernel(
     k_ptr,
     v_ptr,
     kv_ptr,
+    scales_ptr,  # INT8: [2, num_blocks, block_size, num_kv_heads] float32 (else unused)
     slot_ptr,
     inv_k_scale,
     inv_v_scale,
@@ -22,11 +41,13 @@ def _reshape_and_cache_kernel(
     stride_vt,
     stride_vh,
     v_offset,  # elements from the K half of the cache to the V half
+    scales_v_offset,  # elements from the K half of the scales to the V half
     num_kv_heads,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QUANTIZE: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     # One program per token: all its heads in one contiguous store (heads x dim are adjacent in a slot).
     t = tl.program_id(0).to(tl.int64)
@@ -39,6 +60,15 @@ def _reshape_and_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     dst = kv_ptr + slot * num_kv_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    if INT8:
+        s_dst = scales_ptr + slot * num_kv_heads + h
+        k_q, k_s = _quantize_rows_int8(k.to(tl.float32))
+        v_q, v_s = _quantize_rows_int8(v.to(tl.float32))
+        tl.store(dst, k_q, mask=mask)
+        tl.store(dst + v_offset, v_q, mask=mask)
+        tl.store(s_dst, k_s, mask=h < num_kv_heads)
+        tl.store(s_dst + scales_v_offset, v_s, mask=h < num_kv_heads)
+        return
     if QUANTIZE:
         k = tl.clamp(k.to(tl.float32) * inv_k_scale, -FP8_MAX, FP8_MAX)
         v = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_MAX, FP8_MAX)
@@ -53,6 +83,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size + offset; negative = skip
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
 ) -> None:
     """Triton twin of `reference.reshape_and_cache_ref`."""
     check_launchable(kv_cache, "kv_cache")
@@ -73,10 +104,14 @@ def reshape_and_cache(
     if v.stride(-1) != 1:
         v = v.contiguous()
     quantize = is_fp8(kv_cache.dtype)
+    int8 = is_int8(kv_cache.dtype)
+    if int8:
+        check_int8_scales(kv_cache, kv_scales)
     _reshape_and_cache_kernel[(num_tokens,)](
         k,
         v,
         kv_cache,
+        kv_scales if int8 else kv_cache,
         slot_mapping,
         1.0 / k_scale,
         1.0 / v_scale,
@@ -85,10 +120,12 @@ def reshape_and_cache(
         v.stride(0),
         v.stride(1),
         kv_cache[1].storage_offset() - kv_cache[0].storage_offset(),
+        kv_scales[1].storage_offset() - kv_scales[0].storage_offset() if int8 else 0,
         num_kv_heads,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         QUANTIZE=quantize,
         FP8_MAX=torch.finfo(kv_cache.dtype).max if quantize else 0.0,
+        INT8=int8,
         num_warps=4,
     )

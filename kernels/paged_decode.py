@@ -6,7 +6,10 @@ its range of the sequence in tiles of BLOCK_N tokens, translating each token to 
 the block table. When sequences x KV heads are too few to fill the GPU, the sequence is cut into
 NUM_SPLITS ranges ("flash decoding"); each writes a normalised partial output and its log-sum-exp, and a
 second small kernel merges them. FP8 caches are read as FP8 and widened in registers: the K scale is
-folded into the softmax scale and the V scale into the output, so dequantizing costs no extra pass.
+folded into the softmax scale and the V scale into the output, so dequantizing costs no extra pass. INT8
+caches are read as INT8 (exact in fp16/bf16) with their per-token scales: each key's scale multiplies its
+score column, each value's scale its probability before the P @ V product (the softmax sum uses P
+unscaled), again with no dequantized copy of K or V.
 """
 
 from __future__ import annotations
@@ -16,13 +19,20 @@ import math
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.runtime import interpreting, next_power_of_2, num_sms, prepare_attention
+from pagoda.kernels.runtime import (
+    check_int8_scales,
+    interpreting,
+    next_power_of_2,
+    num_sms,
+    prepare_attention,
+)
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,
     kv_ptr,
+    scales_ptr,  # INT8: [2, num_blocks, block_size, num_kv_heads] float32 (else unused)
     out_ptr,
     part_out_ptr,  # [n, num_heads, NUM_SPLITS, HEAD_DIM] float32 (only with NUM_SPLITS > 1)
     part_lse_ptr,  # [n, num_heads, NUM_SPLITS] float32, log2 domain
@@ -42,6 +52,8 @@ def _paged_decode_kernel(
     stride_block,
     stride_tok,
     stride_head,
+    scales_v_offset,  # INT8: elements from the K half of the scales to the V half
+    num_kv_heads,
     num_heads,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -51,6 +63,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,6 +103,12 @@ def _paged_decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if INT8:
+            # per-token scales: a key's scale multiplies its score column, a value's its probability
+            s_offs = (block * BLOCK_SIZE + (n % BLOCK_SIZE).to(tl.int64)) * num_kv_heads + kv_head
+            k_s = tl.load(scales_ptr + s_offs, mask=valid, other=0.0)
+            v_s = tl.load(scales_ptr + scales_v_offset + s_offs, mask=valid, other=0.0)
+            s = s * k_s[None, :]
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -99,6 +118,8 @@ def _paged_decode_kernel(
         v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(
             q.dtype
         )
+        if INT8:
+            p = p * v_s[None, :]
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -167,6 +188,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,  # host-side bound, avoids a device sync
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
     num_splits: int | None = None,  # None = heuristic; tests force values
     block_n: int | None = None,
@@ -195,9 +217,13 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused
     kv_k = kv_cache[0]
+    int8 = kv_cache.dtype == torch.int8
+    if int8:
+        check_int8_scales(kv_cache, kv_scales)
     _paged_decode_kernel[(n, num_kv_heads, num_splits)](
         q,
         kv_cache,
+        kv_scales if int8 else kv_cache,
         out,
         part_out,
         part_lse,
@@ -217,6 +243,8 @@ def paged_decode_attention(
         kv_k.stride(0),
         kv_k.stride(1),
         kv_k.stride(2),
+        kv_scales[1].storage_offset() - kv_scales[0].storage_offset() if int8 else 0,
+        num_kv_heads,
         num_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
@@ -226,6 +254,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=q.dtype == torch.float32,
+        INT8=int8,
         num_warps=4,
         num_stages=2,
     )

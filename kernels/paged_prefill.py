@@ -5,6 +5,7 @@ cache first, so a program reads every key it needs (the cached prefix and the ch
 block table, with online softmax over BLOCK_N-token tiles. Tiles wholly before the tile's first query need
 no mask; only the last few, on the causal diagonal, are masked. Sequences are found through cu_seqlens
 (`query_start_loc`), so ragged lengths share one launch; programs past a sequence's length exit at once.
+INT8 caches apply their per-token scales to the score columns and probabilities (see `paged_decode`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import math
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.runtime import interpreting, prepare_attention
+from pagoda.kernels.runtime import check_int8_scales, interpreting, prepare_attention
 
 
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr,
     kv_ptr,
+    scales_ptr,  # INT8: [2, num_blocks, block_size, num_kv_heads] float32 (else unused)
     out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -38,6 +40,8 @@ def _paged_prefill_kernel(
     stride_block,
     stride_tok,
     stride_head,
+    scales_v_offset,  # INT8: elements from the K half of the scales to the V half
+    num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -45,6 +49,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     i = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -85,9 +90,15 @@ def _paged_prefill_kernel(
         offs = block * stride_block + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
         k = tl.load(kv_base + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0).to(q.dtype)
         if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            s = tl.dot(q, tl.trans(k))
+        if INT8:  # per-token scales, as in the decode kernel
+            s_offs = (block * BLOCK_SIZE + (n % BLOCK_SIZE).to(tl.int64)) * num_kv_heads + head // GROUP
+            k_s = tl.load(scales_ptr + s_offs, mask=n < seq_len, other=0.0)
+            v_s = tl.load(scales_ptr + scales_v_offset + s_offs, mask=n < seq_len, other=0.0)
+            s = s * k_s[None, :]
+        s = s * qk_scale_log2
         if start >= unmasked_hi:
             visible = (n[None, :] <= q_pos[:, None]) & (n < seq_len)[None, :]
             if USE_WINDOW:
@@ -100,6 +111,8 @@ def _paged_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0)
         v = v.to(q.dtype)
+        if INT8:
+            p = p * v_s[None, :]
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -125,6 +138,7 @@ def paged_prefill_attention(
     seq_ids: torch.Tensor | None = None,  # [n] int32, sequences to serve; default: all
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -143,10 +157,14 @@ def paged_prefill_attention(
     else:
         block_m, block_n = block_m or 64, block_n or 32
     kv_k = kv_cache[0]
+    int8 = kv_cache.dtype == torch.int8
+    if int8:
+        check_int8_scales(kv_cache, kv_scales)
     grid = (n, triton.cdiv(max_query_len, block_m), num_heads)
     _paged_prefill_kernel[grid](
         q,
         kv_cache,
+        kv_scales if int8 else kv_cache,
         out,
         block_tables,
         seq_lens,
@@ -164,6 +182,8 @@ def paged_prefill_attention(
         kv_k.stride(0),
         kv_k.stride(1),
         kv_k.stride(2),
+        kv_scales[1].storage_offset() - kv_scales[0].storage_offset() if int8 else 0,
+        num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -171,6 +191,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=q.dtype == torch.float32,
+        INT8=int8,
         num_warps=8 if block_m >= 128 else 4,
         num_stages=2,
     )

@@ -7,6 +7,9 @@ Conventions shared with the kernels (see `pagoda.engine.attention.base`):
 - cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`, 0 = K, 1 = V;
 - token `i` of a sequence lives at `block_tables[s, i // block_size] * block_size + i % block_size`;
 - FP8 caches store `x / scale`; reading multiplies by the scale again;
+- INT8 caches store, per token and KV head, `round(x / s)` with `s = amax(|x|) / 127` over the head's
+  values; `s` (float32) lies beside the blocks in a scales tensor `[2, num_blocks, block_size,
+  num_kv_heads]` indexed like the cache, so each block carries its own scales; reading multiplies by `s`;
 - attention reads every key from the cache, the new tokens included (they are written first), so an FP8
   cache also rounds the new tokens' keys and values;
 - a sliding window of `w` lets the query at position `p` see keys at positions `p - w + 1 .. p`.
@@ -17,10 +20,37 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INT8_MAX = 127.0
+# Adding and removing 1.5 * 2**23 rounds a float32 |x| < 2**22 to the nearest integer, ties to even, with
+# plain IEEE adds: the Triton kernels use the same trick, so both round every value the same way.
+_ROUND_MAGIC = 12582912.0
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
+
+
+def is_int8(dtype: torch.dtype) -> bool:
+    return dtype == torch.int8
+
+
+def int8_scales_shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The scales tensor of an INT8 cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    return tuple(kv_cache.shape[:4])
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8: `x` [..., head_dim] -> (int8 values, float32 scale [...]).
+
+    scale = amax(|x|) / 127 (times the float32 constant 1/127, not a division, so every backend gets the
+    same bits); a row of zeros gets scale 0 and stores zeros.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) * (1.0 / INT8_MAX)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    y = xf * inv[..., None]
+    q = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
 
 
 def quantize_to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -38,13 +68,22 @@ def reshape_and_cache_ref(
     slot_mapping: torch.Tensor,  # [T] int64; negative = padding token, not written
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
 ) -> None:
-    """Write each new token's K and V into its slot (in place)."""
+    """Write each new token's K and V into its slot (in place; INT8 caches also write the slot's scales)."""
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots, k, v = slots[keep], k[keep], v[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    if is_int8(kv_cache.dtype):
+        if kv_scales is None:
+            raise ValueError("an INT8 KV cache needs its scales tensor (kv_scales)")
+        for i, x in enumerate((k, v)):
+            q, s = quantize_int8(x)
+            kv_cache[i, blocks, offsets] = q
+            kv_scales[i, blocks, offsets] = s
+        return
     kv_cache[0, blocks, offsets] = quantize_to_cache_dtype(k, kv_cache.dtype, k_scale)
     kv_cache[1, blocks, offsets] = quantize_to_cache_dtype(v, kv_cache.dtype, v_scale)
 
@@ -55,12 +94,19 @@ def gather_sequence_kv(
     seq_len: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's keys and values `[seq_len, num_kv_heads, head_dim]` in float32, dequantized."""
     block_size = kv_cache.shape[2]
     pos = torch.arange(seq_len, device=kv_cache.device)
     blocks = block_table.long()[pos // block_size]
     offsets = pos % block_size
+    if is_int8(kv_cache.dtype):
+        if kv_scales is None:
+            raise ValueError("an INT8 KV cache needs its scales tensor (kv_scales)")
+        k = kv_cache[0, blocks, offsets].float() * kv_scales[0, blocks, offsets][..., None]
+        v = kv_cache[1, blocks, offsets].float() * kv_scales[1, blocks, offsets][..., None]
+        return k, v
     k = kv_cache[0, blocks, offsets].float() * k_scale
     v = kv_cache[1, blocks, offsets].float() * v_scale
     return k, v
@@ -97,6 +143,7 @@ def paged_prefill_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token against its sequence's cache (prefix and new tokens)."""
     out = torch.empty_like(q)
@@ -105,7 +152,7 @@ def paged_prefill_attention_ref(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        k, v = gather_sequence_kv(kv_cache, block_tables[s], seq_len, k_scale, v_scale)
+        k, v = gather_sequence_kv(kv_cache, block_tables[s], seq_len, k_scale, v_scale, kv_scales)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window).to(q.dtype)
     return out
@@ -120,12 +167,14 @@ def paged_decode_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode case of the prefill twin: the query is the last token of its sequence."""
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention_ref(
-        q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale, sliding_window
-    )
+        q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale, sliding_window,
+        kv_scales,
+    )  # fmt: skip
 
 
 def naive_dense_attention(

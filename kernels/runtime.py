@@ -36,6 +36,21 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
 _INDEX_PATCHED = False
 
 
+def check_int8_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """An INT8 cache needs a contiguous float32 scales tensor shaped like the cache without head_dim."""
+    if kv_scales is None:
+        raise ValueError("an INT8 KV cache needs its scales tensor (kv_scales)")
+    if tuple(kv_scales.shape) != tuple(kv_cache.shape[:4]) or kv_scales.dtype != torch.float32:
+        raise ValueError(
+            f"kv_scales {tuple(kv_scales.shape)} {kv_scales.dtype} does not fit kv_cache "
+            f"{tuple(kv_cache.shape)}: expected {tuple(kv_cache.shape[:4])} float32"
+        )
+    if not kv_scales.is_contiguous():
+        raise ValueError("kv_scales must be contiguous")
+    if kv_scales.device != kv_cache.device:
+        raise ValueError(f"kv_scales is on {kv_scales.device}, kv_cache on {kv_cache.device}")
+
+
 def prepare_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:

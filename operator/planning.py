@@ -112,6 +112,8 @@ def hints(spec: InferenceSpec, gpu_count: int | None) -> Hints:
         p99_prompt_tokens=w.p99_prompt_tokens,
         p99_output_tokens=w.p99_output_tokens,
         quality_first=w.quality_first,
+        prefer_capacity=w.prefer_capacity,
+        kv_cache_dtype="int8" if spec.engine.kv_cache_dtype == "int8" else None,  # sized as INT8
         memory_limit_bytes=memory,
         nvme_bytes=None,
         gpu_count=gpu_count,

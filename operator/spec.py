@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.operator.quantity import parse_quantity
 
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # spec.model.shape (the CRD's names) -> the config.json keys the engine and sizing read
 SHAPE_KEYS = {
@@ -100,6 +100,7 @@ class WorkloadSpec:
     p50_output_tokens: int | None = None
     p99_output_tokens: int | None = None
     quality_first: bool = False
+    prefer_capacity: bool = False  # kvCacheDtype auto: INT8 KV where the GPU has no FP8
 
 
 @dataclass
@@ -267,7 +268,7 @@ def parse_spec(spec: Any) -> InferenceSpec:
     kv_dtype = engine.get("kvCacheDtype", "auto")
     if kv_dtype not in KV_DTYPES:
         raise SpecError("engine.kvCacheDtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype != "auto" and count == 0:
+    if kv_dtype.startswith("fp8") and count == 0:
         raise SpecError("engine.kvCacheDtype", "an FP8 KV cache needs a GPU (gpu.count 0 means CPU pods)")
     extra = engine.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
@@ -291,7 +292,13 @@ def parse_spec(spec: Any) -> InferenceSpec:
         p50_output_tokens=_int(work, "p50OutputTokens", "workload", minimum=1),
         p99_output_tokens=_int(work, "p99OutputTokens", "workload", minimum=1),
         quality_first=_bool(work, "qualityFirst", "workload", False),
+        prefer_capacity=_bool(work, "preferCapacity", "workload", False),
     )
+    if workload.quality_first and workload.prefer_capacity:
+        raise SpecError(
+            "workload.preferCapacity",
+            "contradicts workload.qualityFirst (never quantise the KV cache); set one",
+        )
 
     offload = _obj(spec.get("offload"), "offload")
     host = _obj(offload.get("host"), "offload.host")

@@ -5,6 +5,10 @@ order, each sequence's new tokens contiguous. The KV cache of one layer is a ten
 `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V). Every backend first writes the new
 K and V into their slots, then attends each new token to its sequence's cached prefix and to the new
 tokens up to and including itself.
+
+An INT8 cache (`--kv-cache-dtype int8`) also has a float32 scales tensor `[2, num_blocks, block_size,
+num_kv_heads]` beside it, one scale per token and KV head, indexed by the same slots: a block's scales
+move with the block (copies, offload saves and loads), so a cached or offloaded block is self-contained.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ class AttentionMetadata:
 
 @dataclass
 class LayerKVCache:
-    """One layer's cache tensor and, for FP8 caches, its float32 scales (1.0 otherwise)."""
+    """One layer's cache tensor and, for FP8 caches, its float32 scales (1.0 otherwise); for INT8 caches the
+    per-token, per-head scales tensor."""
 
     kv: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     k_scale: float = 1.0
     v_scale: float = 1.0
+    scales: torch.Tensor | None = None  # INT8 only: [2, num_blocks, block_size, num_kv_heads] float32
 
 
 class AttentionBackend(Protocol):

@@ -36,8 +36,8 @@ static inline int window_start(int len, int window) { return (window > 0 && len 
 /* One (sequence, KV head) task; D a multiple of 16. Inlined with constant D and G so the accumulators stay in
    registers. */
 static inline __attribute__((always_inline)) void task_avx512(
-    const float *qs, const float *kc, const float *vc, const int32_t *bt_row, int len, float *os, int h,
-    int Hkv, const int D, const int G, int bs, float scale, int window)
+    const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
+    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, const int I8)
 {
     const int DV = D / 16;
     const int start = window_start(len, window);
@@ -55,16 +55,24 @@ static inline __attribute__((always_inline)) void task_avx512(
     }
     for (int b = start / bs; b * bs < len; b++) {
         const int64_t base = ((int64_t)bt_row[b] * bs * Hkv + h) * D;
+        const int64_t sbase = (int64_t)bt_row[b] * bs * Hkv + h; /* INT8: scale of token t at sbase + t*Hkv */
         const int t0 = start > b * bs ? start - b * bs : 0;
         const int t1 = len - b * bs < bs ? len - b * bs : bs;
         for (int t = t0; t < t1; t++) {
-            const float *kt = kc + base + t * tok_stride;
             __m512 kk[MAXD / 16];
-            for (int i = 0; i < DV; i++) kk[i] = _mm512_loadu_ps(kt + 16 * i);
+            if (I8) {
+                const int8_t *kt = (const int8_t *)kc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++)
+                    kk[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kt + 16 * i))));
+            } else {
+                const float *kt = (const float *)kc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++) kk[i] = _mm512_loadu_ps(kt + 16 * i);
+            }
             for (int g = 0; g < G; g++) {
                 __m512 s = _mm512_mul_ps(qv[g][0], kk[0]);
                 for (int i = 1; i < DV; i++) s = _mm512_fmadd_ps(qv[g][i], kk[i], s);
                 sc[g][t] = _mm512_reduce_add_ps(s);
+                if (I8) sc[g][t] *= ksc[sbase + (int64_t)t * Hkv];
             }
         }
         for (int g = 0; g < G; g++) {
@@ -88,11 +96,19 @@ static inline __attribute__((always_inline)) void task_avx512(
             }
         }
         for (int t = t0; t < t1; t++) {
-            const float *vt = vc + base + t * tok_stride;
             __m512 vv[MAXD / 16];
-            for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps(vt + 16 * i);
+            float vscale = 1.0f;
+            if (I8) {
+                const int8_t *vt = (const int8_t *)vc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++)
+                    vv[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vt + 16 * i))));
+                vscale = vsc[sbase + (int64_t)t * Hkv];
+            } else {
+                const float *vt = (const float *)vc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps(vt + 16 * i);
+            }
             for (int g = 0; g < G; g++) {
-                const __m512 p = _mm512_set1_ps(sc[g][t]);
+                const __m512 p = _mm512_set1_ps(I8 ? sc[g][t] * vscale : sc[g][t]);
                 for (int i = 0; i < DV; i++) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
             }
         }
@@ -105,8 +121,9 @@ static inline __attribute__((always_inline)) void task_avx512(
 #endif
 
 /* Portable version of the same task (any D up to MAXD). */
-static void task_portable(const float *qs, const float *kc, const float *vc, const int32_t *bt_row, int len,
-                          float *os, int h, int Hkv, int D, int G, int bs, float scale, int window)
+static inline __attribute__((always_inline)) void task_portable(
+    const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
+    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, const int I8)
 {
     const int start = window_start(len, window);
     const int64_t tok_stride = (int64_t)Hkv * D;
@@ -116,17 +133,24 @@ static void task_portable(const float *qs, const float *kc, const float *vc, con
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
+    float row[MAXD];
     for (int b = start / bs; b * bs < len; b++) {
         const int64_t base = ((int64_t)bt_row[b] * bs * Hkv + h) * D;
+        const int64_t sbase = (int64_t)bt_row[b] * bs * Hkv + h;
         const int t0 = start > b * bs ? start - b * bs : 0;
         const int t1 = len - b * bs < bs ? len - b * bs : bs;
         for (int t = t0; t < t1; t++) {
-            const float *kt = kc + base + t * tok_stride;
+            const float *kt = (const float *)kc + base + t * tok_stride;
+            if (I8) {
+                const int8_t *k8 = (const int8_t *)kc + base + t * tok_stride;
+                for (int d = 0; d < D; d++) row[d] = (float)k8[d];
+                kt = row;
+            }
             for (int g = 0; g < G; g++) {
                 float s = 0.0f;
                 #pragma omp simd reduction(+:s)
                 for (int d = 0; d < D; d++) s += qv[g][d] * kt[d];
-                sc[g][t] = s;
+                sc[g][t] = I8 ? s * ksc[sbase + (int64_t)t * Hkv] : s;
             }
         }
         for (int g = 0; g < G; g++) {
@@ -140,9 +164,16 @@ static void task_portable(const float *qs, const float *kc, const float *vc, con
             for (int d = 0; d < D; d++) acc[g][d] *= corr;
         }
         for (int t = t0; t < t1; t++) {
-            const float *vt = vc + base + t * tok_stride;
+            const float *vt = (const float *)vc + base + t * tok_stride;
+            float vscale = 1.0f;
+            if (I8) {
+                const int8_t *v8 = (const int8_t *)vc + base + t * tok_stride;
+                for (int d = 0; d < D; d++) row[d] = (float)v8[d];
+                vt = row;
+                vscale = vsc[sbase + (int64_t)t * Hkv];
+            }
             for (int g = 0; g < G; g++) {
-                const float p = sc[g][t];
+                const float p = I8 ? sc[g][t] * vscale : sc[g][t];
                 #pragma omp simd
                 for (int d = 0; d < D; d++) acc[g][d] += p * vt[d];
             }
@@ -152,14 +183,14 @@ static void task_portable(const float *qs, const float *kc, const float *vc, con
         for (int d = 0; d < D; d++) os[g * D + d] = acc[g][d] / l[g];
 }
 
-/* q/out: [tokens, H, D] rows at q_stride/out_stride floats; caches: [num_blocks, bs, Hkv, D];
-   seq_idx[i] (or i) picks the sequence of decode i (its block table row and length); tok_rows[i] (or i) its
-   row in q and out. */
-int pagoda_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                            const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out,
-                            int64_t out_stride, int H, int Hkv, int D, int bs, float scale, int window,
-                            int nthreads)
+/* q/out: [tokens, H, D] rows at q_stride/out_stride floats; caches: [num_blocks, bs, Hkv, D] float32, or
+   int8 with float32 scales [num_blocks, bs, Hkv] (I8); seq_idx[i] (or i) picks the sequence of decode i (its
+   block table row and length); tok_rows[i] (or i) its row in q and out. */
+static inline __attribute__((always_inline)) int paged_decode(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scales,
+    const float *v_scales, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+    const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv,
+    int D, int bs, float scale, int window, int nthreads, const int I8)
 {
     const int G = H / Hkv;
     if (G * Hkv != H || G > MAXG || D > MAXD || bs > MAXBS) return 1;
@@ -174,7 +205,8 @@ int pagoda_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cac
         const int32_t *bt_row = block_tables + s * bt_stride;
         const int len = seq_lens[s];
 #if defined(__AVX512F__)
-#define TASK(DD, GG) task_avx512(qs, k_cache, v_cache, bt_row, len, os, h, Hkv, DD, GG, bs, scale, window)
+#define TASK(DD, GG) task_avx512(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, DD, GG, bs, \
+                                 scale, window, I8)
         if (D == 64 && G == 3) TASK(64, 3);
         else if (D == 64 && G == 4) TASK(64, 4);
         else if (D == 64 && G == 1) TASK(64, 1);
@@ -183,9 +215,31 @@ int pagoda_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cac
         else if (D % 16 == 0) TASK(D, G);
         else
 #endif
-        task_portable(qs, k_cache, v_cache, bt_row, len, os, h, Hkv, D, G, bs, scale, window);
+        task_portable(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, D, G, bs, scale, window,
+                      I8);
     }
     return 0;
+}
+
+int pagoda_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                            const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out,
+                            int64_t out_stride, int H, int Hkv, int D, int bs, float scale, int window,
+                            int nthreads)
+{
+    return paged_decode(q, q_stride, k_cache, v_cache, 0, 0, block_tables, bt_stride, seq_lens, seq_idx, tok_rows,
+                        n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, 0);
+}
+
+/* INT8 cache: values dequantized in registers, each token's K scale on its score, V scale on its weight. */
+int pagoda_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                           const float *k_scales, const float *v_scales, const int32_t *block_tables,
+                           int64_t bt_stride, const int32_t *seq_lens, const int64_t *seq_idx,
+                           const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv, int D,
+                           int bs, float scale, int window, int nthreads)
+{
+    return paged_decode(q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables, bt_stride, seq_lens,
+                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, 1);
 }
 """
 )
@@ -199,6 +253,31 @@ def _library() -> ctypes.CDLL | None:
         fn = lib.pagoda_paged_decode_f32
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
         fn.restype = _I
+        fn = lib.pagoda_paged_decode_i8
+        fn.argtypes = [
+            _P,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _I,
+            _P,
+            _I64,
+            _I,
+            _I,
+            _I,
+            _I,
+            _F,
+            _I,
+            _I,
+        ]
+        fn.restype = _I
         lib._pagoda_typed = True
     return lib
 
@@ -208,13 +287,21 @@ def available() -> bool:
     return _library() is not None
 
 
-def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """The kernel's domain: float32 CPU tensors, contiguous head rows, shapes within its fixed buffers."""
+def supports(q: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+    """The kernel's domain: float32 CPU tensors (or an INT8 cache with its float32 scales), contiguous head
+    rows, shapes within its fixed buffers."""
     _, _, bs, hkv, d = kv.shape
+    int8_ok = (
+        kv.dtype == torch.int8
+        and scales is not None
+        and scales.dtype == torch.float32
+        and scales.is_contiguous()
+        and tuple(scales.shape) == tuple(kv.shape[:4])
+    )
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and kv.dtype == torch.float32
+        and (kv.dtype == torch.float32 or int8_ok)
         and kv.is_contiguous()
         and q.stride(2) == 1
         and q.stride(1) == d
@@ -236,10 +323,12 @@ def paged_decode(
     sliding_window: int | None = None,
     seq_idx: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Attention of one new token per sequence over its cached keys (its own K/V already written).
 
-    q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D]; block_tables [S, max_blocks] int32 and
+    q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32, or int8 with ``scales``
+    [2, num_blocks, block_size, Hkv] float32 (per token and head); block_tables [S, max_blocks] int32 and
     seq_lens [S] int32, both contiguous. Decode i is sequence ``seq_idx[i]`` (default i) and token row
     ``rows[i]`` of q and out (default i); ``len(rows)`` (or T) decodes in all. Caller checks `supports`.
     """
@@ -257,11 +346,15 @@ def paged_decode(
         assert t is None or (t.is_contiguous() and t.dtype == dtype)
     assert out.stride(2) == 1 and out.stride(1) == out.shape[2]
     _, _, bs, hkv, d = kv.shape
-    status = lib.pagoda_paged_decode_f32(
-        q.data_ptr(),
-        q.stride(0),
-        kv[0].data_ptr(),
-        kv[1].data_ptr(),
+    if kv.dtype == torch.int8:
+        fn = lib.pagoda_paged_decode_i8
+        head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr(), scales[0].data_ptr(),
+                scales[1].data_ptr())  # fmt: skip
+    else:
+        fn = lib.pagoda_paged_decode_f32
+        head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr())
+    status = fn(
+        *head,
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),

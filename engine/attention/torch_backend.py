@@ -6,6 +6,9 @@ prefill chunks. The plan is reused by every layer of the step.
 - Decodes: on the CPU with float32 caches, one call of the native kernel of `cpu_decode` that reads K/V in
   place (no gather, no padding to the longest sequence); otherwise (other devices or dtypes, no compiler, or
   ``native=False``) one gathered SDPA call with a padding mask, the reference formulation.
+- INT8 caches: written through `quantize_int8` (per token and KV head); decodes read them in place with the
+  native kernel's INT8 variant (values widened in registers, each token's K scale on its score and V scale
+  on its weight), prefill chunks and the gathered fallback multiply the gathered values by their scales.
 - Prefill chunks: one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA
   only takes its fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which
   materialises the scores and ran ~5x slower).
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from pagoda.engine.attention import cpu_decode
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+from pagoda.kernels.reference import quantize_int8
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -110,10 +114,17 @@ class TorchAttentionBackend:
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-        """Store new K/V at their slots (quantizing for FP8 caches)."""
+        """Store new K/V at their slots (quantizing for FP8 and INT8 caches)."""
         kv = cache.kv
         _, nblocks, bsize, hkv, d = kv.shape
-        if kv.dtype in FP8_DTYPES:
+        if kv.dtype == torch.int8:
+            flat = kv.view(2, nblocks * bsize, hkv, d)
+            scales = cache.scales.view(2, nblocks * bsize, hkv)
+            for i, x in enumerate((k, v)):
+                qx, sx = quantize_int8(x)
+                flat[i].index_copy_(0, slot_mapping, qx)
+                scales[i].index_copy_(0, slot_mapping, sx)
+        elif kv.dtype in FP8_DTYPES:
             limit = _fp8_max(kv.dtype)
             k = (k.float() / cache.k_scale).clamp_(-limit, limit).to(kv.dtype)
             v = (v.float() / cache.v_scale).clamp_(-limit, limit).to(kv.dtype)
@@ -137,7 +148,13 @@ class TorchAttentionBackend:
         shape = (*blocks.shape[:-1], blocks.shape[-1] * kv.shape[2], kv.shape[3], kv.shape[4])
         k = src[0].index_select(0, flat_blocks).view(shape)
         v = src[1].index_select(0, flat_blocks).view(shape)
-        if fp8:
+        if kv.dtype == torch.int8:
+            sc = cache.scales
+            k_s = sc[0].index_select(0, flat_blocks).view(shape[:-1])
+            v_s = sc[1].index_select(0, flat_blocks).view(shape[:-1])
+            k = (k.float() * k_s[..., None]).to(dtype)
+            v = (v.float() * v_s[..., None]).to(dtype)
+        elif fp8:
             k = k.view(kv.dtype).to(dtype) * cache.k_scale
             v = v.view(kv.dtype).to(dtype) * cache.v_scale
         else:
@@ -200,7 +217,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(q) if plan.prefills or plan.decode_rows is not None else None
 
         if plan.decode_blocks is not None:
-            if self.native is not False and cpu_decode.supports(q, cache.kv):
+            if self.native is not False and cpu_decode.supports(q, cache.kv, cache.scales):
                 out = torch.empty_like(q) if out is None else out
                 cpu_decode.paged_decode(
                     q,
@@ -212,6 +229,7 @@ class TorchAttentionBackend:
                     sliding_window,
                     seq_idx=plan.decode_seq_idx,
                     rows=plan.decode_rows,
+                    scales=cache.scales,
                 )
                 if not plan.prefills:
                     return out

@@ -79,10 +79,16 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         kv = cache.kv
-        self._write(k, v, kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        self._write(k, v, kv, meta.slot_mapping, cache.k_scale, cache.v_scale, cache.scales)
         plan = self._get_plan(meta)
         out = torch.empty_like(q)
-        common = dict(out=out, k_scale=cache.k_scale, v_scale=cache.v_scale, sliding_window=sliding_window)
+        common = dict(
+            out=out,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            kv_scales=cache.scales,
+            sliding_window=sliding_window,
+        )
         if plan.decode_ids is not None:
             self._decode(
                 q,

@@ -36,6 +36,7 @@ from pagoda.engine.sizing.engine_plan import (
     kv_bytes_per_token,
     kv_dtype_name,
     kv_element_bytes,
+    kv_element_scale_bytes,
     profile_tokens,
     resolve_dtype_name,
 )
@@ -301,6 +302,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
         facts.head_dim,
         kv_element_bytes(config.kv_cache_dtype, dtype),
         tp,
+        kv_element_scale_bytes(config.kv_cache_dtype),
     )
     weights = -(-facts.shape.weight_bytes_as(dtype) // tp)
     info: dict[str, Any] = {
@@ -314,7 +316,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
     }
     if gpu is not None:
         info["gpu"] = gpu.name
-        if config.kv_cache_dtype != "auto" and not gpu.fp8:
+        if config.kv_cache_dtype.startswith("fp8") and not gpu.fp8:
             warnings.append(
                 f"{gpu.name} has no FP8 (compute capability below 8.9): --kv-cache-dtype fp8 will fail"
             )

@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", help="pod memory limit, e.g. 64Gi (sizes the host-RAM tier)")
     p.add_argument("--nvme", help="local NVMe capacity for the disk tier, e.g. 1500Gi")
     p.add_argument("--quality-first", action="store_true", help="never quantise the KV cache (no FP8)")
+    p.add_argument(
+        "--prefer-capacity",
+        action="store_true",
+        help="quantise the KV cache for more tokens even where the GPU has no FP8 (INT8 KV; CPU too)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -113,6 +118,7 @@ def _hints(args: argparse.Namespace) -> Hints:
         p99_prompt_tokens=args.p99_prompt,
         p99_output_tokens=args.p99_output,
         quality_first=args.quality_first,
+        prefer_capacity=args.prefer_capacity,
         memory_limit_bytes=parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None,
         nvme_bytes=parse_bytes(args.nvme, "--nvme") if args.nvme else None,
         gpu_count=args.gpus if args.gpu and args.gpu.strip().lower() != "cpu" else None,

@@ -2,8 +2,11 @@
 
 File ``<hash hex>.kv`` = ``MAGIC`` + u32 header length + JSON header + payload. The header names the
 layout version, the engine identity (model fingerprint, KV dtype, block size), the block's hash, shape,
-dtype, payload length and a BLAKE2b checksum of the payload; every read checks all of them, and anything
-that disagrees (or cannot be read) is a miss: the file is removed and ``verification_failures`` goes up.
+dtype, where its quantization scales are (``scales``), payload length and a BLAKE2b checksum of the
+payload; every read checks all of them, and anything that disagrees (or cannot be read) is a miss: the
+file is removed and ``verification_failures`` goes up. INT8 blocks carry their float32 per-token, per-head
+scales inside the payload (the last 4 bytes of each row, see ModelRunner.block_shape), so a block written
+as INT8 is never read as another dtype, nor with another scale layout.
 
 Writes never block the engine step: they run on one background thread, to a temporary name that is
 renamed into place, so a crash leaves either a whole block or a ``.tmp`` that the next start removes.
@@ -65,6 +68,11 @@ def _checksum(payload: bytes | memoryview) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _scales_layout(dtype: torch.dtype) -> str | None:
+    """Where a block of this dtype keeps its scales: INT8 rows end in their float32 scale's 4 bytes."""
+    return "float32-per-row-tail" if dtype == torch.int8 else None
 
 
 def _temporary(path: Path) -> Path:
@@ -204,6 +212,7 @@ class DiskTier:
             "key": block_hash.hex(),
             "shape": list(data.shape),
             "dtype": _dtype_name(data.dtype),
+            "scales": _scales_layout(data.dtype),
             "payload_bytes": tensor_bytes(data),
             "checksum": checksum,
         }
@@ -344,6 +353,7 @@ class DiskTier:
             "key": block_hash.hex(),
             "shape": list(shape),
             "dtype": _dtype_name(dtype),
+            "scales": _scales_layout(dtype),
         }
         for field, want in expect.items():
             if meta.get(field) != want:

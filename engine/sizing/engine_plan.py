@@ -15,7 +15,7 @@ from typing import Any
 
 from pagoda.engine.sizing.errors import StartupFitError
 from pagoda.engine.sizing.fit import fit_max_model_len
-from pagoda.engine.sizing.shapes import dtype_bytes
+from pagoda.engine.sizing.shapes import dtype_bytes, kv_scale_bytes
 
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's server default with chunked prefill
 
@@ -26,6 +26,7 @@ _DTYPE_NAMES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }  # fmt: skip
 _FP8_KV = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_ONE_BYTE_KV = {**_FP8_KV, "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,16 @@ def resolve_dtype_name(name: str, device: str, checkpoint_dtype: str | None) -> 
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
-    return _FP8_KV.get(kv_cache_dtype, model_dtype)
+    return _ONE_BYTE_KV.get(kv_cache_dtype, model_dtype)
 
 
 def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
-    return 1 if kv_cache_dtype in _FP8_KV else dtype_bytes(model_dtype)
+    return 1 if kv_cache_dtype in _ONE_BYTE_KV else dtype_bytes(model_dtype)
+
+
+def kv_element_scale_bytes(kv_cache_dtype: str) -> int:
+    """Scale bytes per token, KV head and K|V (INT8's per-token scales; 0 for every other KV dtype)."""
+    return kv_scale_bytes(kv_cache_dtype)
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -145,10 +151,18 @@ def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0)
 
 
 def kv_bytes_per_token(
-    num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, element_bytes: int, tp: int = 1
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    element_bytes: int,
+    tp: int = 1,
+    scale_bytes: int = 0,
 ) -> int:
-    """KV bytes per token on rank 0 (the rank the engine sizes every rank's cache by)."""
-    return 2 * num_layers * kv_heads_per_rank(num_heads, num_kv_heads, tp) * head_dim * element_bytes
+    """KV bytes per token on rank 0 (the rank the engine sizes every rank's cache by); ``scale_bytes`` per
+    KV head and K|V for caches that keep per-token scales (INT8)."""
+    heads = kv_heads_per_rank(num_heads, num_kv_heads, tp)
+    return 2 * num_layers * heads * (head_dim * element_bytes + scale_bytes)
 
 
 def check_tensor_parallel(num_heads: int, tp: int) -> None:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.gpus import GPUInfo
-from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes
+from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
 
 BLOCK_SIZE = 16  # vLLM's default; the vLLM paper measured under 4% waste at this size
@@ -58,6 +58,8 @@ class Hints:
     p99_prompt_tokens: int | None = None
     p99_output_tokens: int | None = None
     quality_first: bool = False  # never quantise the KV cache
+    prefer_capacity: bool = False  # quantise the KV cache even where FP8 is missing (INT8), for more tokens
+    kv_cache_dtype: str | None = None  # "int8": size for an INT8 KV cache whatever the GPU (set explicitly)
     memory_limit_bytes: int | None = None  # the pod's memory limit (host tier; CPU pods: the KV cache too)
     nvme_bytes: int | None = None  # local NVMe capacity for the disk tier
     gpu_count: int | None = None  # GPUs the pod may use (default: the node's count)
@@ -65,13 +67,22 @@ class Hints:
     def validate(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "quality_first" or value is None:
+            if f.name in ("quality_first", "prefer_capacity", "kv_cache_dtype") or value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SizingError(f"hint {f.name} must be an integer, got {value!r}")
             low = 0 if f.name in ("memory_limit_bytes", "nvme_bytes") else 1
             if value < low:
                 raise SizingError(f"hint {f.name} must be at least {low}, got {value}")
+        if self.kv_cache_dtype not in (None, "auto", "int8"):
+            raise SizingError(
+                f"hint kv_cache_dtype must be auto or int8 (FP8 follows the GPU), got {self.kv_cache_dtype!r}"
+            )
+        if self.quality_first and self.prefer_capacity:
+            raise SizingError(
+                "hints quality_first and prefer_capacity contradict each other: the first never quantises "
+                "the KV cache, the second asks for a quantised one; choose one"
+            )
 
 
 @dataclass
@@ -282,23 +293,30 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     conc = h.min_concurrency
     block_size = BLOCK_SIZE
 
-    if gpu.fp8 and not h.quality_first:
+    cc = f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}"
+    if h.kv_cache_dtype == "int8":
+        kv_dtype = "int8"
+        reasons["kv_cache_dtype"] = "set explicitly: " + int8_trade(shape, shape.dtype)
+    elif gpu.fp8 and not h.quality_first:
         kv_dtype = "fp8"
         reasons["kv_cache_dtype"] = (
-            f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]} has FP8: "
-            f"half the KV bytes of {shape.dtype}, twice the tokens"
+            f"compute capability {cc} has FP8: half the KV bytes of {shape.dtype}, twice the tokens"
+        )
+    elif h.prefer_capacity:
+        kv_dtype = "int8"
+        reasons["kv_cache_dtype"] = f"compute capability {cc} has no FP8; capacity preferred: " + int8_trade(
+            shape, shape.dtype
         )
     else:
         kv_dtype = "auto"
         why = (
             "quality first: KV kept in the model's dtype"
             if gpu.fp8
-            else f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]} is below 8.9: "
-            "no FP8 KV cache on this GPU"
+            else f"compute capability {cc} is below 8.9: no FP8 KV cache on this GPU "
+            "(prefer capacity for an INT8 cache)"
         )
         reasons["kv_cache_dtype"] = f"{why} ({shape.dtype})"
     kv_token = shape.kv_bytes_per_token(kv_dtype)
-    kv_elem = kv_token // (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
 
     want_len = target or min(limit, DEFAULT_TARGET_CONTEXT)
     floor_tokens = _pow2_at_least(h.p99_prompt_tokens) if h.p99_prompt_tokens else 0
@@ -315,7 +333,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         util = min(UTILIZATION_CAP, math.floor((memory - ctx - act) / memory * 100) / 100)
         kv_mem = int(util * memory) - ctx - act - weights
         block_bytes = (
-            2 * shape.num_layers * _kv_heads_per_rank(shape, tp) * shape.head_dim * kv_elem * block_size
+            2 * shape.num_layers * _kv_heads_per_rank(shape, tp) * shape.kv_head_bytes(kv_dtype) * block_size
         )
         blocks = max(kv_mem, 0) // block_bytes
         candidate = (tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks)
@@ -403,6 +421,18 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     )  # fmt: skip
 
 
+def int8_trade(shape: ModelShape, dtype: str) -> str:
+    """The INT8 KV trade in words: bytes and tokens won, what the scales cost, what is given up."""
+    full, int8 = shape.kv_bytes_per_token(dtype), shape.kv_bytes_per_token("int8")
+    scales = 2 * shape.num_layers * shape.num_kv_heads * kv_scale_bytes("int8")
+    return (
+        f"INT8 KV with a float32 scale per token and head, {int8} B/token instead of {full} ({dtype}, "
+        f"{scales} B of it scales): {full / int8:.2f}x the tokens in the same memory, for a small accuracy "
+        "cost (each K/V row rounded to 1/127 of its largest value; `make bench-kv-accuracy` measures "
+        "perplexity and greedy agreement against the unquantised cache)"
+    )
+
+
 def _max_num_seqs(capacity: int, tokens: int, conc: int, h: Hints, blocks: int) -> tuple[int, str]:
     cap = _rows_for(tokens, conc)
     per_seq, what = _seq_tokens(h)
@@ -432,7 +462,8 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     conc = h.min_concurrency
     block_size = BLOCK_SIZE
     cpu_shape = shape.with_dtype("float32")  # the CPU engine computes in float32
-    kv_token = cpu_shape.kv_bytes_per_token("auto")
+    kv_dtype = "int8" if h.prefer_capacity or h.kv_cache_dtype == "int8" else "auto"
+    kv_token = cpu_shape.kv_bytes_per_token(kv_dtype)
     weights = cpu_shape.weight_bytes
     tokens = MIN_BATCHED_TOKENS
     if h.p99_prompt_tokens:
@@ -461,7 +492,14 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     )
     reasons["gpu_memory_utilization"] = "CPU pod: not used (kv_cache_memory_bytes sizes the cache)"
     reasons["tensor_parallel_size"] = "CPU pod: one process"
-    reasons["kv_cache_dtype"] = "CPU: KV in the engine's float32 compute dtype (no FP8 on CPU)"
+    reasons["kv_cache_dtype"] = (
+        "CPU, "
+        + ("capacity preferred" if h.prefer_capacity else "set explicitly")
+        + ": "
+        + int8_trade(cpu_shape, "float32")
+        if kv_dtype == "int8"
+        else "CPU: KV in the engine's float32 compute dtype (no FP8 on CPU; prefer capacity for INT8)"
+    )
     reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
     reasons["num_gpu_blocks"] = f"{human_bytes(kv_mem)} / {block_bytes} B per block = {capacity} tokens"
     reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B"
@@ -476,7 +514,7 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     )
     host, disk, pvc = _offload(kv_bytes, h, reasons, cpu=True)
     return Plan(
-        gpu_memory_utilization=None, max_model_len=max_len, block_size=block_size, kv_cache_dtype="auto",
+        gpu_memory_utilization=None, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=1, num_gpu_blocks=blocks,
         kv_cache_bytes=kv_bytes, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=pvc,
         kv_cache_memory_bytes=kv_mem, device="cpu", model=shape.name, gpu=None, kv_bytes_per_token=kv_token,

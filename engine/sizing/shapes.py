@@ -20,7 +20,16 @@ DTYPE_BYTES = {
     "float16": 2, "fp16": 2, "half": 2,
     "bfloat16": 2, "bf16": 2,
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1,
 }  # fmt: skip
+# INT8 KV caches keep one float32 scale per token, KV head and K|V beside the int8 values.
+KV_SCALE_BYTES = {"int8": 4}
+
+
+def kv_scale_bytes(kv_dtype: str | None) -> int:
+    """Scale bytes per token, KV head and K|V that a KV dtype adds to its elements (INT8: 4, else 0)."""
+    return KV_SCALE_BYTES.get(str(kv_dtype or "").lower().removeprefix("torch."), 0)
+
 
 _SAFETENSORS_DTYPE = {"F64": "float32", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -52,9 +61,14 @@ class ModelShape:
     tie_word_embeddings: bool = False
 
     def kv_bytes_per_token(self, kv_dtype: str | None = "auto") -> int:
-        """2 (K and V) x layers x KV heads x head_dim x bytes per element; "auto" = the model's dtype."""
+        """2 (K and V) x layers x KV heads x (head_dim x bytes per element + scale bytes); "auto" = the
+        model's dtype. INT8 counts its per-token, per-head float32 scales (4 bytes per head and K|V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_head_bytes(kv_dtype)
+
+    def kv_head_bytes(self, kv_dtype: str | None = "auto") -> int:
+        """Bytes of one token's K (or V) for one KV head, scales included."""
         kv = self.dtype if kv_dtype in (None, "auto") else kv_dtype
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(kv)
+        return self.head_dim * dtype_bytes(kv) + kv_scale_bytes(kv)
 
     def weight_bytes_as(self, dtype: str) -> int:
         """Weight bytes if the parameters are held in `dtype` (the CPU engine runs in float32)."""

@@ -100,8 +100,8 @@ def _tiny_llama(tmp_path, tokenizer_dir, sliding_window=None):
     return out
 
 
-@pytest.mark.parametrize("sliding_window", [None, 12])
-def test_engine_greedy_tokens_match_torch_backend(tmp_path, tokenizer_dir, sliding_window):
+@pytest.mark.parametrize(("sliding_window", "kv_cache_dtype"), [(None, "auto"), (12, "auto"), (None, "int8")])
+def test_engine_greedy_tokens_match_torch_backend(tmp_path, tokenizer_dir, sliding_window, kv_cache_dtype):
     from pagoda.engine import LLM, SamplingParams
 
     model_dir = _tiny_llama(tmp_path, tokenizer_dir, sliding_window)
@@ -116,6 +116,7 @@ def test_engine_greedy_tokens_match_torch_backend(tmp_path, tokenizer_dir, slidi
         llm = LLM(
             model=str(model_dir), attention_backend=backend, device="cpu", block_size=16,
             kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32, max_model_len=128,
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
