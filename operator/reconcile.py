@@ -242,7 +242,7 @@ class Reconciler:
             return outcome
 
         monitor = await self.monitoring_available()
-        keda = spec.autoscaling is not None and await self.keda_available()
+        keda = await self.keda_available()  # also when autoscaling is off: its ScaledObject must go
         sts_live = None
         fresh = not old_status  # never reconciled: its children are most likely absent, create first
         for child in render.children(body, spec, decision, with_service_monitor=monitor, with_keda=keda):

@@ -14,8 +14,10 @@ spec's bounds, in this order:
    targetContext (or p99 prompt + output, else MIN_MODEL_LEN); skipped when the spec sets maxModelLen.
 3. max-num-seqs halved, not below workload.minConcurrency; skipped when the spec sets maxNumSeqs.
 
-The settings live in status.refit (with the failure that caused each change) for as long as the spec's
-generation does not change; a spec change starts over from a fresh plan. After MAX_ATTEMPTS starts in a row
+The settings live in status.refit (with the failure that caused each change) for as long as the spec does
+not change, replicas aside (an autoscaler writes them; spec_key); any other spec change starts over from a
+fresh plan. An engine image upgrade whose pods measure a different memory profile re-plans through the same
+record and bound (profile.py). After MAX_ATTEMPTS starts in a row
 end in a memory failure (or no setting has room left), Ready=False with reason RefitExhausted and the operator
 writes nothing more for that generation.
 """

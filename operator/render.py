@@ -461,7 +461,7 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, An
 def quantity(value: float) -> str:
     """A number as the API server writes a Quantity back (800m, 4, 2500m): rendered in canonical form, or
     every reconcile would see drift."""
-    milli = round(value * 1000)
+    milli = max(round(value * 1000), 1)  # a positive target never renders as 0
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
@@ -571,7 +571,7 @@ def scaled_object(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
                         "metadata": {
                             "serverAddress": prometheus_url(),
                             "query": query,
-                            "threshold": f"{auto.target:g}",
+                            "threshold": f"{auto.target:.15g}",
                         },
                     }
                 ],

@@ -162,6 +162,8 @@ def specs(draw: st.DrawFn, overrides: bool) -> dict[str, Any]:
             }
         )
     spec["engine"] = engine
+    if draw(st.booleans()):  # the drain timeout becomes --shutdown-grace-seconds
+        spec["drain"] = {"timeoutSeconds": draw(st.integers(0, 3600))}
     return spec
 
 
@@ -191,6 +193,8 @@ def test_what_the_operator_plans_the_engine_accepts(spec: dict[str, Any]) -> Non
     report = check(dry_run_argv(decision, args))
     assert report.plan is not None
     assert report.config.max_model_len == int(flag(args, "--max-model-len"))
+    drain = spec.get("drain", {}).get("timeoutSeconds", 60)
+    assert float(flag(args, "--shutdown-grace-seconds")) == drain
     if spec["model"].get("revision"):
         assert report.config.revision == spec["model"]["revision"]
 

@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pagoda.operator import render
-from pagoda.operator.spec import ROUTING_POLICIES, parse_spec
+from pagoda.operator.spec import AUTOSCALING_METRICS, ROUTING_POLICIES, SpecError, parse_spec
 from pagoda_testkit import EXAMPLES, example
 
 PAGODA = str(Path(sys.executable).parent / "pagoda")
@@ -87,3 +90,67 @@ def test_a_refused_router_command_exits_2() -> None:
     args[args.index("--policy") + 1] = "random"
     r = subprocess.run([PAGODA, "router", *args, "--dry-run"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--policy" in r.stderr
+
+
+@st.composite
+def routed_specs(draw: st.DrawFn) -> dict[str, Any]:
+    """Specs with and without a policy, autoscaling, an API key, over the model kinds."""
+    source = draw(st.sampled_from(["default", "hf://meta-llama/Llama-3.1-8B-Instruct", "pvc://models/m"]))
+    spec: dict[str, Any] = {
+        "model": {"source": source},
+        "replicas": draw(st.integers(0, 4)),
+        "gpu": {"count": 0},
+    }
+    if source.startswith("pvc"):
+        spec["model"]["shape"] = {"numLayers": 2, "numAttentionHeads": 2, "hiddenSize": 64, "vocabSize": 100}
+    policy = draw(st.none() | st.sampled_from([*ROUTING_POLICIES, "none"]))
+    if policy is not None:
+        spec["routing"] = {"policy": policy}
+    if draw(st.booleans()):
+        metric = draw(st.sampled_from(sorted(AUTOSCALING_METRICS)))
+        low, high, _ = AUTOSCALING_METRICS[metric]
+        least = draw(st.integers(1, 5))
+        spec["autoscaling"] = {
+            "minReplicas": least,
+            "maxReplicas": draw(st.integers(least, 20)),
+            "metric": metric,
+            "target": draw(
+                st.floats(low, high, exclude_min=True).map(lambda t: round(t, 3)).filter(lambda t: t > 0)
+            ),
+        }
+    if draw(st.booleans()):
+        spec["apiKeySecretRef"] = {"name": "key"}
+    return spec
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routed_specs())
+def test_generated_specs_render_a_router_the_router_accepts_and_a_valid_autoscaler(
+    spec: dict[str, Any],
+) -> None:
+    cli = pytest.importorskip("pagoda.router.cli")
+    try:
+        parsed = parse_spec(spec)
+    except SpecError as exc:  # a target rounded onto a bound: refused with a condition, never rendered
+        assert exc.reason == "InvalidAutoscaling", exc
+        return
+    most = max(spec["replicas"], spec.get("autoscaling", {}).get("maxReplicas", 0))
+    policy = spec.get("routing", {}).get("policy")
+    expected = (None if policy == "none" else policy) if policy else ("tierAware" if most > 1 else None)
+    assert parsed.routing.policy == expected
+    body = {"metadata": {"name": "g", "namespace": "ns", "uid": "u"}, "spec": spec}
+    if expected is not None:
+        container = router_container(body)
+        config = cli.config_from_args(cli.build_parser().parse_args([*container["args"], "--dry-run"]))
+        assert config.policy == expected
+    if parsed.autoscaling is not None:
+        hpa = render.hpa(body, parsed)
+        kubernetes_validate.validate(hpa, "1.30.0", strict=True)
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        target = hpa["spec"]["metrics"][0].get("pods", hpa["spec"]["metrics"][0].get("external"))["target"]
+        value = target.get("averageValue") or target.get("value")
+        milli = int(value[:-1]) if value.endswith("m") else int(value) * 1000
+        assert milli == max(round(parsed.autoscaling.target * 1000), 1)  # a Quantity, to the milli-unit
+        assert parsed.autoscaling.min_replicas <= parsed.engine_replicas <= parsed.autoscaling.max_replicas
+        scaled = render.scaled_object(body, parsed)
+        assert float(scaled["spec"]["triggers"][0]["metadata"]["threshold"]) == parsed.autoscaling.target

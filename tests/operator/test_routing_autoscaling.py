@@ -250,3 +250,46 @@ async def test_invalid_routing_and_autoscaling_are_conditions_and_events(cluster
         await cluster.settle(quiet=1.0)
         assert operator_writes(cluster, mark) == []
         assert not operator.done()
+
+
+async def test_keda_installed_later_replaces_the_hpa_and_autoscaling_off_removes_both(
+    cluster: Cluster,
+) -> None:
+    """The reconciler alone (no kopf), so the test decides when the KEDA API is looked up again."""
+    from pagoda.operator.discovery import node_gpus
+    from pagoda.operator.kube import Kube
+    from pagoda.operator.metrics import OperatorMetrics
+    from pagoda.operator.reconcile import Reconciler
+    from pagoda_testkit import node
+
+    nodes = [node_gpus(node("gpu-l40s-1", "l40s"))]
+    created = await cluster.create(routed())
+    kube = Kube(cluster.url)
+    try:
+        rec = Reconciler(kube, OperatorMetrics())
+        await rec.reconcile("default", NAME, nodes, created)
+        assert cluster.get(HPA, "default", NAME) is not None
+        await cluster._call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", KEDA_CRD)
+        rec._apis.clear()  # the 60 s cache of discovered APIs, expired
+        outcome = await rec.reconcile("default", NAME, nodes)
+        assert cluster.get(SCALED, "default", NAME) is not None and cluster.get(HPA, "default", NAME) is None
+        assert f"deleted HorizontalPodAutoscaler default/{NAME}" in outcome.writes
+        assert (await rec.reconcile("default", NAME, nodes)).writes == []  # idempotent
+        await cluster.patch(INFD, "default", NAME, {"spec": {"autoscaling": None}})
+        outcome = await rec.reconcile("default", NAME, nodes)
+        assert cluster.get(SCALED, "default", NAME) is None
+        assert f"deleted ScaledObject default/{NAME}" in outcome.writes
+        # an HPA someone else made under that name is not ours to delete
+        foreign = {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": NAME},
+        }
+        foreign["spec"] = {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2}
+        await cluster._call(
+            "POST", "/apis/autoscaling/v2/namespaces/default/horizontalpodautoscalers", foreign
+        )
+        await rec.reconcile("default", NAME, nodes)
+        assert cluster.get(HPA, "default", NAME) is not None
+    finally:
+        await kube.close()
