@@ -164,9 +164,6 @@ class ModelRunner:
         d = torch.tensor(dst, device=self.device)
         for cache in self.kv_caches:
             cache.kv[:, d] = cache.kv[:, s]
-
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, *block_shape] on the host (pinned on CUDA)."""
             if cache.scales is not None:  # INT8: a block's scales go with it
                 cache.scales[:, d] = cache.scales[:, s]
 
@@ -177,6 +174,9 @@ class ModelRunner:
             return kv
         scales = cache.scales.index_select(1, ids).unsqueeze(-1).view(torch.int8)  # [2, n, bs, H, 4]
         return torch.cat((kv, scales), dim=-1)
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, *block_shape] on the host (pinned on CUDA)."""
         pin = self.device.type == "cuda"
         ids = torch.tensor(block_ids, device=self.device)
         dtype = self.kv_caches[0].kv.dtype
@@ -197,6 +197,7 @@ class ModelRunner:
             )
         if self.device.type == "cuda":
             stacked = stacked.to(self.device, non_blocking=True)
+        d = self.head_dim
         for layer, cache in enumerate(self.kv_caches):
             rows = stacked[:, layer].transpose(0, 1)  # [2, n, bs, H, D(+4)]
             if cache.scales is None:
@@ -212,7 +213,6 @@ class ModelRunner:
         result = RunnerOutput()
         step = None if out.empty else prepare_step(out.scheduled)
         if self.peers is not None and (out.kv_ops or step is not None):
-        d = self.head_dim
             self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
             start = time.perf_counter()
