@@ -1,9 +1,10 @@
 """Every dashboard and alert query, evaluated by the real Prometheus server scraping the real engine and operator.
 
 `pagoda serve` (the default embedded model, with host and disk offload tiers) gets a short load through the
-official `openai` client; the real `pagoda-operator` process reconciles InferenceDeployments in kmock's
-emulated cluster and serves its metrics endpoint. Prometheus scrapes both every second with the labels the ServiceMonitors give
-engine pods in Kubernetes (namespace, pod, app_kubernetes_io_name, app_kubernetes_io_instance).
+official `openai` client, directly and through a real `pagoda router` in front of it (the Router row); the
+real `pagoda-operator` process reconciles InferenceDeployments in kmock's emulated cluster and serves its
+metrics endpoint. Prometheus scrapes them every second with the labels the ServiceMonitors give the pods in
+Kubernetes (namespace, pod, app_kubernetes_io_name, app_kubernetes_io_instance).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ ENGINE_LABELS = {
     "app_kubernetes_io_instance": "chat",
 }
 OPERATOR_LABELS = {"namespace": "pagoda-system", "pod": "pagoda-operator-0"}
+# the InferenceDeployment's router pod (spec.routing), scraped through its client Service
+ROUTER_LABELS = {
+    "namespace": "llm",
+    "pod": "chat-router-0",
+    "app_kubernetes_io_name": "pagoda-router",
+    "app_kubernetes_io_instance": "chat",
+}
 RATE_WINDOW = "30s"  # stands in for $__rate_interval: at a 1s scrape, 30 samples
 
 
@@ -75,6 +83,32 @@ def engine(tmp_path_factory, dash):
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log, timeout=420, dash=dash)
         _load(f"http://127.0.0.1:{port}/v1")
         yield dash.Target("engine", f"127.0.0.1:{port}", ENGINE_LABELS)
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory, dash, engine):
+    """`pagoda router` in front of the engine (a static backend where the pod resolves the headless
+    Service), after the same short load sent through it."""
+    work = tmp_path_factory.mktemp("router")
+    port = dash.free_port()
+    log = work / "router.log"
+    cmd = [
+        str(ROOT / ".venv" / "bin" / "pagoda"),
+        "router",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--policy", "tierAware",
+        "--backend", f"http://{engine.address}",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, log, timeout=120, dash=dash)
+        _load(f"http://127.0.0.1:{port}/v1")
+        yield dash.Target("router", f"127.0.0.1:{port}", ROUTER_LABELS)
     finally:
         _stop(proc)
 
@@ -185,9 +219,9 @@ def operator_prometheus(tmp_path_factory, dash, operator):
 
 
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory, dash, engine, operator):
-    """Prometheus scraping the engine (after its load) and the operator."""
-    prom = _prometheus(tmp_path_factory.mktemp("prometheus"), dash, [engine, operator])
+def prometheus(tmp_path_factory, dash, engine, operator, router):
+    """Prometheus scraping the engine (after its load), the router in front of it and the operator."""
+    prom = _prometheus(tmp_path_factory.mktemp("prometheus"), dash, [engine, operator, router])
     yield prom
     prom.stop()
 
@@ -214,7 +248,7 @@ SIDES = {"operator.json": ("operator", "operator_prometheus"), "engine.json": ("
 def _used_metrics(dash, dashboard: str, with_alerts: bool) -> dict[str, str]:
     used = {}
     for name, title, expr in dash.panel_queries():
-        if name == dashboard and not dash.is_router_expr(expr):  # the router's: test_dashboards.py
+        if name == dashboard:
             for metric in dash.metric_names(expr):
                 used.setdefault(metric, f"{name} / {title}")
     if with_alerts:
@@ -231,6 +265,8 @@ def test_every_metric_queried_is_exported_by_the_real_endpoint(request, dash, da
     """The static check against the real /metrics output, dashboards and alerts alike."""
     target = request.getfixturevalue(SIDES[dashboard][0])
     exported = _exported(target, dash)
+    if dashboard == "engine.json":  # its Router row: the router's own endpoint
+        exported |= _exported(request.getfixturevalue("router"), dash)
     used = _used_metrics(dash, dashboard, with_alerts=True)
     missing = sorted(f"{m} ({where})" for m, where in used.items() if m != "up" and m not in exported)
     assert not missing, f"queried but not exported by {target.job} /metrics: {missing}"
@@ -243,8 +279,6 @@ def test_every_panel_query_returns_series(request, dash, dashboard):
     failures, checked = [], 0
     for panel in dash.panels(dash.dashboards()[dashboard]):
         for target in panel["targets"]:
-            if dash.is_router_expr(target["expr"]):
-                continue  # no router scraped here; its names are checked against RouterMetrics statically
             expr = dash.fill(target["expr"], values)
             res = prometheus.query(expr)
             checked += 1
@@ -330,8 +364,6 @@ def test_latency_panels_show_real_durations(prometheus, engine, dash):
         if floor is None:
             continue
         for target in panel["targets"]:
-            if dash.is_router_expr(target["expr"]):
-                continue  # no router scraped here; its names are checked against RouterMetrics statically
             expr = dash.fill(target["expr"], values)
             result = prometheus.query(expr)["data"]["result"]
             assert result, f"{panel['title']}: no series ({expr})"
