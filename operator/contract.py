@@ -9,6 +9,8 @@ becomes a condition and an Event on the InferenceDeployment, never a crash-loopi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 from pagoda.engine.cli.dry_run import DryRunError, DryRunReport, check, shape_config
@@ -16,6 +18,7 @@ from pagoda.operator.planning import Decision
 from pagoda.operator.spec import SpecError
 
 REASON = "EngineWouldRefuse"
+ROUTER_REASON = "RouterWouldRefuse"
 
 
 def dry_run_argv(decision: Decision, args: list[str]) -> list[str]:
@@ -40,3 +43,28 @@ def check_engine_args(decision: Decision, args: list[str]) -> DryRunReport:
         raise SpecError(
             "engine", f"the engine would refuse to start with this plan: {exc}", reason=REASON
         ) from None
+
+
+def check_router_args(args: list[str]) -> None:
+    """`pagoda router ARGS --dry-run` in process (the router's parser and validation); a SpecError (reason
+    RouterWouldRefuse) with the router's words where the router pod would refuse to start. A build without
+    the router package checks nothing here (tests/contract/test_router_args.py does)."""
+    try:
+        from pagoda.router.cli import build_parser, config_from_args
+        from pagoda.router.config import ConfigError
+    except ImportError:
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parsed = build_parser().parse_args([*args, "--dry-run"])
+        config_from_args(parsed)
+    except SystemExit:  # argparse: an unknown flag or a bad value
+        words = said.getvalue().strip().splitlines()
+        raise SpecError(
+            "routing",
+            f"the router would refuse to start: {words[-1] if words else 'bad arguments'}",
+            ROUTER_REASON,
+        ) from None
+    except ConfigError as exc:
+        raise SpecError("routing", f"the router would refuse to start: {exc}", reason=ROUTER_REASON) from None

@@ -21,7 +21,7 @@ from typing import Any
 from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
 from pagoda.operator import render
-from pagoda.operator.contract import check_engine_args
+from pagoda.operator.contract import check_engine_args, check_router_args
 from pagoda.operator.discovery import NodeGPUs, pools
 from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
@@ -231,6 +231,8 @@ class Reconciler:
             check_image(spec.image, self.allowed_images)  # before anything is created or changed
             decision = decide(spec, pools(nodes), refit)
             check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
+            if spec.routing.policy is not None:
+                check_router_args(render.router_args(body, spec))  # nor a router pod
         except SpecError as err:
             outcome.error = err
             status = error_status(body, err, refit)

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
 from pagoda.operator import render
-from pagoda.operator.contract import check_engine_args
+from pagoda.operator.contract import check_engine_args, check_router_args
 from pagoda.operator.discovery import GPUPool, node_gpus, pools
 from pagoda.operator.planning import Decision, decide
 from pagoda.operator.spec import SpecError, parse_spec
@@ -53,6 +53,8 @@ def render_document(
     decision = decide(spec, available)
     check_engine_args(decision, render.engine_args(spec, decision))  # what the operator refuses, refused here
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
+    if spec.routing.policy is not None:
+        check_router_args(render.router_args(body, spec))
     return decision, render.children(body, spec, decision, with_service_monitor=service_monitor)
 
 

@@ -154,3 +154,21 @@ def test_generated_specs_render_a_router_the_router_accepts_and_a_valid_autoscal
         assert parsed.autoscaling.min_replicas <= parsed.engine_replicas <= parsed.autoscaling.max_replicas
         scaled = render.scaled_object(body, parsed)
         assert float(scaled["spec"]["triggers"][0]["metadata"]["threshold"]) == parsed.autoscaling.target
+
+
+def test_the_operator_refuses_what_the_router_would_refuse_in_process() -> None:
+    """operator/contract.py: the same parser and validation before any router pod exists (Ready=False,
+    reason RouterWouldRefuse), with the router's own words."""
+    pytest.importorskip("pagoda.router.cli")
+    from pagoda.operator.contract import ROUTER_REASON, check_router_args
+
+    args = router_container(example("llama-3.1-8b-l40s-routed-autoscaled.yaml"))["args"]
+    check_router_args(args)  # what the operator renders passes
+    bad = list(args)
+    bad[bad.index("--backend-dns") + 1] = "no-port"
+    with pytest.raises(SpecError) as info:
+        check_router_args(bad)
+    assert info.value.reason == ROUTER_REASON and "HOST:PORT" in str(info.value)
+    with pytest.raises(SpecError) as info:
+        check_router_args([*args, "--no-such-flag"])
+    assert info.value.reason == ROUTER_REASON and "--no-such-flag" in str(info.value)
