@@ -194,3 +194,23 @@ async def test_the_image_replan_counts_against_the_refit_bound(cluster: Cluster)
         assert state["refit"]["exhausted"] is True and state["refit"]["attempts"] == 3
         assert state["refit"]["lastFailure"]["reason"] == profile.REASON
         assert plan_of(cluster.get(STS, "default", NAME)) == plan_of(sts)  # not rolled again
+
+
+async def test_an_unreadable_profile_changes_nothing(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No answer from the pod (an API key on /pagoda/memory, a proxy error): logged, nothing written, and the
+    next Ready pod of the image is asked again."""
+    async with running_operator(cluster):
+        sts = await upgraded(cluster)
+        mark = cluster.emulator.request_count
+        await add_pod(cluster, ready_pod(sts, 0))  # the emulator's proxy has no answer for it: 503
+        await cluster.settle()
+        assert [str(w.method) for w in cluster.emulator.writes(mark)] == ["method.POST"]  # the test's pod
+        assert status(cluster)["planImage"] == default_image() and "refit" not in status(cluster)
+        assert any("could not read the memory profile" in r.getMessage() for r in caplog.records)
+        serve_profile(
+            cluster, f"{NAME}-1", measured(status(cluster)["plan"], kv_share=1.0, weights_share=1.0)
+        )
+        await add_pod(cluster, ready_pod(sts, 1))
+        await cluster.wait_for(lambda: status(cluster).get("planImage") == NEW_IMAGE, what="checked on pod 1")
