@@ -257,3 +257,35 @@ def test_docs_state_the_queue_rule_the_operator_uses() -> None:
     assert f"/ {planning.QUEUE_MEMORY_DIVISOR} /" in text
     per_request = planning.QUEUED_BYTES_PER_REQUEST // 1024
     assert f"(max_model_len × {planning.QUEUED_BYTES_PER_TOKEN} B + {per_request} KiB)" in text
+
+
+def test_docs_and_crd_state_what_the_operator_renders() -> None:
+    """docs/operator.md's adapter names, drain numbers and targets, and the CRD's defaults, are render.py's
+    and spec.py's (a change to one without the other fails here)."""
+    import yaml
+    from pagoda.operator import render
+    from pagoda.operator.spec import AUTOSCALING_METRICS, DEFAULT_DRAIN_SECONDS
+    from pagoda_testkit import ROOT
+
+    text = " ".join((ROOT / "docs" / "operator.md").read_text().split())
+    for metric, (kind, name) in render.ADAPTER_METRICS.items():
+        low, high, default = AUTOSCALING_METRICS[metric]
+        assert f"| `{metric}` |" in text and f"| {kind} `{name}` |" in text, metric
+        assert f"({low:g}, {high:g}] ({default:g})" in text, metric
+        assert f'as: "{name}"' in text, name  # the adapter rule exposing it
+    assert f"`preStop` pause of {render.PRESTOP_SECONDS} s" in text
+    assert f"(default {DEFAULT_DRAIN_SECONDS}, rendered as `--shutdown-grace-seconds`)" in text
+    assert f"{render.PRESTOP_SECONDS} + the drain timeout + {render.GRACE_MARGIN_SECONDS}" in text
+    spec = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    props = spec["properties"]["spec"]["properties"]
+    assert props["drain"]["properties"]["timeoutSeconds"]["default"] == DEFAULT_DRAIN_SECONDS
+    assert props["autoscaling"]["properties"]["metric"]["enum"] == list(AUTOSCALING_METRICS)
+    assert props["routing"]["properties"]["policy"]["enum"] == [
+        "roundRobin",
+        "leastLoaded",
+        "prefix",
+        "tierAware",
+        "none",
+    ]
+    grace = render.PRESTOP_SECONDS + render.GRACE_MARGIN_SECONDS
+    assert f"this plus {grace}" in props["drain"]["properties"]["timeoutSeconds"]["description"]
