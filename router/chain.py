@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -85,16 +87,66 @@ def render_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ChainHasher:
-    """Token ids and block hashes of a request body, for one (block size, extra keys) pair."""
+    """Token ids of a request body as the engine computes them.
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    A chat prompt is cut at the tokenizer's added tokens (``<|im_start|>`` ...), which the tokenizer also
+    splits on before anything else, and each piece between them is encoded once and remembered: a
+    conversation re-sends the same system prompt and history every turn, so only the new turn costs
+    anything. A self-check at start falls back to whole-text encoding if the pieces ever disagree.
+    """
+
+    def __init__(self, tokenizer: Any | None, cache_size: int = 4096) -> None:
         self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._split: re.Pattern[str] | None = None
+        self._special: dict[str, int] = {}
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_size = cache_size
+        if self._backend is not None:
+            added = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
+            if added:
+                self._special = added
+                self._split = re.compile(
+                    "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
+                )
+                if not self._self_check():
+                    log.warning("piecewise tokenizing disagrees with the tokenizer; encoding whole prompts")
+                    self._split = None
+
+    def _self_check(self) -> bool:
+        sample = "".join(
+            f"{tok}user\nHello, {tok[::-1]} world!  \n\tx{tok}" for tok in list(self._special)[:8]
+        )
+        sample += " trailing text ok"
+        return self._encode_pieces(sample) == self._backend.encode(sample, add_special_tokens=False).ids
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        assert self._split is not None
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._special.get(piece)
+            if special is not None:
+                out.append(special)
+                continue
+            ids = self._pieces.get(piece)
+            if ids is None:
+                ids = self._backend.encode(piece, add_special_tokens=False).ids
+                self._pieces[piece] = ids
+                if len(self._pieces) > self._cache_size:
+                    self._pieces.popitem(last=False)
+            else:
+                self._pieces.move_to_end(piece)
+            out.extend(ids)
+        return out
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The fast tokenizer's Rust encoder directly: the same ids, without the Python wrapper's cost."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens and self._split is not None:
+            return self._encode_pieces(text)
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:

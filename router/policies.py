@@ -46,6 +46,19 @@ class Decision:
     cost_s: float | None = None
 
 
+def steady_rates(cands: Sequence[Candidate]) -> None:
+    """Clamp each replica's measured prefill rate to within 2x of the replicas' median: one noisy
+    measurement (a short step on a busy machine) must not outweigh a cached prefix. Replicas of one
+    deployment run the same model on the same hardware, so a real difference beyond 2x is rare."""
+    rates = sorted(c.prefill_tps for c in cands if c.prefill_tps)
+    if len(rates) < 2:
+        return
+    median = rates[len(rates) // 2]
+    for c in cands:
+        if c.prefill_tps:
+            c.prefill_tps = min(max(c.prefill_tps, median / 2), median * 2)
+
+
 class Router:
     """Keeps the round-robin cursor; ``choose`` is called once per request (retries exclude replicas)."""
 
@@ -110,6 +123,7 @@ class Router:
         return seconds, held
 
     def _tier_aware(self, cands: list[Candidate], chain: Sequence[str], num_tokens: int) -> Decision:
+        steady_rates(cands)
         scored = [(*self.cost(c, chain, num_tokens), c) for c in cands]
         best = min(s for s, _, _ in scored)
         ties = [c for s, _, c in scored if s <= best * 1.0001 + 1e-9]

@@ -30,9 +30,9 @@ _EMA = 0.2  # weight of the newest observation in the rate averages
 class RateTracker:
     """A StatLogger that keeps moving averages of the replica's prefill and tier-load rates.
 
-    Prefill: prompt tokens of a step over the time since the previous step, counted only when the engine
-    was busy back to back (the gap is then the step's duration); tier loads: tokens loaded over the
-    tier's measured load seconds.
+    Prefill: prompt tokens of a step (64 or more) over an upper bound of the step's duration (the gap since
+    the previous step when the engine ran back to back, or the TTFT of the one request whose first token
+    the step made), so the rate errs low; tier loads: tokens loaded over the tier's measured load seconds.
     """
 
     def __init__(self) -> None:
@@ -48,8 +48,15 @@ class RateTracker:
         busy = bool(it.num_prompt_tokens or it.num_generation_tokens)
         with self._lock:
             gap = None if self._last is None else now - self._last
-            if gap is not None and self._last_busy and 0 < gap < 2.0 and it.num_prompt_tokens >= 16:
-                self.prefill_tokens_per_s = _avg(self.prefill_tokens_per_s, it.num_prompt_tokens / gap)
+            if it.num_prompt_tokens >= 64:
+                # Both bound the step's duration from above: the gap since the previous step when the
+                # engine ran back to back, and the TTFT of a request whose first token this step made.
+                spans = [gap] if gap is not None and self._last_busy and gap < 2.0 else []
+                if len(it.time_to_first_tokens) == 1:
+                    spans.append(it.time_to_first_tokens[0])
+                span = min(spans, default=0.0)
+                if span > 0:
+                    self.prefill_tokens_per_s = _avg(self.prefill_tokens_per_s, it.num_prompt_tokens / span)
             for tier, per in (it.offload or {}).items():
                 seconds = sum(per.get("load_seconds", ()))
                 tokens = it.cached_tokens_by_source.get(tier, 0)
