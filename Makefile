@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp clean
+.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial clean
 
 install: $(STAMP)
 
@@ -53,6 +53,9 @@ bench-tp: install
 
 bench-offload: install
 	$(PY) benchmarks/bench_offload.py
+
+bench-prefix-partial: install
+	$(PY) benchmarks/bench_prefix_partial.py
 
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py

@@ -12,6 +12,7 @@ from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+KV_EVICTION = ("none", "streaming")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
 
 
@@ -80,6 +81,26 @@ class EngineConfig:
     kv_offload_host_bytes: int | None = _opt(None, "host-RAM KV tier size, e.g. 8GiB", parser="bytes")
     kv_offload_disk_dir: str | None = _opt(None, "directory of the disk KV tier (e.g. an NVMe volume)")
     kv_offload_disk_bytes: int | None = _opt(None, "disk KV tier size, e.g. 100GiB", parser="bytes")
+    kv_eviction: str = _opt(
+        "none",
+        "what a sequence at max-model-len does: none = stop (finish_reason length); streaming = keep the "
+        "first --kv-sink-tokens and the last --kv-window-tokens in the KV cache and go on (attention sinks); "
+        "requests may also opt in with kv_eviction in their body",
+        choices=KV_EVICTION,
+    )
+    kv_sink_tokens: int = _opt(
+        16, "attention-sink tokens kept for good under streaming eviction (rounded up to whole blocks)"
+    )
+    kv_window_tokens: int | None = _opt(
+        None,
+        "most recent tokens kept under streaming eviction (blocks between sinks and window are freed); "
+        "default: max-model-len minus the sink blocks",
+    )
+    enable_partial_prefix_reuse: bool = _opt(
+        True,
+        "on a prefix hit, also reuse the matching first tokens of a cached block after the last whole-block "
+        "match (copied into a fresh block)",
+    )
     skip_tokenizer_init: bool = _opt(
         False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"
     )
@@ -131,6 +152,14 @@ class EngineConfig:
             bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "must be a positive integer")
+        if self.kv_eviction not in KV_EVICTION:
+            bad("kv_eviction", f"must be one of {', '.join(KV_EVICTION)}")
+        if not isinstance(self.kv_sink_tokens, int) or self.kv_sink_tokens < 0:
+            bad("kv_sink_tokens", "must be a non-negative integer")
+        if self.kv_window_tokens is not None and (
+            not isinstance(self.kv_window_tokens, int) or self.kv_window_tokens < 2 * self.block_size
+        ):
+            bad("kv_window_tokens", f"must be an integer of at least 2 blocks ({2 * self.block_size})")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,6 +30,7 @@ from pagoda.engine.distributed.parallel_state import (
 from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
 from pagoda.engine.distributed.workers import Allocate, TPWorkers, free_tcp_port
 from pagoda.engine.kv_cache.ops import SaveBlock
+from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.memory import cpu_kv_cache_bytes
 from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
@@ -164,9 +165,13 @@ class LLMEngine:
                 num_blocks=self.num_blocks,
                 block_size=block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
+                enable_partial_prefix_reuse=config.enable_partial_prefix_reuse,
                 extra_keys=(self.fingerprint, str(kv_dtype), str(block_size)),
             ),
             offload,
+        )
+        self.streaming_defaults = StreamingDefaults(
+            config.kv_eviction, config.kv_sink_tokens, config.kv_window_tokens
         )
         self._aborted_outputs: list[RequestOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
@@ -290,7 +295,13 @@ class LLMEngine:
                 f"(at least one token must be left for the output)"
             )
         room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        streaming = resolve_streaming(
+            params, self.streaming_defaults, self.max_model_len, self.scheduler.kv.block_size, n
+        )
+        if streaming is not None and params.max_tokens is not None:
+            max_tokens = params.max_tokens  # sinks + window: the context never fills up
+        else:
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(
             request_id=request_id,
             prompt=text,
@@ -300,6 +311,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else now(),
             priority=priority,
             eos_token_ids=frozenset(self.eos_token_ids),
+            kv_streaming=streaming.as_tuple if streaming is not None else None,
         )
         self.scheduler.add_request(req)
 

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.distributed.workers import Step
-from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, SaveBlock
+from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
+from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -155,6 +156,8 @@ class ModelRunner:
             elif kind is SaveBlock:
                 data = self.gather_blocks([op.block_id for op in run])
                 saved.extend((op.block_hash, data[j]) for j, op in enumerate(run))
+            elif kind is RotateBlock:
+                self._rotate([op.block_id for op in run], [op.delta for op in run])
             else:
                 self._scatter([op.block_id for op in run], [op.data for op in run])
         return saved
@@ -174,6 +177,12 @@ class ModelRunner:
             return kv
         scales = cache.scales.index_select(1, ids).unsqueeze(-1).view(torch.int8)  # [2, n, bs, H, 4]
         return torch.cat((kv, scales), dim=-1)
+
+    def _rotate(self, block_ids: list[int], deltas: list[int]) -> None:
+        """Attention sinks: re-rotate the keys of blocks that moved down the cache (RotateBlock ops)."""
+        inv_freq = self.model.rotary.inv_freq
+        for cache in self.kv_caches:
+            rotate_keys_(cache.kv, getattr(cache, "scales", None), block_ids, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[n, *block_shape] on the host (pinned on CUDA)."""
@@ -309,7 +318,7 @@ def prepare_step(scheduled: list[ScheduledSeq]) -> StepInput:
     offset = 0
     for sched in scheduled:
         start, n = sched.start, sched.num_new_tokens
-        tokens.extend(sched.seq.token_ids[start : start + n])
+        tokens.extend(sched.seq.cache_tokens(start, n))
         positions.append(np.arange(start, start + n, dtype=np.int64))
         qlens.append(n)
         ctx.append(start)
@@ -333,6 +342,6 @@ def prepare_step(scheduled: list[ScheduledSeq]) -> StepInput:
 def _blocks_of(op: KVOp) -> set[int]:
     if isinstance(op, CopyBlock):
         return {op.src, op.dst}
-    if isinstance(op, SaveBlock | LoadBlock):
+    if isinstance(op, SaveBlock | LoadBlock | RotateBlock):
         return {op.block_id}
     raise TypeError(f"unknown KV op {op!r}")

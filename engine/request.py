@@ -45,10 +45,32 @@ class Sequence:
     last_token_time: float | None = None
     # Characters of the visible text already handed out in deltas.
     num_sent_chars: int = 0
+    # Attention sinks (StreamingLLM): the first kv_sink tokens stay in the cache for good; kv_dropped tokens
+    # right after them were evicted. The cache holds token_ids[:kv_sink] + token_ids[kv_sink + kv_dropped:],
+    # and num_computed_tokens counts cache tokens (cache positions), not positions in token_ids.
+    kv_sink: int = 0
+    kv_dropped: int = 0
+    num_evictions: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_cache_tokens(self) -> int:
+        """Tokens the KV cache must hold for this sequence (all of them unless some were evicted)."""
+        return len(self.token_ids) - self.kv_dropped
+
+    def cache_tokens(self, start: int, n: int) -> list[int]:
+        """Token ids at cache positions [start, start + n): the evicted middle is skipped."""
+        if self.kv_dropped == 0 or start + n <= self.kv_sink:
+            return self.token_ids[start : start + n]
+        if start >= self.kv_sink:
+            return self.token_ids[start + self.kv_dropped : start + n + self.kv_dropped]
+        return (
+            self.token_ids[start : self.kv_sink]
+            + self.token_ids[self.kv_sink + self.kv_dropped : start + n + self.kv_dropped]
+        )
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -80,6 +102,9 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     eos_token_ids: frozenset[int] = frozenset()  # ends the sequence unless params.ignore_eos
+    # Attention sinks (StreamingLLM), resolved at the door: None, or (sink tokens, whole blocks; most tokens
+    # the cache keeps). Such a request may run past max_model_len.
+    kv_streaming: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -99,6 +124,7 @@ class Request:
             generator=gen,
             prefix_offset=max(len(self.prompt_token_ids) - 5, 0),
             read_offset=len(self.prompt_token_ids),
+            kv_sink=self.kv_streaming[0] if self.kv_streaming else 0,
         )
 
     def fork_children(self) -> list[Sequence]:
@@ -108,6 +134,7 @@ class Request:
         for i in range(1, self.params.n):
             child = self._new_seq(i, list(parent.token_ids))
             child.num_computed_tokens = parent.num_computed_tokens
+            child.kv_dropped = parent.kv_dropped
             child.prefix_offset, child.read_offset = parent.prefix_offset, parent.read_offset
             child.has_blocks = True
             children.append(child)

@@ -24,6 +24,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top log-probabilities per generated token
     skip_special_tokens: bool = True
+    # Attention sinks for this request (None = the server's --kv-eviction / --kv-sink-tokens /
+    # --kv-window-tokens): "streaming" keeps sinks + a recent window and may generate past max_model_len.
+    kv_eviction: str | None = None
+    kv_sink_tokens: int | None = None
+    kv_window_tokens: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +70,12 @@ class SamplingParams:
             bad("logprobs", "must be non-negative")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if self.kv_eviction not in (None, "none", "streaming"):
+            bad("kv_eviction", "must be 'none' or 'streaming'")
+        for name in ("kv_sink_tokens", "kv_window_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                bad(name, "must be a non-negative integer")
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when a token id lies outside [0, vocab_size).

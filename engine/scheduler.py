@@ -45,6 +45,7 @@ class CacheConfig:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    enable_partial_prefix_reuse: bool = True
     extra_keys: tuple[str, ...] = ()
 
 
@@ -65,7 +66,7 @@ class ScheduledSeq:
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_cache_tokens
 
 
 @dataclass
@@ -176,6 +177,7 @@ class Scheduler:
             cache.num_blocks,
             cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
+            enable_partial_prefix_reuse=cache.enable_partial_prefix_reuse,
             extra_keys=cache.extra_keys,
             should_save=offload.should_save if offload is not None else None,
         )
@@ -245,6 +247,8 @@ class Scheduler:
                 num_new = self._num_new_tokens(seq, budget, out)
                 if num_new == 0:
                     continue
+                if req.kv_streaming is not None:
+                    self._evict_middle(req, seq, num_new)
                 while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
                     victim = self._pick_victim(exclude=req)
                     if victim is None:
@@ -270,7 +274,7 @@ class Scheduler:
             fits = True
             for seq in seqs:
                 num_new = self._num_new_tokens(seq, budget, out) if budget > 0 else 0
-                if num_new == 0 and seq.num_computed_tokens < seq.num_tokens:
+                if num_new == 0 and seq.num_computed_tokens < seq.num_cache_tokens:
                     fits = bool(planned)  # admit if at least one sequence got going
                     break
                 if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
@@ -318,16 +322,38 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Tokens to compute for seq this step; looks the prefix cache up for a sequence without blocks."""
         if not seq.has_blocks:
-            hit = self.kv.get_computed_tokens(seq.seq_id, seq.token_ids)
+            # After an attention-sink eviction the cache holds (and a restart recomputes) only the kept
+            # tokens, at their cache positions: that is what the prefix cache is asked about.
+            tokens = seq.token_ids if seq.kv_dropped == 0 else seq.cache_tokens(0, seq.num_cache_tokens)
+            hit = self.kv.get_computed_tokens(seq.seq_id, tokens)
             seq.has_blocks = True
-            seq.prefix_lookup = (seq.num_tokens if self.kv.enable_prefix_caching else 0, hit)
+            seq.prefix_lookup = (len(tokens) if self.kv.enable_prefix_caching else 0, hit)
             if self.offload is not None:
-                hit += self.offload.load_prefix(self.kv, seq.seq_id, seq.token_ids, hit)
+                hit += self.offload.load_prefix(self.kv, seq.seq_id, tokens, hit)
+            gained = self.kv.reuse_partial_block(seq.seq_id, tokens)
+            if gained:
+                hit += gained
+                seq.prefix_lookup = (seq.prefix_lookup[0], seq.prefix_lookup[1] + gained)
             seq.num_computed_tokens = hit
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_cache_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
         return budget if self.enable_chunked_prefill else 0
+
+    def _evict_middle(self, req: Request, seq: Sequence, num_new: int) -> None:
+        """Attention sinks: when the step would take the sequence's cache past its budget, free whole
+        blocks of computed tokens right after the sinks (the manager re-rotates the blocks that move down)."""
+        sink, cap = req.kv_streaming
+        over = seq.num_computed_tokens + num_new - cap
+        if over <= 0:
+            return
+        bs = self.kv.block_size
+        first = sink // bs
+        count = min(-(-over // bs), seq.num_computed_tokens // bs - first)
+        if count >= 1 and self.kv.drop_blocks(seq.seq_id, first, count):
+            seq.kv_dropped += count * bs
+            seq.num_computed_tokens -= count * bs
+            seq.num_evictions += 1
 
     def _pick_victim(self, exclude: Request) -> Request | None:
         """The lowest-ranked running request other than `exclude`: last admitted (fcfs) or lowest priority."""
@@ -371,7 +397,8 @@ class Scheduler:
                 if req.num_cached_tokens == 0:
                     req.num_cached_tokens = sched.start
             seq.num_computed_tokens = sched.start + sched.num_new_tokens
-            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            tokens = seq.token_ids if seq.kv_dropped == 0 else seq.cache_tokens(0, seq.num_cache_tokens)
+            self.kv.cache_blocks(seq.seq_id, tokens, seq.num_computed_tokens)
             for child in sched.sample_seqs[1:]:
                 child.num_computed_tokens = seq.num_computed_tokens
         updates: list[SeqUpdate] = []
@@ -422,7 +449,9 @@ class Scheduler:
                 seq.finish_reason = "stop"
         if check_stop is not None and not seq.finished:
             check_stop(req, seq)
-        if not seq.finished and (n_out >= req.max_tokens or seq.num_tokens >= self.config.max_model_len):
+        # Attention sinks keep the cache within max_model_len however long the sequence grows.
+        at_len = req.kv_streaming is None and seq.num_tokens >= self.config.max_model_len
+        if not seq.finished and (n_out >= req.max_tokens or at_len):
             seq.finish_reason = "length"
         if seq.finished:
             self._free_seq(seq)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from pagoda.engine.kv_cache.block_pool import Block, BlockPool, EvictHook
 from pagoda.engine.kv_cache.hashing import BlockHash, encode_extra_keys, hash_block_tokens, hash_full_blocks
-from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, KVOpLog, LoadBlock, SaveBlock
+from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, KVOpLog, LoadBlock, RotateBlock, SaveBlock
+from pagoda.engine.kv_cache.partial_index import PartialBlockIndex
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -33,6 +34,9 @@ class _SeqState:
     num_tokens: int = 0  # tokens whose slots were handed out: the next write starts here
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its first full blocks
     num_cached: int = 0  # leading blocks already offered to the cache index
+    # Attention sinks: after an eviction only the first cache_limit blocks (the sinks) may be cached, the
+    # rest hold KV that depended on dropped context.
+    cache_limit: int | None = None
 
 
 class KVCacheManager:
@@ -44,6 +48,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         extra_keys: tuple[str, ...] = (),
+        enable_partial_prefix_reuse: bool = False,
         on_evict: EvictHook | None = None,
         should_save: Callable[[BlockHash], bool] | None = None,
     ) -> None:
@@ -54,15 +59,18 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_partial_prefix_reuse = enable_partial_prefix_reuse and enable_prefix_caching
         self.extra_keys = tuple(extra_keys)
         self._extra = encode_extra_keys(self.extra_keys)
         self._observer = on_evict
         self._should_save = should_save
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, self._on_evict)
         self._seqs: dict[str, _SeqState] = {}
+        self.partial_index = PartialBlockIndex()
         self._ops = KVOpLog()
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
+        self.partial_reuse_tokens = 0  # of which found by sub-block reuse, cumulative
 
     # -- accounting ---------------------------------------------------------------------------------------
     @property
@@ -110,6 +118,7 @@ class KVCacheManager:
         return [] if state is None else list(state.hashes)
 
     def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        self.partial_index.remove(block_id)
         if self._observer is not None:
             self._observer(block_id, block_hash)
         if self._should_save is not None and self._should_save(block_hash):
@@ -190,6 +199,8 @@ class KVCacheManager:
                 f"got {num_computed_tokens}"
             )
         num_full = min(num_computed_tokens // self.block_size, len(state.blocks))
+        if state.cache_limit is not None:
+            num_full = min(num_full, state.cache_limit)
         if num_full <= state.num_cached:
             return
         if len(state.hashes) < num_full:
@@ -202,13 +213,54 @@ class KVCacheManager:
                 start_block=known,
                 max_blocks=num_full - known,
             )
+        bs = self.block_size
         for i in range(state.num_cached, num_full):
-            self.block_pool.cache_block(state.blocks[i], state.hashes[i])
+            block = state.blocks[i]
+            if self.block_pool.cache_block(block, state.hashes[i]) and self.enable_partial_prefix_reuse:
+                parent = state.hashes[i - 1] if i else None
+                self.partial_index.add(block.block_id, parent, token_ids[i * bs : (i + 1) * bs])
         state.num_cached = num_full
 
     def reset_prefix_cache(self) -> bool:
         """Drop the cache index; False (and no change) while any block is referenced."""
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.partial_index.clear()
+        return True
+
+    def reuse_partial_block(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Right after the lookup (and any tier loads): find a cached block that continues the last matched
+        block and shares its first k tokens with the next ones of ``token_ids``; copy it into a fresh block
+        (a CopyBlock op, ordered before the forward, which then writes slots k.. of the copy) and return k,
+        the tokens gained (0 when off, nothing matches or the pool is full). At least one token is always
+        left to compute, and never more of the cached block than its first k tokens is counted."""
+        if not self.enable_partial_prefix_reuse:
+            return 0
+        state = self._state(seq_id)
+        bs = self.block_size
+        m = len(state.blocks)
+        if state.num_tokens != m * bs:
+            return 0
+        max_k = min(bs - 1, len(token_ids) - 1 - m * bs)
+        parent = state.hashes[m - 1] if m else None
+        match = self.partial_index.best_match(parent, token_ids[m * bs : m * bs + bs], max_k)
+        if match is None or self.block_pool.num_free_blocks < 1:
+            return 0
+        src_id, k = match
+        src = self.block_pool.blocks[src_id]
+        # Hold the source while taking the fresh block, so the allocation cannot evict it.
+        self.block_pool.touch([src])
+        if self.block_pool.num_free_blocks < 1:
+            self.block_pool.free_blocks([src])
+            return 0
+        (dst,) = self.block_pool.get_new_blocks(1)
+        self._ops.append(CopyBlock(src.block_id, dst.block_id))
+        self.block_pool.free_blocks([src])
+        state.blocks.append(dst)
+        state.num_tokens = m * bs + k
+        self.prefix_cache_hits += k
+        self.partial_reuse_tokens += k
+        return k
 
     # -- allocation ---------------------------------------------------------------------------------------
     def _plan(self, seq_id: str, num_tokens: int) -> tuple[int, list[int]]:
@@ -250,6 +302,48 @@ class KVCacheManager:
             self.block_pool.free_blocks([src])
         state.blocks.extend(fresh[len(cow) :])
         state.num_tokens = max(state.num_tokens, num_tokens)
+        return True
+
+    def drop_blocks(self, seq_id: str, first: int, count: int) -> bool:
+        """Attention sinks: free table entries ``first .. first + count`` (whole blocks of computed tokens
+        between the sinks and the window). The blocks after them move down the cache by ``count`` blocks: a
+        RotateBlock op re-rotates their keys to the new positions, after a CopyBlock into a private block for
+        any that another table shares, and any that were cached leave the index (their KV no longer matches
+        their hash). From now on only the first ``first`` blocks may be cached. False, with nothing
+        changed, when the pool has no room for those copies."""
+        state = self._state(seq_id)
+        if count < 1 or first < 0 or first + count > len(state.blocks):
+            raise ValueError(
+                f"cannot drop blocks {first}..{first + count} of a {len(state.blocks)}-block table"
+            )
+        if state.num_tokens < (first + count) * self.block_size:
+            raise ValueError("only whole blocks of tokens already written can be dropped")
+        dropped = state.blocks[first : first + count]
+        moved = state.blocks[first + count :]
+        # Freeing the dropped blocks first may give the copies their room.
+        gained = sum(1 for b in dropped if b.ref_cnt == 1)
+        shared = [i for i, b in enumerate(moved) if b.ref_cnt > 1]
+        if len(shared) > self.block_pool.num_free_blocks + gained:
+            return False
+        del state.blocks[first : first + count]
+        self.block_pool.free_blocks(reversed(dropped))
+        self._ops.drop_copies_into({b.block_id for b in dropped if b.ref_cnt == 0})
+        fresh = self.block_pool.get_new_blocks(len(shared))
+        for i, dst in zip(shared, fresh, strict=True):
+            src = moved[i]
+            self._ops.append(CopyBlock(src.block_id, dst.block_id))
+            state.blocks[first + i] = dst
+            self.block_pool.free_blocks([src])
+        delta = -count * self.block_size
+        for block in state.blocks[first:]:
+            if block.block_hash is not None:
+                self.block_pool.uncache(block)
+                self.partial_index.remove(block.block_id)
+            self._ops.append(RotateBlock(block.block_id, delta))
+        state.num_tokens -= count * self.block_size
+        state.cache_limit = first if state.cache_limit is None else min(state.cache_limit, first)
+        state.num_cached = min(state.num_cached, first)
+        del state.hashes[first:]
         return True
 
     def take_ops(self) -> list[KVOp]:
@@ -301,6 +395,7 @@ class KVCacheManager:
             num_tokens=parent.num_tokens,
             hashes=list(parent.hashes),
             num_cached=parent.num_cached,
+            cache_limit=parent.cache_limit,
         )
 
     def free(self, seq_id: str) -> None:
@@ -338,3 +433,11 @@ class KVCacheManager:
                 f"{block}: ref count {block.ref_cnt} but {refs[block.block_id]} tables hold it"
             )
         assert self.block_pool.num_used_blocks == sum(1 for r in refs if r > 0), "used-block count is off"
+        for block_id, _parent, tokens in self.partial_index.items():
+            block = self.block_pool.blocks[block_id]
+            assert block.block_hash is not None, f"{block} is in the partial index but not cached"
+            assert len(tokens) == self.block_size, f"{block} is indexed with {len(tokens)} tokens"
+            parent = None if not _parent else BlockHash(_parent)
+            assert hash_block_tokens(parent, tokens, self._extra) == block.block_hash, (
+                f"{block} is indexed under tokens or a parent that do not give its hash"
+            )

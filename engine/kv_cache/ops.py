@@ -38,7 +38,16 @@ class LoadBlock:
     data: torch.Tensor
 
 
-KVOp = CopyBlock | SaveBlock | LoadBlock
+@dataclass(frozen=True)
+class RotateBlock:
+    """Attention sinks: re-rotate the keys of block ``block_id`` by ``delta`` positions (negative: the block
+    moved ``-delta`` positions down the cache after an eviction), so each key carries its cache position."""
+
+    block_id: int
+    delta: int
+
+
+KVOp = CopyBlock | SaveBlock | LoadBlock | RotateBlock
 
 
 @dataclass
@@ -51,9 +60,16 @@ class KVOpLog:
         self.ops.append(op)
 
     def drop_copies_into(self, block_ids: set[int]) -> None:
-        """A freed block's pending copy-on-write is moot: nothing will read what it would have copied."""
+        """A freed block's pending copy-on-write (or re-rotation) is moot: nothing will read its result."""
         if block_ids and self.ops:
-            self.ops = [op for op in self.ops if not (isinstance(op, CopyBlock) and op.dst in block_ids)]
+            self.ops = [
+                op
+                for op in self.ops
+                if not (
+                    (isinstance(op, CopyBlock) and op.dst in block_ids)
+                    or (isinstance(op, RotateBlock) and op.block_id in block_ids)
+                )
+            ]
 
     def take(self) -> list[KVOp]:
         ops, self.ops = self.ops, []

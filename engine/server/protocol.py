@@ -53,6 +53,10 @@ class SamplingFields(StrictModel):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Pagoda extension (extra body): attention sinks for this request; see --kv-eviction.
+    kv_eviction: Literal["none", "streaming"] | None = None
+    kv_sink_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    kv_window_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     # Accepted for compatibility; they change nothing.
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Only empty is supported.")
     store: bool | None = None

@@ -27,6 +27,7 @@ from pagoda.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.outputs import Logprob, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
@@ -39,7 +40,7 @@ T = TypeVar("T")
 SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs",
+    "logprobs", "kv_eviction", "kv_sink_tokens", "kv_window_tokens",
 }  # fmt: skip
 
 
@@ -266,7 +267,15 @@ class OpenAIServing:
                 f"min_tokens ({req.min_tokens}) must not exceed {names.get('max_tokens', 'max_tokens')} ({max_tokens})",
                 "min_tokens",
             )
-        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        defaults = getattr(self.aengine.engine, "streaming_defaults", None) or StreamingDefaults()
+        kv = getattr(getattr(self.aengine.engine, "scheduler", None), "kv", None)
+        block_size = getattr(kv, "block_size", 16)
+        try:
+            streaming = resolve_streaming(req, defaults, self.max_model_len, block_size, prompt_len)
+        except ValueError as exc:
+            raise self.value_error(exc, names) from exc
+        if streaming is None or max_tokens is None:  # sinks + window: the context never fills up
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
         top_k = req.top_k if req.top_k is not None else 0
         if top_k >= self.vocab_size:
             top_k = 0  # keeps everything anyway
@@ -288,6 +297,9 @@ class OpenAIServing:
             min_tokens=min(req.min_tokens, max_tokens),
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            kv_eviction=req.kv_eviction,
+            kv_sink_tokens=req.kv_sink_tokens,
+            kv_window_tokens=req.kv_window_tokens,
         )
         try:
             params = SamplingParams(**kwargs)

@@ -1,0 +1,66 @@
+"""Attention sinks (StreamingLLM): which requests keep sinks + a recent window, and how many tokens each.
+
+Resolved once at the door from the request's own fields and the server's flags, so a bad combination is a
+400 there and never an exception inside the engine step. The scheduler then frees whole blocks between the
+sinks and the window whenever a sequence's cache would exceed ``budget`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StreamingDefaults:
+    """The server-wide flags (--kv-eviction, --kv-sink-tokens, --kv-window-tokens)."""
+
+    kv_eviction: str = "none"
+    kv_sink_tokens: int = 16
+    kv_window_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamingPlan:
+    """sink: tokens kept for good (whole blocks); budget: most tokens a sequence keeps in the cache."""
+
+    sink: int
+    budget: int
+
+    @property
+    def as_tuple(self) -> tuple[int, int]:
+        return (self.sink, self.budget)
+
+
+def resolve_streaming(
+    params: object, defaults: StreamingDefaults, max_model_len: int, block_size: int, prompt_len: int
+) -> StreamingPlan | None:
+    """The request's streaming plan, or None when it stops at max_model_len as usual. Raises ValueError
+    naming the field on sizes that cannot work (window under two blocks, sinks + window past max_model_len,
+    a prompt that does not fit the budget)."""
+    mode = getattr(params, "kv_eviction", None) or defaults.kv_eviction
+    if mode != "streaming":
+        return None
+    sink_req = getattr(params, "kv_sink_tokens", None)
+    sink_tokens = defaults.kv_sink_tokens if sink_req is None else sink_req
+    sink = -(-sink_tokens // block_size) * block_size
+    window_req = getattr(params, "kv_window_tokens", None)
+    window = defaults.kv_window_tokens if window_req is None else window_req
+    if window is None:
+        window = max_model_len - sink
+    if window < 2 * block_size:
+        raise ValueError(
+            f"kv_window_tokens must be at least two blocks ({2 * block_size} tokens) after {sink} sink "
+            f"tokens within max_model_len {max_model_len}, got {window}"
+        )
+    budget = sink + window
+    if budget > max_model_len:
+        raise ValueError(
+            f"kv_window_tokens plus the sink tokens ({sink}, whole blocks of {block_size}) must not exceed "
+            f"max_model_len {max_model_len}, got {window}"
+        )
+    if prompt_len >= budget:
+        raise ValueError(
+            f"This model's maximum context length for a streaming request is {budget} tokens (sinks + window); "
+            f"the prompt has {prompt_len} tokens (at least one token must be left for the output)"
+        )
+    return StreamingPlan(sink, budget)
