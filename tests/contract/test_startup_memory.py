@@ -105,3 +105,35 @@ def test_the_memory_profile_is_served() -> None:
     app = FastAPI()
     install_memory_status(app, profile)
     assert TestClient(app).get(ROUTE).json() == json.loads(json.dumps(profile))
+
+
+def test_the_operators_plan_is_what_the_default_image_measures() -> None:
+    """The operator re-plans when an upgraded image measures a KV cache or weights more than 10% off the plan
+    (operator/profile.py); for the engine of this checkout, started with the args the operator renders for a
+    CPU pod of the default model, the measured profile matches the plan: no re-plan for nothing."""
+    import torch
+    from pagoda.engine.cli.serve import engine_config_kwargs, parse_args
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.server.memory_status import measured_profile
+    from pagoda.operator import profile, render
+    from pagoda.operator.planning import decide
+    from pagoda.operator.spec import parse_spec
+
+    torch.set_num_threads(2)
+    spec = parse_spec({"gpu": {"count": 0}, "resources": {"limits": {"memory": "3Gi"}}})
+    decision = decide(spec, {})
+    engine = LLMEngine(EngineConfig(**engine_config_kwargs(parse_args(render.engine_args(spec, decision)))))
+    try:
+        measured = measured_profile(engine)
+    finally:
+        engine.close()
+    assert profile.differences(decision.plan, measured) == []
+    assert measured["weights_bytes"] == decision.plan.weights_bytes_per_gpu
+    assert (
+        abs(measured["kv_allocated_bytes"] - decision.plan.kv_cache_bytes)
+        <= decision.plan.kv_cache_bytes // 100
+    )
+    # and the check has teeth: the same profile from an image with 20% heavier weights is a different one
+    heavier = {**measured, "weights_bytes": int(measured["weights_bytes"] * 1.2)}
+    assert [d.split(" ")[0] for d in profile.differences(decision.plan, heavier)] == ["weights"]
