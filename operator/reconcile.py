@@ -199,19 +199,24 @@ class Reconciler:
             self.metrics.reconciles.labels("success").inc()
             if outcome.error is not None:
                 self.metrics.reconcile_errors.labels(outcome.error.reason).inc()
-            if outcome.status is not None:
-                key = (namespace, name)
-                if outcome.status.get("planImage"):
-                    self.plan_images[key] = outcome.status["planImage"]
-                self.conditions[key] = {c["type"]: c["status"] for c in outcome.status.get("conditions", [])}
-                gpu = outcome.status.get("gpu") or {}
-                replicas = int((body.get("spec") or {}).get("replicas", 1) or 0)
-                if gpu.get("product") and gpu.get("product") != "cpu":
-                    self.gpus[key] = (gpu["product"], replicas * int(gpu.get("count") or 0))
-                else:
-                    self.gpus.pop(key, None)
-                self.metrics.publish(self.conditions, self.gpus)
+            self._publish(namespace, name, body, outcome)
             return outcome
+
+    def _publish(self, namespace: str, name: str, body: dict[str, Any], outcome: Outcome) -> None:
+        """Remember what an outcome's status says (conditions and GPUs for the metrics, the plan's image)."""
+        if outcome.status is None:
+            return
+        key = (namespace, name)
+        if outcome.status.get("planImage"):
+            self.plan_images[key] = outcome.status["planImage"]
+        self.conditions[key] = {c["type"]: c["status"] for c in outcome.status.get("conditions", [])}
+        gpu = outcome.status.get("gpu") or {}
+        replicas = int((body.get("spec") or {}).get("replicas", 1) or 0)
+        if gpu.get("product") and gpu.get("product") != "cpu":
+            self.gpus[key] = (gpu["product"], replicas * int(gpu.get("count") or 0))
+        else:
+            self.gpus.pop(key, None)
+        self.metrics.publish(self.conditions, self.gpus)
 
     async def _reconcile(
         self,
@@ -377,9 +382,11 @@ class Reconciler:
                 decision = decide(spec, pools(nodes), state)
             except SpecError:
                 return None
-            return await self._replan_from_profile(
+            outcome = await self._replan_from_profile(
                 body, spec, decision, state, nodes, pod_meta, image, measured
             )
+            self._publish(namespace, name, body, outcome)
+            return outcome
 
     async def _replan_from_profile(
         self,
