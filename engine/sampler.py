@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pagoda.engine import cpu_sampling
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -139,9 +140,24 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return chosen
 
 
+def _plain_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult | None:
+    """Every row greedy on the raw logits with no top logprobs (the common batch): one native pass per row
+    gives the argmax and its logprob together; None where that kernel does not apply."""
+    if any(r.params.temperature != 0.0 or r.params.logprobs is not None or _changes_logits(r) for r in rows):
+        return None
+    out = cpu_sampling.greedy(logits, [r.chosen_logprob for r in rows])
+    if out is None:
+        return None
+    token_ids, picked = out
+    return SampleResult(token_ids=token_ids, logprobs=picked, top_logprobs=[None] * len(rows))
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     """logits: [N, vocab] on any device (computed in float32); rows: one per logits row."""
     logits = logits.float()
+    fast = _plain_greedy(logits, rows)
+    if fast is not None:
+        return fast
     chosen = _choose(logits, rows)
     token_ids = chosen.tolist()
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from pagoda.engine.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
-from pagoda.engine.models import cpu_ops
+from pagoda.engine.models import cpu_linear, cpu_ops
 from torch import nn
 
 
@@ -24,9 +24,10 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         )
+        self.packed = cpu_linear.PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

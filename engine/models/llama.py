@@ -19,7 +19,7 @@ from pagoda.engine.distributed.parallel_state import (
     tp_rank,
     tp_size,
 )
-from pagoda.engine.models import cpu_ops
+from pagoda.engine.models import cpu_linear, cpu_ops
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.models.layers import (
     Linear,
@@ -142,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(
                 torch.empty(rows, config.hidden_size, dtype=dtype, device=device), False
             )
+        self._lm_head_packed = cpu_linear.PackedWeight()
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, device
         )
@@ -167,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> float32 logits [N, vocab] (every tensor-parallel
         rank computes its vocabulary slice; the slices are gathered)."""
-        local = torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
         return all_gather_last_dim(local, shard_widths(self.config.vocab_size))
 
     # ---- weights ------------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Linear layers on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout.
+
+`F.linear` on a CPU float32 weight goes to the BLAS sgemm, which repacks the weight on every call and, on
+AMD CPUs, may not take its AVX-512 path; at the decode batch sizes of serving (8-256 rows) that left the
+matmuls at a third of what the cores do. oneDNN with a weight packed once for the machine (the path that
+torch's own CPU inference freezing takes) runs the same products 2-4x faster on the 2-core test machine
+(measured with `benchmarks/bench_cpu_linear.py`).
+
+Packing costs one more copy of each packed weight in host memory, kept beside the original (tensor-parallel
+sharding, weight reloads and tests read the original). The pack follows the weight: a weight changed in
+place (a reload) is packed again on its next use. Results differ from sgemm only in summation order (about
+an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks its blocking from a typical row count; any row count works with the packed weight.
+_ROWS_HINT = 64
+
+
+def enabled() -> bool:
+    if os.environ.get("PAGODA_ONEDNN_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedWeight:
+    """A weight's oneDNN copy, refreshed when the weight is replaced or changed in place."""
+
+    __slots__ = ("_key", "_packed")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of ``weight``, or None where oneDNN does not apply (device, dtype, grad)."""
+        if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
+            return None
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        if key != self._key:
+            self._packed = None
+            self._key = None
+            if not enabled():
+                return None
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+            except RuntimeError:
+                return None
+            self._key = key
+        return self._packed
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the packed weight where it applies."""
+    if x.device.type == "cpu" and x.dtype == weight.dtype and x.numel() > 0:
+        w = packed.get(weight)
+        if w is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, weight, bias)

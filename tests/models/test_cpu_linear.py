@@ -1,0 +1,64 @@
+"""oneDNN linears with packed weights against F.linear, and the pack following its weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagoda.engine.models import cpu_linear
+from pagoda.engine.models.layers import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.enabled(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 1728, False), (64, 64, 96, True), (300, 37, 5, True)])
+def test_packed_linear_matches_f_linear(rows, k, n, bias):
+    torch.manual_seed(rows + k + n)
+    layer = Linear(k, n, bias, torch.float32, torch.device("cpu"))
+    layer.weight.copy_(torch.randn(n, k) / k**0.5)
+    if bias:
+        layer.bias.copy_(torch.randn(n))
+    x = torch.randn(rows, k)
+    got = layer(x)
+    assert layer.packed._packed is not None  # the oneDNN path ran
+    want = F.linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_three_dimensional_and_strided_inputs():
+    torch.manual_seed(0)
+    w, packed = torch.randn(24, 40), cpu_linear.PackedWeight()
+    x3 = torch.randn(2, 5, 40)
+    assert torch.allclose(cpu_linear.linear(x3, w, None, packed), F.linear(x3, w), atol=1e-4)
+    wide = torch.randn(6, 100)[:, 10:50]
+    assert torch.allclose(cpu_linear.linear(wide, w, None, packed), F.linear(wide, w), atol=1e-4)
+
+
+def test_the_pack_follows_an_in_place_weight_change():
+    torch.manual_seed(1)
+    w, packed = torch.randn(16, 32), cpu_linear.PackedWeight()
+    x = torch.randn(4, 32)
+    first = cpu_linear.linear(x, w, None, packed)
+    w.mul_(-2.0)  # a reload writes into the same storage
+    second = cpu_linear.linear(x, w, None, packed)
+    assert torch.allclose(second, -2.0 * first, atol=1e-4)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
+    w, packed = torch.randn(8, 8), cpu_linear.PackedWeight()
+    x = torch.randn(3, 8)
+    assert torch.equal(cpu_linear.linear(x, w, None, packed), F.linear(x, w))
+    assert packed._packed is None
+
+
+def test_other_dtypes_and_grad_take_f_linear():
+    packed = cpu_linear.PackedWeight()
+    w64 = torch.randn(4, 4, dtype=torch.float64)
+    assert packed.get(w64) is None
+    wg = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    y = cpu_linear.linear(x, wg, None, packed)
+    y.sum().backward()  # autograd still works: F.linear ran
+    assert wg.grad is not None
