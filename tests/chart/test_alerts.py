@@ -17,6 +17,7 @@ EXPECTED = {
     "PagodaOffloadVerificationFailures",
     "PagodaEngineDown",
     "PagodaInferenceDeploymentNotReady",
+    "PagodaRouterBackendUnhealthy",  # issue 14: the router's view of its engines
 }
 
 

@@ -293,7 +293,7 @@ def test_prometheus_rule_embeds_the_alerts_file(helm):
     source = yaml.safe_load((helm.chart / "alerts" / "pagoda-alerts.yaml").read_text())
     assert rule["spec"] == source
     names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert len(names) == 6
+    assert len(names) == 7  # six engine and operator alerts, one router alert (issue 14)
 
 
 def test_dashboard_config_maps_carry_the_sidecar_label(helm):
