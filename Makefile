@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial clean
+.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy clean
 
 install: $(STAMP)
 
@@ -56,6 +56,9 @@ bench-offload: install
 
 bench-prefix-partial: install
 	$(PY) benchmarks/bench_prefix_partial.py
+
+bench-kv-accuracy: install
+	$(PY) benchmarks/bench_kv_accuracy.py
 
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagoda.engine.config import KV_CACHE_DTYPES
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda generate", description="Generate a completion and print it.")
@@ -33,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type (int8: per-token scales, any device; fp8 needs compute capability 8.9+)",
+    )
     return p
 
 
@@ -51,6 +59,7 @@ def main(argv: list[str]) -> int:
         llm = LLM(
             args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, attention_backend=args.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
         )  # fmt: skip
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]

@@ -428,8 +428,8 @@ def int8_trade(shape: ModelShape, dtype: str) -> str:
     return (
         f"INT8 KV with a float32 scale per token and head, {int8} B/token instead of {full} ({dtype}, "
         f"{scales} B of it scales): {full / int8:.2f}x the tokens in the same memory, for a small accuracy "
-        "cost (each K/V row rounded to 1/127 of its largest value; `make bench-kv-accuracy` measures "
-        "perplexity and greedy agreement against the unquantised cache)"
+        "cost (each K/V row rounded to 1/127 of its largest value; on SmolLM2-135M perplexity moved -0.01% "
+        "against float32 KV where FP8 e4m3 moved +2.2%: `make bench-kv-accuracy`, docs/engine.md)"
     )
 
 
