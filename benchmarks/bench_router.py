@@ -224,10 +224,15 @@ def chat(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) 
 def run_conversations(
     url: str, convs: list[Conversation], clients: int, max_tokens: int, bar
 ) -> tuple[list[Result], float]:
-    """Turns interleaved: turn k of every conversation before turn k+1 of any; ``clients`` at a time."""
-    order = [
-        (k, i) for k in range(max(c.turns for c in convs)) for i in range(len(convs)) if k < convs[i].turns
-    ]
+    """Turns interleaved: turn k of every conversation before turn k+1 of any, conversations in a shuffled
+    order each round (a fixed order would make round robin stick each conversation to one replica whenever
+    the count divides by 3); ``clients`` at a time."""
+    rng = random.Random(1)
+    order = []
+    for k in range(max(c.turns for c in convs)):
+        ids = [i for i in range(len(convs)) if k < convs[i].turns]
+        rng.shuffle(ids)
+        order += [(k, i) for i in ids]
     lock = threading.Condition()
     results: list[Result] = []
     nxt = [0]
@@ -279,6 +284,8 @@ def router_state(router: Proc) -> dict:
     backends = [
         {
             "blocks": b["blocks"],
+            "synced": b["synced"],
+            "resyncs": b.get("resyncs"),
             "prefill_tokens_per_s": (b["info"] or {}).get("prefill_tokens_per_s"),
             "load_tokens_per_s": (b["info"] or {}).get("load_tokens_per_s"),
         }

@@ -39,6 +39,10 @@ class RouterApp:
         self.pool = BackendPool(config, on_change=self.metrics.refresh)
         self.router = Router(config.policy, config.load_slack)
         self.hasher = ChainHasher(tokenizer)
+        if tokenizer is not None:  # compile the chat template now, not on the first request
+            self.hasher.token_ids(
+                "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}]}
+            )
         self.needs_chain = config.policy in ("prefix", "tierAware")
         self.overheads: list[float] = []  # seconds, for benchmarks (GET /router/state)
         self.overheads_cpu: list[float] = []  # the same spans in the router thread's CPU time

@@ -79,6 +79,7 @@ class Backend:
             "blocks": self.index.counts(),
             "synced": self.index.synced,
             "seq": self.index.seq,
+            "resyncs": self.index.resyncs,
             "info": self.info,
             "last_error": self.last_error,
         }
