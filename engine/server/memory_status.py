@@ -58,8 +58,8 @@ def measured_profile(engine: Any) -> dict[str, Any]:
 
 
 def install_memory_status(app: FastAPI, profile: dict[str, Any]) -> None:
-    """Serve `profile` at GET /pagoda/memory (behind --api-key unless the middleware's OPEN_PATHS lists it,
-    as it does /metrics)."""
+    """Serve `profile` at GET /pagoda/memory, open like /metrics (the middleware's OPEN_PATHS): the operator
+    reads it through the API server's pod proxy, which cannot add the engine's key."""
 
     @app.get(ROUTE)
     async def memory_status() -> dict[str, Any]:

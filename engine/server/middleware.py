@@ -14,7 +14,18 @@ from typing import Any
 from pagoda.engine.server.errors import error_body
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/ping")
+# Probes and operational read-outs need no key: kubelet probes, Prometheus scrapes and the operator's check of
+# a new image's measured memory profile (through the API server's pod proxy, which cannot add the key).
+OPEN_PATHS = (
+    "/health",
+    "/metrics",
+    "/pagoda/memory",
+    "/version",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+    "/ping",
+)
 
 
 async def _send_error(

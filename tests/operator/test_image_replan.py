@@ -199,7 +199,7 @@ async def test_the_image_replan_counts_against_the_refit_bound(cluster: Cluster)
 async def test_an_unreadable_profile_changes_nothing(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """No answer from the pod (an API key on /pagoda/memory, a proxy error): logged, nothing written, and the
+    """No answer from the pod (a proxy error, a pod not listening yet): logged, nothing written, and the
     next Ready pod of the image is asked again."""
     async with running_operator(cluster):
         sts = await upgraded(cluster)

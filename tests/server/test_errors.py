@@ -78,6 +78,8 @@ def test_401_without_or_with_a_wrong_key_and_open_health_metrics(srv) -> None:
     assert httpx.get(srv.url + "/v1/models").status_code == 401
     assert httpx.get(srv.url + "/health").status_code == 200
     assert httpx.get(srv.url + "/metrics").status_code == 200
+    memory = httpx.get(srv.url + "/pagoda/memory")  # the operator reads it through the pod proxy, keyless
+    assert memory.status_code == 200 and memory.json()["weights_bytes"] > 0
     ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
 
