@@ -58,7 +58,7 @@ def test_four_times_max_model_len_keeps_blocks_flat_and_text_fluent(llm):
     # Never poison the prefix cache: the kept view (sinks + last window) must not be found cached past the
     # sink block, its window KV was computed with context that a fresh request would not have.
     kv = seq.scheduler.kv
-    for start in range(bs, len(tok_ids) - MAX_LEN, bs):
+    for start in range(2 * bs, len(tok_ids) - MAX_LEN, bs):  # start == bs is the original prefix
         view = tok_ids[:bs] + tok_ids[start : start + MAX_LEN - bs]
         assert kv.find_cached_prefix(view) <= bs
 

@@ -25,7 +25,7 @@ def _greedy(llm: LLM) -> tuple[list[list[int]], list[int]]:
 
 
 def test_greedy_tokens_equal_with_and_without_sub_block_reuse():
-    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     with_reuse = LLM(**kw)
     on, cached_on = _greedy(with_reuse)
     off, cached_off = _greedy(LLM(**kw, enable_partial_prefix_reuse=False))
