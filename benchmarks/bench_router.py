@@ -467,7 +467,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="6 conversations x 3 turns, 2 tenants")
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument(
+        "--tenants", type=int, default=6, help="more system prompts than one replica's pool holds"
+    )
     ap.add_argument("--system-words", type=int, default=330, help="~500 tokens")
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)

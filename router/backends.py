@@ -17,6 +17,7 @@ from pagoda.router.index import BlockIndex
 from pagoda.router.policies import Candidate
 
 log = logging.getLogger("pagoda.router")
+FAILURES_TO_EJECT = 2
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -24,7 +25,7 @@ def parse_load(text: str) -> int:
     """running + waiting from a replica's Prometheus text (summed over label sets)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(_LOAD_METRICS):
+        if line.startswith(_LOAD_METRICS) and line.partition("{")[0].partition(" ")[0] in _LOAD_METRICS:
             try:
                 total += float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
@@ -43,6 +44,7 @@ class Backend:
     index: BlockIndex = field(default_factory=BlockIndex)
     last_error: str | None = None
     checked_at: float = 0.0
+    failures: int = 0  # health checks failed in a row
 
     @property
     def routable(self) -> bool:
@@ -68,6 +70,13 @@ class Backend:
             log.warning("replica %s unhealthy: %s", self.url, why)
         self.healthy = False
         self.last_error = why
+
+    def check_failed(self, why: str, refused: bool = False) -> None:
+        """A refused connection counts at once; a slow or failed answer only twice in a row (a busy
+        replica may miss one health check without being taken out of rotation)."""
+        self.failures += 1
+        if refused or self.failures >= FAILURES_TO_EJECT:
+            self.mark_failed(why)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,19 +170,19 @@ class BackendPool:
 
     async def check(self, b: Backend) -> None:
         assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.health_interval))
+        timeout = aiohttp.ClientTimeout(total=max(2.0, 2 * self.config.health_interval))
         try:
             async with self.session.get(b.url + "/health", timeout=timeout) as r:
                 body = await r.text()
                 if r.status == 200:
                     was = b.healthy
-                    b.healthy, b.draining, b.last_error = True, False, None
+                    b.healthy, b.draining, b.last_error, b.failures = True, False, None, 0
                     if not was:
                         log.info("replica %s healthy", b.url)
                 elif r.status == 503 and "draining" in body:
-                    b.healthy, b.draining = True, True
+                    b.healthy, b.draining, b.failures = True, True, 0
                 else:
-                    b.mark_failed(f"/health answered {r.status}")
+                    b.check_failed(f"/health answered {r.status}")
             if b.healthy:
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
@@ -181,8 +190,10 @@ class BackendPool:
                 if b.info is None or time.monotonic() - b.checked_at > 10 * self.config.health_interval:
                     await self._fetch_info(b, timeout)
                     b.checked_at = time.monotonic()
+        except aiohttp.ClientConnectorError as exc:
+            b.check_failed(f"{type(exc).__name__}: {exc}", refused=True)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            b.mark_failed(f"{type(exc).__name__}: {exc}")
+            b.check_failed(f"{type(exc).__name__}: {exc}")
 
     async def _fetch_info(self, b: Backend, timeout: aiohttp.ClientTimeout) -> None:
         assert self.session is not None

@@ -6,7 +6,8 @@
   load is within ``load_slack`` of the least loaded; least loaded when no replica holds any of it;
 - ``tierAware``: the lowest estimated time to have the prompt's KV ready: missing tokens / prefill rate +
   host blocks x block size / host load rate + disk blocks x block size / disk load rate (device blocks are
-  free), with each replica's measured rates, among the same load-bounded replicas.
+  free), with each replica's measured rates, among the same load-bounded replicas; costs within 25% of the
+  best are a tie.
 
 Ties go to the least loaded, then in turn, so equal replicas share the work.
 """
@@ -23,6 +24,9 @@ from pagoda.router.index import BlockIndex
 # ratios matter for the choice.
 DEFAULT_PREFILL_TPS = 2000.0
 DEFAULT_LOAD_TPS = {"host": 100_000.0, "disk": 20_000.0}
+# Costs within 25% of the best count as equal (then the least loaded wins): measured rates are noisy, and
+# without this a cold request would always go to the replica that happened to measure fastest.
+COST_TIE = 1.25
 
 
 @dataclass
@@ -126,7 +130,7 @@ class Router:
         steady_rates(cands)
         scored = [(*self.cost(c, chain, num_tokens), c) for c in cands]
         best = min(s for s, _, _ in scored)
-        ties = [c for s, _, c in scored if s <= best * 1.0001 + 1e-9]
+        ties = [c for s, _, c in scored if s <= best * COST_TIE + 1e-9]
         c = self._least_loaded(ties)
         held = next(h for _, h, x in scored if x is c)
         if not held:

@@ -109,3 +109,11 @@ def test_predictions_count_as_device_until_they_expire():
 def test_no_candidate_is_an_error():
     with pytest.raises(LookupError):
         Router("tierAware").choose([], CHAIN, TOKENS)
+
+
+def test_tier_aware_spreads_cold_requests_despite_noisy_rates():
+    r = Router("tierAware")
+    a, b, c = cand("a", 0), cand("b", 1), cand("c", 0)
+    a.prefill_tps, b.prefill_tps, c.prefill_tps = 1100.0, 1000.0, 900.0  # within the 25% tie
+    names = [r.choose([a, b, c], CHAIN, TOKENS).name for _ in range(4)]
+    assert set(names) == {"a", "c"}  # least loaded among equals, in turn; never only the fastest
