@@ -209,6 +209,7 @@ class BlockPool:
         if block.ref_cnt <= 0 or block.block_hash is None:
             raise AssertionError(f"only referenced cached blocks can be uncached, got {block}")
         del self.cached[block.block_hash]
+        self.events.removed("device", block.block_hash)
         block.block_hash = None
 
     def insert_external(self, block_hash: BlockHash) -> Block | None:
