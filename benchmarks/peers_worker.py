@@ -47,6 +47,7 @@ class PagodaRunner:
             device="cpu",
             max_model_len=spec["max_model_len"],
             kv_cache_memory_bytes=int(spec["kv_cache_gib"] * (1 << 30)),
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
             seed=spec["seed"],
         )
 
