@@ -212,5 +212,6 @@ def test_a_draining_replica_finishes_its_work_and_gets_no_new_requests(router, r
             assert out.choices[0].text is not None
         assert routed(router, staying.url) == before + 3
         rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and len(rest) >= 150  # every token of the drained request came
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in rest)  # all 150 tokens: not cut short
     assert leaving.proc.wait(30) == 0
