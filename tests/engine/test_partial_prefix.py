@@ -40,3 +40,5 @@ def test_greedy_tokens_equal_with_and_without_sub_block_reuse():
     assert all(c >= shared for c in cached_on[1:])
     assert cached_on[0] == cached_off[0] == 0
     assert with_reuse.engine.scheduler.kv.partial_reuse_tokens == sum(cached_on) - sum(cached_off)
+    # The hit counters behind vllm:prefix_cache_hits count the reused tokens too.
+    assert with_reuse.engine.scheduler.kv.prefix_cache_hits == sum(cached_on)
