@@ -1,0 +1,52 @@
+"""Re-rotating cached keys (attention sinks): a key written at position p and rotated by -d equals the key
+written at p - d, in float32 and, within quantization error, in an INT8 cache with per-token scales."""
+
+from __future__ import annotations
+
+import torch
+from pagoda.engine.kv_cache.rerotate import rotate_keys_
+from pagoda.engine.models.layers import RotaryEmbedding, apply_rotary
+
+BS, HEADS, DIM = 4, 2, 16
+
+
+def _rotated(raw: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    cos, sin = rope.cos_sin(positions, int(positions.max()), torch.float32)
+    return apply_rotary(raw, cos, sin)
+
+
+def test_rotating_by_minus_d_equals_writing_d_positions_earlier():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(DIM, 10000.0, None, 512, torch.device("cpu"))
+    raw = torch.randn(2 * BS, HEADS, DIM)  # two blocks of keys
+    start, d = 100, 48
+    kv = torch.zeros(2, 5, BS, HEADS, DIM)
+    kv[0, [1, 3]] = _rotated(raw, torch.arange(start, start + 2 * BS), rope).view(2, BS, HEADS, DIM)
+    values = kv[1].clone()
+    rotate_keys_(kv, None, [1, 3], [-d, -d], rope.inv_freq)
+    want = _rotated(raw, torch.arange(start - d, start - d + 2 * BS), rope).view(2, BS, HEADS, DIM)
+    torch.testing.assert_close(kv[0, [1, 3]], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv[1], values)  # values are never rotated
+    assert torch.count_nonzero(kv[0, [0, 2, 4]]) == 0  # other blocks untouched
+
+
+def test_int8_keys_are_requantized_with_fresh_scales():
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(DIM, 10000.0, None, 512, torch.device("cpu"))
+    keys = _rotated(torch.randn(BS, HEADS, DIM), torch.arange(60, 60 + BS), rope)
+    scales = torch.zeros(2, 3, BS, HEADS)
+    scales[0, 2] = keys.abs().amax(-1) / 127
+    kv = torch.zeros(2, 3, BS, HEADS, DIM, dtype=torch.int8)
+    kv[0, 2] = (keys / scales[0, 2].unsqueeze(-1)).round().to(torch.int8)
+    rotate_keys_(kv, scales, [2], [-32], rope.inv_freq)
+    got = kv[0, 2].float() * scales[0, 2].unsqueeze(-1)
+    want = apply_rotary(keys, *[t[:BS] for t in _cos_sin(rope, -32)])
+    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    assert float(err.max()) < 2 / 127  # quantized twice: within two steps of the scale
+    assert torch.all(scales[0, 2] > 0)
+
+
+def _cos_sin(rope: RotaryEmbedding, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angle = delta * rope.inv_freq
+    emb = torch.cat((angle, angle))
+    return emb.cos().expand(BS, 1, DIM), emb.sin().expand(BS, 1, DIM)
