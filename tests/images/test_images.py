@@ -92,7 +92,9 @@ def test_runs_as_fixed_non_root_user_with_labels_and_no_secrets(image):
     assert "PIP_NO_CACHE_DIR=1" in path.read_text()
 
 
-def test_engine_image_is_cuda_runtime_with_torch_and_the_engine_extra():
+def test_engine_image_is_cuda_runtime_with_torch_and_the_engine_and_router_extras():
+    """The operator runs both `pagoda serve` and `pagoda router` from the engine image: the router's extra
+    (aiohttp) must be installed there too, or every routed InferenceDeployment's router pod crash-loops."""
     text = IMAGES["engine"].read_text()
     assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-", text)
     torch_pin = next(
@@ -103,7 +105,7 @@ def test_engine_image_is_cuda_runtime_with_torch_and_the_engine_extra():
         if d.startswith("torch")
     )
     assert f'pip install "{torch_pin}"' in text
-    assert '"./[engine]"' in text and "HF_HUB_OFFLINE=1" in text
+    assert '"./[engine,router]"' in text and "HF_HUB_OFFLINE=1" in text
     assert _exec_form(IMAGES["engine"], "ENTRYPOINT") == ["pagoda", "serve"]
 
 
