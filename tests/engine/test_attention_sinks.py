@@ -109,3 +109,28 @@ def test_sliding_window_model_keeps_its_own_window(tiny_model):
     assert len(a.outputs[0].token_ids) == n
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert streaming.engine.scheduler.kv.num_used_blocks == 0
+
+
+def test_preempted_streaming_sequences_restart_from_their_kept_tokens(tiny_model):
+    """Two streaming sequences in a 6-block pool (each wants 4): one is preempted after its evictions and
+    recomputes only sinks + window (cache positions), then both run to 4x max_model_len."""
+    path = str(tiny_model("llama"))
+    llm = LLM(path, device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=6 * 16 * 512,
+              skip_tokenizer_init=True, kv_eviction="streaming")  # fmt: skip
+    eng = llm.engine
+    assert eng.scheduler.kv.num_blocks == 6
+    params = SamplingParams(temperature=0.0, max_tokens=4 * MAX_LEN, ignore_eos=True)
+    eng.add_request("a", None, params, prompt_token_ids=list(range(3, 23)))
+    for _ in range(60):  # a alone goes past its first eviction
+        eng.step()
+    req_a = eng.scheduler.requests["a"]
+    assert req_a.seqs[0].kv_dropped > 0
+    eng.add_request("b", None, params, prompt_token_ids=list(range(30, 50)))
+    lengths = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            lengths[out.request_id] = lengths.get(out.request_id, 0) + len(out.outputs[0].token_ids)
+        eng.scheduler.check_invariants()
+        assert eng.scheduler.kv.num_used_blocks <= 6
+    assert req_a.num_preemptions > 0  # a restarted after evictions: from its kept tokens only
+    assert lengths["b"] == 4 * MAX_LEN and lengths["a"] == 4 * MAX_LEN - 60
