@@ -173,6 +173,8 @@ class LLMEngine:
         self.streaming_defaults = StreamingDefaults(
             config.kv_eviction, config.kv_sink_tokens, config.kv_window_tokens
         )
+        # Server-wide sink sizes that no request could use are refused at start, not on every request.
+        resolve_streaming(None, self.streaming_defaults, self.max_model_len, block_size, 0)
         self._aborted_outputs: list[RequestOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
         log.info(

@@ -90,6 +90,10 @@ def test_bad_sizes_are_refused_at_the_door(llm):
     with pytest.raises(ValueError, match="kv_sink_tokens"):
         SamplingParams(kv_sink_tokens=-1)
     assert not eng.has_unfinished_requests()
+    # Server-wide sizes no request could use stop the start, with the same words.
+    with pytest.raises(ValueError, match="kv_window_tokens"):
+        LLM(device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20, kv_eviction="streaming",
+            kv_window_tokens=60)  # fmt: skip
 
 
 def test_sliding_window_model_keeps_its_own_window(tiny_model):
