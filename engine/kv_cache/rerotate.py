@@ -10,6 +10,7 @@ which never exceed sinks + window, and relative distances inside the window are 
 from __future__ import annotations
 
 import torch
+from pagoda.kernels.reference import is_fp8, quantize_int8, quantize_to_cache_dtype
 
 
 def rotate_keys_(
@@ -31,15 +32,21 @@ def rotate_keys_(
     angle = torch.tensor(deltas, device=dev, dtype=torch.float32)[:, None] * inv_freq.to(dev).float()[None, :]
     cos = torch.cat((angle.cos(), angle.cos()), -1)[:, None, None, :]  # [n, 1, 1, D]
     sin = torch.cat((angle.sin(), angle.sin()), -1)[:, None, None, :]
-    k = kv[0].index_select(0, ids).float()  # [n, bs, H, D]
+    fp8 = is_fp8(kv.dtype)
+    # FP8 has no CPU index_select/index_copy_: move its bytes through a uint8 view.
+    keys = kv[0].view(torch.uint8) if fp8 else kv[0]
+    picked = keys.index_select(0, ids)
+    k = (picked.view(kv.dtype) if fp8 else picked).float()  # [n, bs, H, D]
     if scales is not None:
         k = k * scales[0].index_select(0, ids).unsqueeze(-1)
     half = k.shape[-1] // 2
     rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
     if scales is None:
-        kv[0].index_copy_(0, ids, rotated.to(kv.dtype))
+        # FP8 caches hold values already divided by the layer's scale: store them back saturated (a plain
+        # cast turns a rotated component past the format's range into NaN).
+        out = quantize_to_cache_dtype(rotated, kv.dtype, 1.0)
+        keys.index_copy_(0, ids, out.view(torch.uint8) if fp8 else out)
         return
-    new_scales = rotated.abs().amax(-1).clamp_min(1e-8) / 127.0
-    q = (rotated / new_scales.unsqueeze(-1)).round().clamp(-127, 127).to(kv.dtype)
+    q, new_scales = quantize_int8(rotated)  # the cache write's own rounding
     kv[0].index_copy_(0, ids, q)
     scales[0].index_copy_(0, ids, new_scales.to(scales.dtype))

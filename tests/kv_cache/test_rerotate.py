@@ -50,3 +50,28 @@ def _cos_sin(rope: RotaryEmbedding, delta: int) -> tuple[torch.Tensor, torch.Ten
     angle = delta * rope.inv_freq
     emb = torch.cat((angle, angle))
     return emb.cos().expand(BS, 1, DIM), emb.sin().expand(BS, 1, DIM)
+
+
+def test_int8_requantization_rounds_like_the_cache_write():
+    """Rotating by 0 re-quantizes through the cache write's own rounding: the bits come back unchanged."""
+    from pagoda.kernels.reference import quantize_int8
+
+    torch.manual_seed(2)
+    q, s = quantize_int8(torch.randn(BS, HEADS, DIM) * 3)
+    kv = torch.zeros(2, 1, BS, HEADS, DIM, dtype=torch.int8)
+    scales = torch.zeros(2, 1, BS, HEADS)
+    kv[0, 0], scales[0, 0] = q, s
+    rotate_keys_(kv, scales, [0], [0], torch.ones(DIM // 2))
+    assert torch.equal(kv[0, 0], q)
+    assert torch.equal(scales[0, 0], s)
+
+
+def test_fp8_keys_near_the_top_of_the_range_saturate_instead_of_turning_nan():
+    dtype = torch.float8_e4m3fn
+    top = torch.finfo(dtype).max
+    kv = torch.zeros(2, 1, BS, HEADS, DIM, dtype=dtype)
+    kv[0, 0] = torch.full((BS, HEADS, DIM), top).to(dtype)  # rotating mixes pairs: |x| grows to sqrt(2) x
+    rotate_keys_(kv, None, [0], [7], torch.ones(DIM // 2))
+    got = kv[0, 0].float()
+    assert not torch.isnan(got).any()
+    assert float(got.abs().max()) <= top
