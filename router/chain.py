@@ -40,12 +40,23 @@ def find_tokenizer_dir(source: str | None) -> Path | None:
     cache = pagoda_cache_dir()
     if not cache.is_dir():
         return None
+    # The conversion is found by the GGUF's content, as the engine finds it: the same file installed in
+    # another environment (another venv, another image layer) has another path but the same conversion.
+    content: str | None = None
     for meta in cache.glob("*/pagoda_source.json"):
         try:
-            if os.path.samefile(json.loads(meta.read_text())["gguf"], path):
-                if (meta.parent / "tokenizer.json").is_file():
-                    return meta.parent
-        except (OSError, ValueError, KeyError):
+            source = json.loads(meta.read_text())
+            if not (meta.parent / "tokenizer.json").is_file():
+                continue
+            if os.path.exists(source["gguf"]) and os.path.samefile(source["gguf"], path):
+                return meta.parent
+            if content is None:
+                from pagoda.engine.loader.content_hash import file_sha256
+
+                content = file_sha256(path)
+            if source.get("gguf_sha256") == content:
+                return meta.parent
+        except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
 

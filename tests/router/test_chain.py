@@ -63,3 +63,25 @@ def test_completion_prompts_keep_special_tokens_and_ids_pass_through(engine_toke
     assert hasher.token_ids("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
     assert hasher.token_ids("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: route by load
     assert ChainHasher(None).token_ids("/v1/chat/completions", {"messages": [{"role": "user"}]}) is None
+
+
+def test_a_conversion_made_from_another_copy_of_the_gguf_is_found_by_content(tmp_path, monkeypatch):
+    """The engine finds a GGUF's conversion by content; so must the router (the same file installed in
+    another venv or image layer has another path)."""
+    import hashlib
+    import json
+
+    gguf = tmp_path / "here" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF fake model bytes")
+    cache = tmp_path / "cache"
+    conv = cache / "model-abc"
+    conv.mkdir(parents=True)
+    (conv / "tokenizer.json").write_text("{}")
+    source = {"gguf": str(tmp_path / "elsewhere" / "model.gguf"), "converter_version": 2}
+    (conv / "pagoda_source.json").write_text(json.dumps({**source, "gguf_sha256": "0" * 64}))
+    monkeypatch.setenv("PAGODA_CACHE", str(cache))
+    assert find_tokenizer_dir(str(gguf)) is None  # another file's conversion is not this one's
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (conv / "pagoda_source.json").write_text(json.dumps({**source, "gguf_sha256": digest}))
+    assert find_tokenizer_dir(str(gguf)) == conv
