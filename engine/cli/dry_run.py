@@ -27,6 +27,7 @@ from pagoda.engine.sizing import (
     gpu_info,
     shape_from_config,
     shape_from_path,
+    well_known_shape,
 )
 from pagoda.engine.sizing.engine_plan import (
     EnginePlan,
@@ -225,10 +226,26 @@ def model_facts(config: EngineConfig, model_shape: str | None, warnings: list[st
     """The model's shape as the real start would read it; a DryRunError where it would fail."""
     if model_shape is not None:
         return _given_shape(model_shape)
-    from pagoda.engine.loader.resolve import locate_model
+    from pagoda.engine.loader.resolve import ModelNotFoundError, is_hub_id, locate_model
 
     try:
         path = locate_model(config.model, config.revision)
+    except ModelNotFoundError as exc:
+        # Checking a pod's command before deploying, where the weights are not: a model Pagoda knows by its
+        # hub id is sized from its published shape, as the operator sizes it.
+        known = well_known_shape(config.model) if config.model and is_hub_id(config.model) else None
+        if known is None:
+            raise DryRunError(
+                f"cannot start the engine: {exc} (for a dry run without the weights, pass --model-shape)"
+            ) from None
+        warnings.append(
+            f"{config.model} is not in the local Hugging Face cache: its shape comes from Pagoda's catalogue of "
+            "known models; the real start needs the weights there"
+        )
+        return _facts(known, "catalogue of known models", None, known.dtype)
+    except (ValueError, OSError) as exc:
+        raise DryRunError(f"cannot start the engine: {exc}") from None
+    try:
         if config.revision is not None and (config.model is None or Path(config.model).expanduser().exists()):
             warnings.append(f"--revision {config.revision} does not apply to a local model, served as it is")
         if path.is_file():

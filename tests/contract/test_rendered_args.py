@@ -71,6 +71,44 @@ def test_the_cpu_example_passes_without_help_from_the_operator() -> None:
     assert json.loads(r.stdout)["model"]["shape_from"] == "gguf metadata"
 
 
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_every_pod_command_as_rendered_passes_the_dry_run_where_the_weights_are_not(
+    name: str, tmp_path: Path
+) -> None:
+    """What a user checks before deploying: the pod's own command line, `--dry-run` appended and nothing else,
+    on a machine without the model (an empty Hugging Face cache). Hub models Pagoda knows are sized from the
+    same published shape the operator planned with."""
+    import os
+
+    engine, decision = container(example(name))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = subprocess.run(
+        [PAGODA, "serve", *engine["args"], "--dry-run"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert r.returncode == 0, f"{name}: {r.stderr}"
+    report = json.loads(r.stdout)
+    shape = report["model"]["shape"]
+    assert shape["num_layers"] == decision.shape.num_layers
+    assert shape["num_kv_heads"] == decision.shape.num_kv_heads
+    assert shape["head_dim"] == decision.shape.head_dim
+    if name == "cpu-default-model.yaml":  # the embedded model ships with the engine
+        assert report["model"]["shape_from"] == "gguf metadata"
+    else:
+        assert report["model"]["shape_from"] == "catalogue of known models"
+        assert any("catalogue of known models" in w for w in report["warnings"])
+
+
+def test_an_unknown_hub_model_without_weights_fails_the_dry_run_naming_model_shape(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = subprocess.run(
+        [PAGODA, "serve", "someorg/not-a-known-model", "--dry-run"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 2
+    assert "someorg/not-a-known-model" in r.stderr and "--model-shape" in r.stderr
+
+
 def test_the_70b_example_runs_on_two_gpus() -> None:
     engine, decision = container(example("llama-3.1-70b-h100x2-tp.yaml"))
     assert flag(engine["args"], "--tensor-parallel-size") == "2"
