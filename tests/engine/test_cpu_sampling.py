@@ -7,8 +7,12 @@ import torch
 from pagoda.engine import cpu_sampling
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda_testkit.native import require_native
 
-pytestmark = pytest.mark.skipif(cpu_sampling._library() is None, reason="native kernels not available")
+
+@pytest.fixture(autouse=True)
+def _native_kernels() -> None:
+    require_native(cpu_sampling._library() is not None)
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 17), (64, 49152), (7, 1000), (5, 31)])

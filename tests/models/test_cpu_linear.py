@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from pagoda.engine.models import cpu_linear
 from pagoda.engine.models.layers import Linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.enabled(), reason="torch built without oneDNN")
+
+@pytest.fixture(autouse=True)
+def _onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned CPU torch is built with oneDNN: its absence is a failure here, not a skip."""
+    monkeypatch.delenv("PAGODA_ONEDNN_LINEAR", raising=False)
+    assert cpu_linear.enabled()
 
 
 @pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 1728, False), (64, 64, 96, True), (300, 37, 5, True)])

@@ -168,13 +168,10 @@ def test_get_attention_backend():
 def test_native_decode_kernel_builds_where_a_compiler_exists():
     """The serving path must not silently fall back to the gathered formulation on a machine that can build
     the kernel (that fallback is ~10x slower per layer at 64 decodes)."""
-    import shutil
-
     from pagoda.engine.attention import cpu_decode
-    from pagoda.engine.attention.native import native_enabled
+    from pagoda_testkit.native import require_native
 
-    if not native_enabled() or not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler or native kernels disabled")
+    require_native(cpu_decode.available())
     assert cpu_decode.available()
 
 
@@ -193,9 +190,9 @@ def test_native_decode_matches_the_gathered_reference(heads, kv_heads, d, block_
     """Mixed steps (decodes between prefill chunks) through the native kernel and through the gathered
     reference formulation give the same outputs, and both match the dense per-token reference."""
     from pagoda.engine.attention import cpu_decode
+    from pagoda_testkit.native import require_native
 
-    if not cpu_decode.available():
-        pytest.skip("native kernel not available")
+    require_native(cpu_decode.available())
     torch.manual_seed(0)
     batches = paged(num_blocks=128, block_size=block_size, seed=1)
     caches = {n: LayerKVCache(torch.zeros(2, 128, block_size, kv_heads, d)) for n in ("native", "ref")}

@@ -10,6 +10,7 @@ import torch
 from pagoda.engine.attention.base import LayerKVCache
 from pagoda.engine.attention.torch_backend import TorchAttentionBackend
 from pagoda.kernels.reference import quantize_int8
+from pagoda_testkit.native import require_native
 
 
 def dense(q_all, k_all, v_all, ctx, ql, window):
@@ -47,8 +48,7 @@ def int8_cache(num_blocks, block_size, kv_heads, d):
 def test_native_int8_decode_matches_gathered_and_dense(heads, kv_heads, d, block_size, window, paged):
     from pagoda.engine.attention import cpu_decode
 
-    if not cpu_decode.available():
-        pytest.skip("native kernel not available")
+    require_native(cpu_decode.available())
     torch.manual_seed(0)
     batches = paged(num_blocks=128, block_size=block_size, seed=1)
     caches = {n: int8_cache(128, block_size, kv_heads, d) for n in ("native", "ref")}
@@ -97,8 +97,7 @@ def test_int8_decode_reads_only_the_sequences_own_slots(paged):
     decode must not read them (a read would show as a large error)."""
     from pagoda.engine.attention import cpu_decode
 
-    if not cpu_decode.available():
-        pytest.skip("native kernel not available")
+    require_native(cpu_decode.available())
     torch.manual_seed(3)
     batches = paged(num_blocks=32, block_size=16, seed=2)
     cache = int8_cache(32, 16, 3, 64)
