@@ -22,13 +22,13 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,10 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plot_path, print_table, write_json  # noqa: E402
+
+# Free ports and health waits are the test kit's (tests/support/pagoda_testkit), as for bench_operator.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from pagoda_testkit.processes import free_port, wait_healthy  # noqa: E402
 
 PAGODA = str(Path(sys.executable).parent / "pagoda")
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
@@ -47,12 +51,6 @@ WORDS = (
 ).split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Proc:
     proc: subprocess.Popen
@@ -60,17 +58,7 @@ class Proc:
     log: Path
 
     def wait_healthy(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.url} did not become healthy")
+        wait_healthy(self.proc, self.url, lambda: self.log.read_text()[-3000:], timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -94,8 +82,17 @@ def spawn(argv: list[str], log_dir: Path, name: str, port: int, nice: int = 0) -
     return Proc(proc, f"http://127.0.0.1:{port}", log)
 
 
-def start_replicas(n: int, args, log_dir: Path, extra: list[str]) -> list[Proc]:
-    procs = []
+def start_replicas(
+    n: int,
+    args,
+    log_dir: Path,
+    extra: Callable[[int], list[str]] = lambda i: [],
+    name: str = "replica",
+    procs: list[Proc] | None = None,
+) -> list[Proc]:
+    """``n`` replicas, replica ``i`` with ``extra(i)`` more flags, appended to ``procs`` as they start (so a
+    caller's cleanup stops them even if a later one fails to come up)."""
+    procs = [] if procs is None else procs
     for i in range(n):
         port = free_port()
         argv = [
@@ -114,9 +111,9 @@ def start_replicas(n: int, args, log_dir: Path, extra: list[str]) -> list[Proc]:
             "--max-num-seqs",
             "8",
             "--disable-log-stats",
-            *extra,
+            *extra(i),
         ]
-        procs.append(spawn(argv, log_dir, f"replica{i}", port, nice=10))
+        procs.append(spawn(argv, log_dir, f"{name}{i}", port, nice=10))
     for p in procs:
         p.wait_healthy()
     return procs
@@ -336,7 +333,7 @@ def reset_caches(replicas: list[Proc]) -> None:
 
 
 def scenario_device(args, log_dir: Path) -> list[dict]:
-    replicas = start_replicas(3, args, log_dir, [])
+    replicas = start_replicas(3, args, log_dir)
     rows = []
     try:
         total = len(args.policies) * args.conversations * args.turns
@@ -362,37 +359,16 @@ def scenario_device(args, log_dir: Path) -> list[dict]:
 def scenario_tiers(args, log_dir: Path) -> list[dict]:
     """Tenants' prefixes only on the host tier of one replica each; new conversations arrive."""
     disk = tempfile.mkdtemp(prefix="pagoda-bench-router-")
-    replicas = []
+
+    def host_and_disk(i: int) -> list[str]:
+        offload = {"--kv-offload-host-bytes": "512MiB", "--kv-offload-disk-dir": f"{disk}/r{i}"}
+        offload["--kv-offload-disk-bytes"] = "1GiB"
+        return [part for item in offload.items() for part in item]
+
+    replicas: list[Proc] = []
     rows = []
     try:
-        for i in range(3):
-            port = free_port()
-            argv = [
-                PAGODA,
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--uvicorn-log-level",
-                "warning",
-                "--kv-cache-memory-bytes",
-                args.kv_bytes,
-                "--max-model-len",
-                "2048",
-                "--max-num-seqs",
-                "8",
-                "--disable-log-stats",
-                "--kv-offload-host-bytes",
-                "512MiB",
-                "--kv-offload-disk-dir",
-                f"{disk}/r{i}",
-                "--kv-offload-disk-bytes",
-                "1GiB",
-            ]
-            replicas.append(spawn(argv, log_dir, f"tier-replica{i}", port, nice=10))
-        for r in replicas:
-            r.wait_healthy()
+        start_replicas(3, args, log_dir, host_and_disk, name="tier-replica", procs=replicas)
         n = args.tier_conversations
         with (
             tqdm(total=2 * (n + args.tenants + 3 * args.fillers), desc="tier scenario", unit="req") as bar,

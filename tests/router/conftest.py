@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from pagoda_testkit import processes
+from pagoda_testkit.processes import free_port
 
 PAGODA = str(Path(sys.executable).parent / "pagoda")
 # Small KV pools and context: two replicas share 2 CPU cores with the test.
 SMALL = ["--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024", "--max-num-seqs", "8"]
 START_TIMEOUT_S = float(os.environ.get("PAGODA_TEST_SERVER_START_TIMEOUT", "300"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -71,18 +65,12 @@ def start(log_dir: Path, argv: list[str], port: int, name: str) -> Proc:
 
 
 def wait_healthy(p: Proc, timeout: float = START_TIMEOUT_S) -> Proc:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"{p.url} exited {p.proc.returncode}:\n{p.log()}")
-        try:
-            if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                return p
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    p.stop(signal.SIGKILL)
-    raise RuntimeError(f"{p.url} not healthy after {timeout} s:\n{p.log()}")
+    try:
+        processes.wait_healthy(p.proc, p.url, p.log, timeout)
+    except RuntimeError:
+        p.stop(signal.SIGKILL)
+        raise
+    return p
 
 
 def start_replica(log_dir: Path, *extra: str) -> Proc:

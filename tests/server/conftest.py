@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,18 +15,13 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from pagoda_testkit.processes import free_port, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 PAGODA = str(Path(sys.executable).parent / "pagoda")
 START_TIMEOUT_S = float(os.environ.get("PAGODA_TEST_SERVER_START_TIMEOUT", "600"))
 # Small KV cache and context: the tests run on 2 shared CPU cores.
 SMALL = ["--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024", "--uvicorn-log-level", "warning"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -115,18 +109,12 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Serve
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(proc, port, log_path, api_key)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagoda serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.stop()
-    raise RuntimeError(f"pagoda serve did not become healthy in {START_TIMEOUT_S}s:\n{server.log()}")
+    try:
+        wait_healthy(proc, server.url, server.log, START_TIMEOUT_S, poll_s=1)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
 
 
 @pytest.fixture(scope="session")
