@@ -4,14 +4,13 @@ from it within the re-fit attempt bound, within it the plan simply carries on un
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 from pagoda.engine.sizing.planner import FIT_SLACK
 from pagoda.operator import profile, refit
 from pagoda.operator.render import ENGINE_PORT, PLAN_ANNOTATION, default_image
-from pagoda_testkit import INFD, STS, Cluster, example, running_operator
+from pagoda_testkit import INFD, STS, Cluster, example, pod_of, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 NAME = "qwen2-5-7b"  # examples/qwen2.5-7b-l4-fp8.yaml on one L4
@@ -33,25 +32,7 @@ def status(cluster: Cluster) -> dict[str, Any]:
 
 def ready_pod(sts: dict[str, Any], n: int) -> dict[str, Any]:
     """What the kubelet reports for a Ready pod of this StatefulSet's current template."""
-    template = sts["spec"]["template"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{NAME}-{n}",
-            "namespace": "default",
-            "labels": dict(template["metadata"]["labels"]),
-            "annotations": dict(template["metadata"]["annotations"]),
-        },
-        "spec": copy.deepcopy(template["spec"]),
-        "status": {
-            "phase": "Running",
-            "conditions": [{"type": "Ready", "status": "True"}],
-            "containerStatuses": [
-                {"name": "engine", "ready": True, "restartCount": 0, "state": {"running": {}}}
-            ],
-        },
-    }
+    return pod_of(sts, n, ready=True, container_status={"restartCount": 0, "state": {"running": {}}})
 
 
 def oom_killed_pod(sts: dict[str, Any], n: int) -> dict[str, Any]:

@@ -3,7 +3,6 @@ plan with a margin, an Event and a rolled StatefulSet; three in a row end in Ref
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -12,7 +11,7 @@ from pagoda.engine.cli.exit_codes import REASON_CUDA_OOM, REASON_KV_TOO_SMALL, t
 from pagoda.operator import refit
 from pagoda.operator.render import PLAN_ANNOTATION
 from pagoda.operator.spec import parse_spec
-from pagoda_testkit import INFD, STS, Cluster, example, running_operator
+from pagoda_testkit import INFD, STS, Cluster, example, pod_of, running_operator
 
 pytestmark = pytest.mark.timeout(120)
 NAME = "qwen2-5-7b"  # examples/qwen2.5-7b-l4-fp8.yaml: one L4, gpu-memory-utilization 0.92 as planned
@@ -30,7 +29,6 @@ def plan_of(sts: dict[str, Any]) -> str:
 def failed_pod(sts: dict[str, Any], n: int, *, oom_killed: bool = True, message: str | None = None) -> dict:
     """What the kubelet reports for a pod of this StatefulSet whose engine ran out of memory (`n` tells the
     pods of one test apart, as new uids would)."""
-    template = sts["spec"]["template"]
     terminated: dict[str, Any] = {
         "exitCode": 137 if oom_killed else 3,
         "reason": "OOMKilled" if oom_killed else "Error",
@@ -39,30 +37,12 @@ def failed_pod(sts: dict[str, Any], n: int, *, oom_killed: bool = True, message:
     }
     if message is not None:
         terminated["message"] = message
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{sts['metadata']['name']}-{n}",
-            "namespace": "default",
-            "labels": dict(template["metadata"]["labels"]),
-            "annotations": dict(template["metadata"]["annotations"]),
-        },
-        "spec": copy.deepcopy(template["spec"]),
-        "status": {
-            "phase": "Running",
-            "conditions": [{"type": "Ready", "status": "False"}],
-            "containerStatuses": [
-                {
-                    "name": "engine",
-                    "ready": False,
-                    "restartCount": 1,
-                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                    "lastState": {"terminated": terminated},
-                }
-            ],
-        },
+    crashed = {
+        "restartCount": 1,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": terminated},
     }
+    return pod_of(sts, n, ready=False, container_status=crashed)
 
 
 async def add_pod(cluster: Cluster, pod: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from pagoda_testkit.cluster import (
     emulated_cluster,
     example,
     node,
+    pod_of,
     running_operator,
 )
 from pagoda_testkit.emulator import PagodaEmulator
@@ -32,5 +33,6 @@ __all__ = [
     "emulated_cluster",
     "example",
     "node",
+    "pod_of",
     "running_operator",
 ]

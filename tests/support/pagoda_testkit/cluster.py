@@ -88,6 +88,28 @@ def node(name: str, kind: str | None) -> dict[str, Any]:
     }
 
 
+def pod_of(sts: dict[str, Any], n: int, *, ready: bool, container_status: dict[str, Any]) -> dict[str, Any]:
+    """A pod of this StatefulSet's current template as the kubelet reports it: its `n`th, with the engine
+    container's status `container_status` (ready, restart count, state...)."""
+    template = sts["spec"]["template"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{sts['metadata']['name']}-{n}",
+            "namespace": sts["metadata"].get("namespace", "default"),
+            "labels": dict(template["metadata"]["labels"]),
+            "annotations": dict(template["metadata"]["annotations"]),
+        },
+        "spec": copy.deepcopy(template["spec"]),
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "engine", "ready": ready, **container_status}],
+        },
+    }
+
+
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((EXAMPLES / name).read_text())
 
