@@ -229,6 +229,11 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    def hashes(self) -> list[BlockHash]:
+        """The blocks on disk, oldest first (a copy taken under the lock the writer thread takes)."""
+        with self._lock:
+            return list(self._index)
+
     def put(self, block_hash: BlockHash, data: torch.Tensor) -> bool:
         """Queue ``data`` (a CPU tensor the tier may keep) for writing; False when it cannot be kept."""
         if not self.enabled:

@@ -102,9 +102,7 @@ class KVPublisher:
             if host is not None:
                 self.log.sync_tier("host", [h for h, _ in host.items()])
             if disk is not None:
-                with disk._lock:  # the disk tier's index, read under the lock its writer thread takes
-                    names = list(disk._index)
-                self.log.sync_tier("disk", names)
+                self.log.sync_tier("disk", disk.hashes())
 
     def router_info(self) -> dict[str, Any]:
         core, kv = self.core, self.core.scheduler.kv

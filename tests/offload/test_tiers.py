@@ -344,3 +344,18 @@ def test_no_tier_ever_exceeds_its_budget(tmp_path_factory, ops, host_blocks, dis
         assert on_disk == disk.used_bytes <= disk.capacity_bytes
     finally:
         disk.close()
+
+
+def test_disk_tier_hashes_lists_what_it_holds_oldest_first(tmp_path):
+    """What the router's tier sync publishes for the disk tier (engine/server/kv_routes.py)."""
+    from pagoda.engine.kv_cache.hashing import BlockHash
+
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20, identity="test")
+    keys = [BlockHash(bytes([i]) * 32) for i in range(3)]
+    for k in keys:
+        assert tier.put(k, torch.full((2, 4), float(k[0])))
+    tier.flush()
+    assert tier.hashes() == keys
+    tier.get(keys[0], (2, 4), torch.float32)  # a read makes it the newest
+    assert tier.hashes() == [keys[1], keys[2], keys[0]]
+    tier.close()
