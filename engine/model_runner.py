@@ -18,6 +18,8 @@ from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, 
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagoda.engine.sizing.engine_plan import kv_bytes_per_token as plan_kv_bytes_per_token
+from pagoda.engine.sizing.shapes import kv_scale_bytes
 
 _QUANTIZED = {
     "fp8": torch.float8_e4m3fn,
@@ -26,7 +28,7 @@ _QUANTIZED = {
     "int8": torch.int8,
 }
 SCALE_DTYPE = torch.float32  # INT8 caches: one scale per token, KV head and K|V
-SCALE_BYTES = 4
+SCALE_BYTES = kv_scale_bytes("int8")
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -34,10 +36,11 @@ def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Bytes one token takes in the cache: K and V of every layer and KV head, plus INT8's scales."""
+    """Bytes one token takes in this rank's cache (its ``num_kv_heads``): the sizing formula, INT8's scales
+    included."""
     elem = torch.empty((), dtype=kv_dtype).element_size()
     scale = SCALE_BYTES if kv_dtype == torch.int8 else 0
-    return 2 * num_layers * num_kv_heads * (head_dim * elem + scale)
+    return plan_kv_bytes_per_token(num_layers, num_kv_heads, num_kv_heads, head_dim, elem, scale_bytes=scale)
 
 
 @dataclass
@@ -182,7 +185,7 @@ class ModelRunner:
         """Attention sinks: re-rotate the keys of blocks that moved down the cache (RotateBlock ops)."""
         inv_freq = self.model.rotary.inv_freq
         for cache in self.kv_caches:
-            rotate_keys_(cache.kv, getattr(cache, "scales", None), block_ids, deltas, inv_freq)
+            rotate_keys_(cache.kv, cache.scales, block_ids, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[n, *block_shape] on the host (pinned on CUDA)."""
