@@ -38,8 +38,9 @@ class Backend:
     url: str
     healthy: bool = False
     draining: bool = False
-    scraped_load: int = 0
-    inflight: int = 0  # requests this router has open there
+    scraped_load: int = 0  # running + waiting at the last /metrics scrape
+    inflight: int = 0  # requests this router has open there now
+    inflight_at_scrape: int = 0  # ... and when that scrape was answered (they are in scraped_load too)
     info: dict[str, Any] | None = None  # the replica's /v1/router_info
     index: BlockIndex = field(default_factory=BlockIndex)
     last_error: str | None = None
@@ -52,7 +53,10 @@ class Backend:
 
     @property
     def load(self) -> int:
-        return self.scraped_load + self.inflight
+        """Requests at the replica: those of other clients (scraped, minus this router's own at the time of
+        the scrape) plus this router's open ones now. The scrape alone lags by up to a health interval, and
+        adding the open ones to it would count each of them twice while it runs."""
+        return max(0, self.scraped_load - self.inflight_at_scrape) + self.inflight
 
     def candidate(self) -> Candidate:
         info = self.info or {}
@@ -186,7 +190,8 @@ class BackendPool:
             if b.healthy:
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
-                        b.scraped_load = parse_load(await r.text())
+                        text = await r.text()
+                        b.scraped_load, b.inflight_at_scrape = parse_load(text), b.inflight
                 if b.info is None or time.monotonic() - b.checked_at > 10 * self.config.health_interval:
                     await self._fetch_info(b, timeout)
                     b.checked_at = time.monotonic()

@@ -9,7 +9,9 @@
   free), with each replica's measured rates, among the same load-bounded replicas; costs within 25% of the
   best are a tie.
 
-Ties go to the least loaded, then in turn, so equal replicas share the work.
+Ties go to the least loaded, then in turn, so equal replicas share the work. A cache policy's decision says
+``load_bound`` when a replica beyond the load bound would have served the request cheaper (a longer prefix,
+a lower cost): the cache hit was given up for the queue.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Candidate:
 @dataclass
 class Decision:
     name: str
-    reason: str  # why this replica: round_robin | least_loaded | prefix_hit | no_prefix | lowest_cost | ...
+    reason: str  # round_robin | least_loaded | prefix_hit | device_hit | tier_hit | no_prefix | load_bound | single
     predicted_cached_tokens: int = 0
     tiers: dict[str, int] = field(default_factory=dict)  # predicted cached blocks per tier
     cost_s: float | None = None
@@ -82,8 +84,18 @@ class Router:
             return self._decide(self._least_loaded(cands), "least_loaded", chain, num_tokens)
         bounded = self._bounded(cands)
         if self.policy == "prefix":
-            return self._prefix(bounded, chain, num_tokens)
-        return self._tier_aware(bounded, chain, num_tokens)
+            d, longest = self._prefix(bounded, chain, num_tokens)
+            if len(bounded) < len(cands):
+                beyond = [c for c in cands if c not in bounded]
+                if max(len(self._held(c, chain, num_tokens, device_only=True)) for c in beyond) > longest:
+                    d.reason = "load_bound"
+            return d
+        steady_rates(cands)
+        d = self._tier_aware(bounded, chain, num_tokens)
+        if len(bounded) < len(cands) and d.cost_s is not None:
+            if min(self.cost(c, chain, num_tokens)[0] for c in cands) * COST_TIE < d.cost_s:
+                d.reason = "load_bound"
+        return d
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _least_loaded(self, cands: Sequence[Candidate]) -> Candidate:
@@ -105,13 +117,14 @@ class Router:
         tiers = {t: held.count(t) for t in set(held)}
         return Decision(c.name, reason, len(held) * c.block_size, tiers)
 
-    def _prefix(self, cands: list[Candidate], chain: Sequence[str], num_tokens: int) -> Decision:
+    def _prefix(self, cands: list[Candidate], chain: Sequence[str], num_tokens: int) -> tuple[Decision, int]:
+        """The decision, and the longest device prefix (blocks) it found."""
         scored = [(len(self._held(c, chain, num_tokens, device_only=True)), c) for c in cands]
         best = max(n for n, _ in scored)
         if best == 0:
-            return self._decide(self._least_loaded(cands), "no_prefix", chain, num_tokens)
+            return self._decide(self._least_loaded(cands), "no_prefix", chain, num_tokens), 0
         ties = [c for n, c in scored if n == best]
-        return self._decide(self._least_loaded(ties), "prefix_hit", chain, num_tokens)
+        return self._decide(self._least_loaded(ties), "prefix_hit", chain, num_tokens), best
 
     def cost(self, c: Candidate, chain: Sequence[str], num_tokens: int) -> tuple[float, list[str]]:
         """Seconds to have the prompt's KV on the device at ``c``, and the tiers of its cached prefix."""
@@ -127,7 +140,6 @@ class Router:
         return seconds, held
 
     def _tier_aware(self, cands: list[Candidate], chain: Sequence[str], num_tokens: int) -> Decision:
-        steady_rates(cands)
         scored = [(*self.cost(c, chain, num_tokens), c) for c in cands]
         best = min(s for s, _, _ in scored)
         ties = [c for s, _, c in scored if s <= best * COST_TIE + 1e-9]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagoda.router.backends import Backend, parse_load
+from pagoda.router.policies import Router
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -17,6 +18,31 @@ def test_load_is_running_plus_waiting():
     assert parse_load(METRICS) == 5
     b = Backend("http://a", healthy=True, scraped_load=5, inflight=2)
     assert b.load == 7 and b.routable
+
+
+def test_the_routers_own_requests_count_once():
+    """The replica's running + waiting already includes the router's open requests: the load is the other
+    clients' share of the scrape plus what the router has open now, not the scrape plus the open ones."""
+    b = Backend("http://a", healthy=True, scraped_load=5, inflight=2, inflight_at_scrape=2)
+    assert b.load == 5  # 3 from other clients, 2 of ours
+    b.inflight = 4  # two more sent since the scrape
+    assert b.load == 7
+    b.inflight = 0  # all of ours finished: the scrape is stale, the other clients' 3 remain
+    assert b.load == 3
+    b.scraped_load, b.inflight_at_scrape, b.inflight = 1, 2, 1  # ours not yet counted by the replica
+    assert b.load == 1
+
+
+def test_a_replica_busy_only_with_the_routers_requests_keeps_its_prefix():
+    """Two requests open at the replica that holds the prefix (and scraped there) against an idle one: the
+    load gap is 2, within the default slack of 2, so the conversation stays. Counting them twice made it 4
+    and sent the turn to a replica without its history (a full prefill)."""
+    chain = [f"{i:064x}" for i in range(1, 9)]
+    warm = Backend("http://warm", healthy=True, scraped_load=2, inflight=2, inflight_at_scrape=2)
+    warm.index.tiers["device"] = set(chain)
+    cold = Backend("http://cold", healthy=True)
+    d = Router("prefix", load_slack=2).choose([warm.candidate(), cold.candidate()], chain, 8 * 16 + 5)
+    assert (d.name, d.reason) == ("http://warm", "prefix_hit")
 
 
 def test_one_slow_check_keeps_a_replica_two_eject_it_a_refusal_ejects_at_once():

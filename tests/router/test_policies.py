@@ -44,7 +44,10 @@ def test_prefix_prefers_the_longest_device_prefix_within_the_load_bound():
     d = r.choose([a, b], CHAIN, TOKENS)
     assert (d.name, d.reason, d.predicted_cached_tokens) == ("b", "prefix_hit", 96)
     b.load = 3  # now beyond least load + slack: the cache hit is not worth the queue
-    assert r.choose([a, b], CHAIN, TOKENS).name == "a"
+    d = r.choose([a, b], CHAIN, TOKENS)
+    assert (d.name, d.reason) == ("a", "load_bound")  # a's 2 blocks taken, b's 6 given up for load
+    a.index.tiers["device"] = set(CHAIN[:6])  # the bound cost nothing: an equal prefix within it
+    assert r.choose([a, b], CHAIN, TOKENS).reason == "prefix_hit"
     # a hole in the chain ends the prefix: c holds blocks 0, 1 and 3..7 -> only 2 count
     c = cand("c", 0, device=CHAIN[:2] + CHAIN[3:])
     e = cand("e", 0, device=CHAIN[:3])
@@ -94,6 +97,8 @@ def test_tier_aware_prefers_a_longer_disk_prefix_over_a_shorter_device_one():
 def test_tier_aware_is_bounded_by_load():
     r = Router("tierAware", load_slack=1)
     d = r.choose([cand("a", 5, device=CHAIN), cand("b", 0)], CHAIN, TOKENS)
+    assert (d.name, d.reason) == ("b", "load_bound")
+    d = r.choose([cand("a", 5), cand("b", 0)], CHAIN, TOKENS)  # nothing given up: an ordinary miss
     assert (d.name, d.reason) == ("b", "no_prefix")
 
 
