@@ -9,6 +9,7 @@ connection, which aborts the request on the replica.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -23,7 +24,16 @@ from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import Decision, Router
 
 log = logging.getLogger("pagoda.router")
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "authorization"}
+# Not forwarded: hop-by-hop headers, and the client's credentials (the replicas get the router's own key).
+_HOP = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "authorization",
+    "x-api-key",
+}
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -68,9 +78,14 @@ class RouterApp:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The engine's rule (engine/server/middleware.py): ``Authorization: Bearer <key>``, else
+        ``X-API-Key: <key>``, compared in constant time; /health and /metrics stay open."""
         key = self.config.api_key
         if key and request.path not in ("/health", "/metrics"):
-            if request.headers.get("Authorization") != f"Bearer {key}":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = token.strip() if scheme.lower() == "bearer" else ""
+            given = given or request.headers.get("X-API-Key", "").strip()
+            if not hmac.compare_digest(given.encode(), key.encode()):
                 body = {
                     "error": {
                         "message": "Missing or invalid API key.",

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +56,12 @@ class Proc:
         return self.proc.returncode
 
 
-def start(log_dir: Path, argv: list[str], port: int, name: str) -> Proc:
+def start(log_dir: Path, argv: list[str], port: int, name: str, env: dict[str, str] | None = None) -> Proc:
+    """``env``: more environment variables (PAGODA_API_KEY of the caller's is never passed on)."""
     log_path = log_dir / f"{name}-{port}.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("PAGODA_API_KEY", None)
+    base = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    base.pop("PAGODA_API_KEY", None)
+    env = {**base, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Proc(proc, port, log_path)
@@ -89,12 +92,24 @@ def start_replica(log_dir: Path, *extra: str) -> Proc:
     return start(log_dir, [*argv, *extra], port, "replica")
 
 
-def start_router(log_dir: Path, backends: list[str], *extra: str) -> Proc:
+def start_router(log_dir: Path, backends: list[str], *extra: str, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     argv = [PAGODA, "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     for b in backends:
         argv += ["--backend", b]
-    return wait_healthy(start(log_dir, [*argv, *extra], port, "router"), timeout=60)
+    return wait_healthy(start(log_dir, [*argv, *extra], port, "router", env), timeout=60)
+
+
+def wait_synced(router: Proc, timeout: float = 30, api_key: str | None = None) -> list[dict]:
+    """The router's replicas once all are healthy and followed (KV snapshot loaded), or as they are at the
+    deadline."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        backends = httpx.get(router.url + "/router/state", headers=headers).json()["backends"]
+        if (backends and all(b["healthy"] and b["synced"] for b in backends)) or time.monotonic() > deadline:
+            return backends
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -114,5 +129,10 @@ def kit():
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        free_port=free_port, start=start, start_router=start_router, wait_healthy=wait_healthy
+        free_port=free_port,
+        start=start,
+        start_replica=start_replica,
+        start_router=start_router,
+        wait_healthy=wait_healthy,
+        wait_synced=wait_synced,
     )
