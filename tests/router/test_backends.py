@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pagoda.router.backends import Backend, parse_load
+import asyncio
+import socket
+
+from pagoda.router.backends import Backend, BackendPool, parse_load
+from pagoda.router.config import RouterConfig
 from pagoda.router.policies import Router
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -56,3 +60,46 @@ def test_one_slow_check_keeps_a_replica_two_eject_it_a_refusal_ejects_at_once():
     assert not c.routable
     d = Backend("http://d", healthy=True, draining=True)
     assert not d.routable
+
+
+def test_backend_dns_follows_the_services_records(monkeypatch):
+    """--backend-dns: every A/AAAA record of the headless Service is a replica; records that appear (scale
+    up) are added, records that go (scale down) are dropped, a failed lookup keeps the last known set, and
+    a static --backend is never dropped by DNS."""
+    config = RouterConfig(
+        backends=["http://10.0.0.9:8000"], backend_dns=["llm-headless.ns.svc:8000"]
+    ).validate()
+    pool = BackendPool(config)
+    records: list = []
+
+    async def getaddrinfo(host, port, type=0, **_):  # noqa: A002 - the name asyncio uses
+        assert (host, port, type) == ("llm-headless.ns.svc", 8000, socket.SOCK_STREAM)
+        if records is None:
+            raise socket.gaierror("temporary failure in name resolution")
+        return [
+            (fam, socket.SOCK_STREAM, 6, "", (ip, port) if fam == socket.AF_INET else (ip, port, 0, 0))
+            for fam, ip in records
+        ]
+
+    async def resolve(new) -> set[str]:
+        nonlocal records
+        records = new
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+        await pool.resolve_dns()
+        return set(pool.backends)
+
+    async def scenario() -> None:
+        v4 = socket.AF_INET
+        got = await resolve([(v4, "10.0.0.5"), (v4, "10.0.0.6")])
+        assert got == {"http://10.0.0.9:8000", "http://10.0.0.5:8000", "http://10.0.0.6:8000"}
+        kept = pool.backends["http://10.0.0.5:8000"]
+        got = await resolve([(v4, "10.0.0.5"), (v4, "10.0.0.6"), (socket.AF_INET6, "fd00::7")])
+        assert "http://[fd00::7]:8000" in got and pool.backends["http://10.0.0.5:8000"] is kept
+        got = await resolve(None)  # DNS down: nothing changes
+        assert "http://[fd00::7]:8000" in got and len(got) == 4
+        got = await resolve([(v4, "10.0.0.6"), (v4, "10.0.0.9")])  # scaled down; the static one is in DNS
+        assert got == {"http://10.0.0.9:8000", "http://10.0.0.6:8000"}
+        got = await resolve([(v4, "10.0.0.6")])  # ... and leaves it again: it stays, being static
+        assert got == {"http://10.0.0.9:8000", "http://10.0.0.6:8000"}
+
+    asyncio.run(scenario())

@@ -177,6 +177,33 @@ def test_connection_refused_is_retried_on_another_replica(replicas, tmp_path_fac
         r.stop()
 
 
+def test_backend_dns_finds_the_replica_by_name(replicas, tmp_path_factory, kit):
+    """--backend-dns as the operator renders it, on loopback: the name's A records are the replicas."""
+    port = replicas[0].port
+    r = kit.start_router(
+        tmp_path_factory.mktemp("dns"),
+        [],
+        "--backend-dns",
+        f"localhost:{port}",
+        "--dns-interval",
+        "0.5",
+        "--health-interval",
+        "0.5",
+    )
+    try:
+        backends = {b["url"]: b for b in kit.wait_synced(r)}
+        # every address localhost resolves to is a replica; only 127.0.0.1 listens
+        assert f"http://127.0.0.1:{port}" in backends
+        assert backends[f"http://127.0.0.1:{port}"]["synced"]
+        out = client(r).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+        )
+        assert out.usage.completion_tokens == 1
+        assert routed(r, f"http://127.0.0.1:{port}") == 1
+    finally:
+        r.stop()
+
+
 def test_a_draining_replica_finishes_its_work_and_gets_no_new_requests(router, replicas):
     """SIGTERM: /health says 503 draining, the stream in flight ends normally, new requests go elsewhere."""
     leaving, staying = replicas[1], replicas[0]
