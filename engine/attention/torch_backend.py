@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagoda.engine.attention import cpu_decode
+from pagoda.engine.attention import cpu_decode, cpu_prefill
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.kernels.reference import quantize_int8
 
@@ -48,6 +48,7 @@ class _Plan:
     decode_blocks: torch.Tensor | None  # [Sd, nb] int64
     decode_max_len: int
     prefills: list[_Prefill]
+    prefill_chunks: cpu_prefill.PrefillChunks | None  # the prefills as the native kernel reads them
     masks: dict  # (kind, window) -> mask tensor, filled lazily per sliding window
     block_tables: torch.Tensor  # the step's block tables and sequence lengths, int32 and contiguous
     seq_lens: torch.Tensor
@@ -75,6 +76,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
             decode_seq_lens = meta.seq_lens.index_select(0, sel).long()
             decode_rows = torch.tensor([starts[i] for i in decode_idx], device=device, dtype=torch.long)
     prefills = []
+    prefill_idx = []
     for i, q in enumerate(qlens):
         if q == 1:
             continue
@@ -82,6 +84,13 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         prefills.append(
             _Prefill(starts[i], starts[i] + q, slens[i] - q, slens[i], meta.block_tables[i, :nb].long())
         )
+        prefill_idx.append(i)
+    chunks = None
+    if prefills:
+        chunks = cpu_prefill.PrefillChunks(
+            prefill_idx, [p.start for p in prefills], [p.end - p.start for p in prefills],
+            [p.context_len for p in prefills],
+        )  # fmt: skip
     return _Plan(
         starts[-1],
         decode_rows,
@@ -90,6 +99,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         decode_blocks,
         decode_max_len,
         prefills,
+        chunks,
         {},
         meta.block_tables.to(torch.int32).contiguous(),
         meta.seq_lens.to(torch.int32).contiguous(),
@@ -239,6 +249,11 @@ class TorchAttentionBackend:
                     return od
                 out.index_copy_(0, plan.decode_rows, od)
 
+        if plan.prefills and self.native is not False and cpu_prefill.supports(q, cache.kv, cache.scales):
+            cpu_prefill.paged_prefill(
+                q, cache.kv, plan.block_tables, plan.prefill_chunks, out, scale, sliding_window
+            )
+            return out
         for i, p in enumerate(plan.prefills):
             if p.context_len == 0 and cache.kv.dtype == k.dtype:
                 # Nothing cached before this chunk and the cache holds exactly what was written: skip the gather.

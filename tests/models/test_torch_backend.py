@@ -220,3 +220,103 @@ def test_native_decode_matches_the_gathered_reference(heads, kv_heads, d, block_
             ref = dense_reference(*hist[sid], ctx, ql, window)
             assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
             start += ql
+
+
+# ---- the native CPU prefill kernel -----------------------------------------------------------------------
+
+
+def _require_native_prefill():
+    from pagoda.engine.attention import cpu_prefill
+    from pagoda_testkit.native import require_native
+
+    if not cpu_prefill._avx512():
+        pytest.skip("the native prefill kernel needs an AVX-512 CPU")
+    require_native(cpu_prefill.available())
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block_size,window",
+    [
+        (9, 3, 64, 16, None),  # the default model's shapes
+        (4, 4, 16, 8, None),  # no GQA, blocks smaller than a 16-key chunk
+        (8, 2, 128, 32, None),
+        (14, 2, 64, 16, 7),  # group of 7 (tiles not a multiple of the group), sliding window
+        (12, 1, 32, 64, 20),  # a group of 12 fills a tile with one position
+        (6, 3, 16, 16, 1),  # a window of one token
+    ],
+)
+def test_native_prefill_matches_the_dense_reference(heads, kv_heads, d, block_size, window, paged):
+    """Prefill chunks with and without a cached prefix, next to decodes, through the native kernel: every
+    row matches the dense per-token reference, and the kernel really ran (its output differs from a run
+    with the kernel switched off only by rounding, and rows it does not own are left as written)."""
+    from pagoda.engine.attention import cpu_prefill
+
+    _require_native_prefill()
+    torch.manual_seed(0)
+    batches = paged(num_blocks=160, block_size=block_size, seed=2)
+    caches = {n: LayerKVCache(torch.zeros(2, 160, block_size, kv_heads, d)) for n in ("native", "ref")}
+    backends = {"native": TorchAttentionBackend(native=True), "ref": TorchAttentionBackend(native=False)}
+    q0 = torch.randn(1, heads, d)
+    assert cpu_prefill.supports(q0, caches["native"].kv)
+    hist: dict[int, tuple] = {}
+    steps = [
+        [(0, 0, 37), (1, 0, 1), (2, 0, 5), (4, 0, 2)],
+        [(0, 37, 1), (1, 1, 19), (2, 5, 1), (3, 0, 70), (4, 2, 33)],  # chunks continuing cached prefixes
+        [(3, 70, 2 * block_size + 1), (0, 38, 1), (1, 20, 1), (2, 6, 40)],
+    ]
+    calls = []
+    real = cpu_prefill.paged_prefill
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    cpu_prefill.paged_prefill = spy
+    try:
+        for step in steps:
+            meta = batches.step(step)
+            q = torch.randn(meta.num_tokens, heads, d)
+            k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
+            outs = {n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window) for n in backends}
+            assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
+            start = 0
+            for sid, ctx, ql in step:
+                empty = (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
+                old = hist.get(sid, empty)
+                hist[sid] = tuple(
+                    torch.cat([o, x[start : start + ql]]) for o, x in zip(old, (q, k, v), strict=True)
+                )
+                ref = dense_reference(*hist[sid], ctx, ql, window)
+                assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
+                start += ql
+    finally:
+        cpu_prefill.paged_prefill = real
+    assert len(calls) == len(steps)
+
+
+def test_native_prefill_leaves_rows_it_does_not_own(paged):
+    """Only the prefill rows are written: decode rows of the output keep what was there."""
+    from pagoda.engine.attention import cpu_prefill
+    from pagoda.engine.attention.torch_backend import _plan
+
+    _require_native_prefill()
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    batches = paged(num_blocks=32, block_size=bs, seed=3)
+    cache = LayerKVCache(torch.randn(2, 32, bs, kv_heads, d))
+    meta = batches.step([(0, 0, 20), (1, 0, 1), (2, 0, 3)])
+    plan = _plan(meta, bs)
+    q = torch.randn(meta.num_tokens, heads, d)
+    out = torch.full_like(q, float("nan"))
+    cpu_prefill.paged_prefill(q, cache.kv, plan.block_tables, plan.prefill_chunks, out, d**-0.5)
+    assert torch.isnan(out[20]).all()  # the decode row
+    assert not torch.isnan(out[:20]).any() and not torch.isnan(out[21:]).any()
+
+
+def test_native_prefill_refuses_what_it_cannot_run():
+    from pagoda.engine.attention import cpu_prefill
+
+    kv = torch.zeros(2, 4, 16, 2, 64)
+    assert not cpu_prefill.supports(torch.zeros(3, 4, 64, dtype=torch.float64), kv)  # dtype
+    assert not cpu_prefill.supports(torch.zeros(3, 4, 64), kv.to(torch.int8), torch.zeros(2, 4, 16, 2))  # int8
+    assert not cpu_prefill.supports(torch.zeros(3, 4, 24), torch.zeros(2, 4, 16, 2, 24))  # head size
+    assert not cpu_prefill.supports(torch.zeros(3, 26, 64), kv)  # 13 query heads per KV head
