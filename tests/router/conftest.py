@@ -76,8 +76,9 @@ def wait_healthy(p: Proc, timeout: float = START_TIMEOUT_S) -> Proc:
     return p
 
 
-def start_replica(log_dir: Path, *extra: str) -> Proc:
-    port = free_port()
+def start_replica(log_dir: Path, *extra: str, port: int | None = None) -> Proc:
+    """``port``: a given one (a restart at the address the router knows), else a free one."""
+    port = port or free_port()
     argv = [
         PAGODA,
         "serve",
