@@ -5,6 +5,12 @@
 Scenario 1 (device only): small KV pools (--kv-cache-memory-bytes), a multi-tenant chat workload (12
 conversations x 6 turns, one ~500-token system prompt per tenant, turns interleaved across conversations, 3
 clients), the same workload with fresh prompts for each policy: roundRobin, leastLoaded, prefix, tierAware.
+Every assistant reply is 64 tokens (min_tokens = max_tokens), and goes back into the conversation's history
+as the next turn's context. A chat's replies are rarely shorter, and the default model would otherwise stop
+after ~10 tokens of these generic questions, leaving a history that hardly grows past the system prompt:
+then what a replica holds is mostly system prompts, which every policy finds sooner or later, unlike a real
+chat where each conversation's own history is most of its prompt. (Up to 2026-11-23 the replies were 8
+tokens; docs/router.md has both.)
 Scenario 2 (tiers): replicas with a host tier; each tenant's system prompt is placed on one replica and
 pushed down to the host tier by filler prompts, then new conversations of those tenants arrive: prefix
 (device only) cannot see where the prefixes are, tierAware can.
@@ -176,13 +182,17 @@ class Result:
     cached_tokens: int
     completion_tokens: int
     status: int
+    turn: int = 0  # 0-based turn of its conversation
 
 
-def chat(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) -> tuple[Result, str]:
+def chat(
+    client: httpx.Client, url: str, messages: list[dict], max_tokens: int, min_tokens: int = 0
+) -> tuple[Result, str]:
     body = {
         "model": MODEL,
         "messages": messages,
         "max_tokens": max_tokens,
+        "min_tokens": min(min_tokens, max_tokens),
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -219,7 +229,7 @@ def chat(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) 
 
 
 def run_conversations(
-    url: str, convs: list[Conversation], clients: int, max_tokens: int, bar
+    url: str, convs: list[Conversation], clients: int, max_tokens: int, min_tokens: int, bar
 ) -> tuple[list[Result], float]:
     """Turns interleaved: turn k of every conversation before turn k+1 of any, conversations in a shuffled
     order each round (a fixed order would make round robin stick each conversation to one replica whenever
@@ -252,7 +262,8 @@ def run_conversations(
                 conv.messages.append(
                     {"role": "user", "content": f"Question {k + 1} of conversation {i}: what next?"}
                 )
-                res, text = chat(client, url, conv.messages, max_tokens)
+                res, text = chat(client, url, conv.messages, max_tokens, min_tokens)
+                res.turn = k
                 conv.messages.append({"role": "assistant", "content": text or "ok"})
                 with lock:
                     results.append(res)
@@ -309,6 +320,9 @@ def summarize(policy: str, results: list[Result], wall: float, state: dict) -> d
     ov = sorted(overheads)
     p99 = ov[min(len(ov) - 1, int(0.99 * len(ov)))] if ov else float("nan")
     prompt = sum(r.prompt_tokens for r in ok)
+    by_turn: dict[int, list[Result]] = {}
+    for r in ok:
+        by_turn.setdefault(r.turn, []).append(r)
     return {
         "policy": policy,
         "requests": len(results),
@@ -322,6 +336,11 @@ def summarize(policy: str, results: list[Result], wall: float, state: dict) -> d
         "overhead_mean_ms": statistics.fmean(ov) * 1e3 if ov else float("nan"),
         "overhead_cpu_p99_ms": pct(state["overheads_cpu"], 0.99) * 1e3,
         "wall_s": wall,
+        "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
+        "hit_rate_by_turn": [
+            sum(r.cached_tokens for r in rs) / max(1, sum(r.prompt_tokens for r in rs))
+            for _, rs in sorted(by_turn.items())
+        ],
         "reasons": state["reasons"],
         "backends": state["backends"],
     }
@@ -346,8 +365,11 @@ def scenario_device(args, log_dir: Path) -> list[dict]:
                         Conversation(system_prompt(i % args.tenants, policy, args.system_words), args.turns)
                         for i in range(args.conversations)
                     ]
-                    results, wall = run_conversations(router.url, convs, args.clients, args.max_tokens, bar)
+                    results, wall = run_conversations(
+                        router.url, convs, args.clients, args.max_tokens, args.min_tokens, bar
+                    )
                     rows.append(summarize(policy, results, wall, router_state(router)))
+                    rows[-1]["sample_conversation"] = convs[0].messages  # what the replies look like
                 finally:
                     router.stop()
     finally:
@@ -404,7 +426,9 @@ def scenario_tiers(args, log_dir: Path) -> list[dict]:
                 router = start_router(policy, replicas, log_dir)
                 try:
                     convs = [Conversation(systems[i % args.tenants], 1) for i in range(n)]
-                    results, wall = run_conversations(router.url, convs, 1, args.max_tokens, bar)
+                    results, wall = run_conversations(
+                        router.url, convs, 1, args.max_tokens, args.min_tokens, bar
+                    )
                     rows.append(summarize(policy, results, wall, router_state(router)))
                 finally:
                     router.stop()
@@ -446,9 +470,16 @@ def main() -> int:
     ap.add_argument(
         "--tenants", type=int, default=6, help="more system prompts than one replica's pool holds"
     )
-    ap.add_argument("--system-words", type=int, default=330, help="~500 tokens")
+    ap.add_argument("--system-words", type=int, default=415, help="~500 tokens with the chat template")
     ap.add_argument("--clients", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per assistant reply")
+    ap.add_argument(
+        "--min-tokens",
+        type=int,
+        default=None,
+        help="the model may not stop before this many (default: --max-tokens, so every reply is that long; "
+        "0 lets it stop where it likes, about 10 tokens for these questions)",
+    )
     ap.add_argument("--kv-bytes", default="96MiB", help="per replica: small, so that routing matters")
     ap.add_argument("--tier-conversations", type=int, default=12)
     ap.add_argument("--skip-tiers", action="store_true")
@@ -457,6 +488,8 @@ def main() -> int:
     )
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     args = ap.parse_args()
+    if args.min_tokens is None:
+        args.min_tokens = args.max_tokens
     if args.quick:
         args.conversations, args.turns, args.tenants, args.tier_conversations = 6, 3, 3, 6
     log_dir = Path(tempfile.mkdtemp(prefix="pagoda-bench-router-logs-"))
