@@ -10,7 +10,7 @@ as the next turn's context. A chat's replies are rarely shorter, and the default
 after ~10 tokens of these generic questions, leaving a history that hardly grows past the system prompt:
 then what a replica holds is mostly system prompts, which every policy finds sooner or later, unlike a real
 chat where each conversation's own history is most of its prompt. (Up to 2026-11-23 the replies were 8
-tokens; docs/router.md has both.)
+tokens and the system prompts ~400 tokens; docs/router.md compares them.)
 Scenario 2 (tiers): replicas with a host tier; each tenant's system prompt is placed on one replica and
 pushed down to the host tier by filler prompts, then new conversations of those tenants arrive: prefix
 (device only) cannot see where the prefixes are, tierAware can.
