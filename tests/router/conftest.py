@@ -18,6 +18,8 @@ from pagoda_testkit.processes import free_port
 PAGODA = str(Path(sys.executable).parent / "pagoda")
 # Small KV pools and context: two replicas share 2 CPU cores with the test.
 SMALL = ["--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024", "--max-num-seqs", "8"]
+# A router that notices health and KV events within a fraction of a second, for tests that wait on both.
+FAST = ("--health-interval", "0.5", "--events-interval", "0.1")
 START_TIMEOUT_S = float(os.environ.get("PAGODA_TEST_SERVER_START_TIMEOUT", "300"))
 
 
@@ -130,6 +132,7 @@ def kit():
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        FAST=FAST,
         free_port=free_port,
         start=start,
         start_replica=start_replica,

@@ -27,10 +27,7 @@ def keyed(tmp_path_factory, kit):
         router = kit.start_router(
             log_dir,
             [replica.url],
-            "--health-interval",
-            "0.5",
-            "--events-interval",
-            "0.1",
+            *kit.FAST,
             env={"PAGODA_API_KEY": KEY},
         )
         yield replica, router

@@ -28,20 +28,8 @@ def routed(router, url: str) -> float:
 
 @pytest.fixture(scope="module")
 def router(replicas, tmp_path_factory, kit):
-    r = kit.start_router(
-        tmp_path_factory.mktemp("router"),
-        [p.url for p in replicas],
-        "--health-interval",
-        "0.5",
-        "--events-interval",
-        "0.1",
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # wait until both replicas are healthy and followed
-        state = httpx.get(r.url + "/router/state").json()
-        if all(b["healthy"] and b["synced"] for b in state["backends"]):
-            break
-        time.sleep(0.2)
+    r = kit.start_router(tmp_path_factory.mktemp("router"), [p.url for p in replicas], *kit.FAST)
+    kit.wait_synced(r)  # both replicas healthy and followed
     yield r
     r.stop()
 
@@ -187,8 +175,7 @@ def test_backend_dns_finds_the_replica_by_name(replicas, tmp_path_factory, kit):
         f"localhost:{port}",
         "--dns-interval",
         "0.5",
-        "--health-interval",
-        "0.5",
+        *kit.FAST,
     )
     try:
         backends = {b["url"]: b for b in kit.wait_synced(r)}

@@ -59,10 +59,7 @@ def test_the_restarted_replica_is_chosen_for_its_disk_prefix(warm_and_cold, tmp_
         [cold.url, warm.url],  # the cold one first: the choice is not the list's order
         "--policy",
         "tierAware",
-        "--health-interval",
-        "0.5",
-        "--events-interval",
-        "0.1",
+        *kit.FAST,
     )
     try:
         backends = {b["url"]: b for b in kit.wait_synced(router)}
