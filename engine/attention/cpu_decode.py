@@ -3,7 +3,10 @@
 One task per (sequence, KV head): the task walks the sequence's block table, scores all query heads that share
 the KV head against each key once (GQA reads every K/V row once), and keeps a running max / sum / weighted V
 (online softmax), so no [seqs, max_len] scores or gathered K/V are ever materialised and nothing is padded to
-the longest sequence. Tasks run in parallel on torch's OpenMP pool.
+the longest sequence. Tasks run in parallel on torch's OpenMP pool. Blocks lie anywhere in the cache, so a task
+prefetches the next block's rows of its head while it scores the current one (unless that block is the adjacent
+one, which the hardware prefetcher follows by itself): 1.2-1.3x less time per layer on scattered blocks at 1-64
+decodes, the same on contiguous ones.
 
 Gathering the context per layer and step used to cost more than the model's matmuls at 64 concurrent decodes:
 the per-layer kernel time went from ~61 ms (gather + padded SDPA) to ~6 ms on one core, 64 sequences of 24-767
@@ -53,11 +56,22 @@ static inline __attribute__((always_inline)) void task_avx512(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
+    const int esz = I8 ? 1 : 4;
     for (int b = start / bs; b * bs < len; b++) {
         const int64_t base = ((int64_t)bt_row[b] * bs * Hkv + h) * D;
         const int64_t sbase = (int64_t)bt_row[b] * bs * Hkv + h; /* INT8: scale of token t at sbase + t*Hkv */
         const int t0 = start > b * bs ? start - b * bs : 0;
         const int t1 = len - b * bs < bs ? len - b * bs : bs;
+        if ((b + 1) * bs < len && bt_row[b + 1] != bt_row[b] + 1) {
+            /* The next block lies anywhere in the cache: fetch its rows of this head while this one is scored
+               (an adjacent block is left to the hardware prefetcher, which follows it on its own). */
+            const int64_t next = ((int64_t)bt_row[b + 1] * bs * Hkv + h) * D * esz;
+            for (int t = 0; t < bs; t++)
+                for (int off = 0; off < D * esz; off += 64) {
+                    _mm_prefetch((const char *)kc + next + t * tok_stride * esz + off, _MM_HINT_T0);
+                    _mm_prefetch((const char *)vc + next + t * tok_stride * esz + off, _MM_HINT_T0);
+                }
+        }
         for (int t = t0; t < t1; t++) {
             __m512 kk[MAXD / 16];
             if (I8) {
