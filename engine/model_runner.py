@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagoda.engine import host_allocator
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.distributed.workers import Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
@@ -64,6 +65,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        if device.type == "cpu":
+            host_allocator.keep_freed_memory()  # steps reuse freed activation pages instead of faulting new ones
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
