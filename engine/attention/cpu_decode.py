@@ -31,6 +31,9 @@ _SOURCE = (
 #define MAXG 16
 #define MAXD 256
 #define MAXBS 128
+#define CT_F32 0 /* cache element types */
+#define CT_I8 1
+#define CT_BF16 2
 
 /* Block range of one task: keys [start, len) where start honours the sliding window. */
 static inline int window_start(int len, int window) { return (window > 0 && len > window) ? len - window : 0; }
@@ -40,8 +43,9 @@ static inline int window_start(int len, int window) { return (window > 0 && len 
    registers. */
 static inline __attribute__((always_inline)) void task_avx512(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
-    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, const int I8)
+    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, const int CT)
 {
+    const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int DV = D / 16;
     const int start = window_start(len, window);
     const int64_t tok_stride = (int64_t)Hkv * D;
@@ -56,7 +60,7 @@ static inline __attribute__((always_inline)) void task_avx512(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int esz = I8 ? 1 : 4;
+    const int esz = I8 ? 1 : BF ? 2 : 4;
     for (int b = start / bs; b * bs < len; b++) {
         const int64_t base = ((int64_t)bt_row[b] * bs * Hkv + h) * D;
         const int64_t sbase = (int64_t)bt_row[b] * bs * Hkv + h; /* INT8: scale of token t at sbase + t*Hkv */
@@ -78,6 +82,9 @@ static inline __attribute__((always_inline)) void task_avx512(
                 const int8_t *kt = (const int8_t *)kc + base + t * tok_stride;
                 for (int i = 0; i < DV; i++)
                     kk[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kt + 16 * i))));
+            } else if (BF) {
+                const uint16_t *kt = (const uint16_t *)kc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++) kk[i] = bf16x16(kt + 16 * i);
             } else {
                 const float *kt = (const float *)kc + base + t * tok_stride;
                 for (int i = 0; i < DV; i++) kk[i] = _mm512_loadu_ps(kt + 16 * i);
@@ -117,6 +124,9 @@ static inline __attribute__((always_inline)) void task_avx512(
                 for (int i = 0; i < DV; i++)
                     vv[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vt + 16 * i))));
                 vscale = vsc[sbase + (int64_t)t * Hkv];
+            } else if (BF) {
+                const uint16_t *vt = (const uint16_t *)vc + base + t * tok_stride;
+                for (int i = 0; i < DV; i++) vv[i] = bf16x16(vt + 16 * i);
             } else {
                 const float *vt = (const float *)vc + base + t * tok_stride;
                 for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps(vt + 16 * i);
@@ -137,8 +147,9 @@ static inline __attribute__((always_inline)) void task_avx512(
 /* Portable version of the same task (any D up to MAXD). */
 static inline __attribute__((always_inline)) void task_portable(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
-    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, const int I8)
+    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, const int CT)
 {
+    const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int start = window_start(len, window);
     const int64_t tok_stride = (int64_t)Hkv * D;
     float qv[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG], sc[MAXG][MAXBS];
@@ -158,6 +169,10 @@ static inline __attribute__((always_inline)) void task_portable(
             if (I8) {
                 const int8_t *k8 = (const int8_t *)kc + base + t * tok_stride;
                 for (int d = 0; d < D; d++) row[d] = (float)k8[d];
+                kt = row;
+            } else if (BF) {
+                const uint16_t *kb = (const uint16_t *)kc + base + t * tok_stride;
+                for (int d = 0; d < D; d++) row[d] = bf16_to_f32(kb[d]);
                 kt = row;
             }
             for (int g = 0; g < G; g++) {
@@ -185,6 +200,10 @@ static inline __attribute__((always_inline)) void task_portable(
                 for (int d = 0; d < D; d++) row[d] = (float)v8[d];
                 vt = row;
                 vscale = vsc[sbase + (int64_t)t * Hkv];
+            } else if (BF) {
+                const uint16_t *vb = (const uint16_t *)vc + base + t * tok_stride;
+                for (int d = 0; d < D; d++) row[d] = bf16_to_f32(vb[d]);
+                vt = row;
             }
             for (int g = 0; g < G; g++) {
                 const float p = I8 ? sc[g][t] * vscale : sc[g][t];
@@ -204,7 +223,7 @@ static inline __attribute__((always_inline)) int paged_decode(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv,
-    int D, int bs, float scale, int window, int nthreads, const int I8)
+    int D, int bs, float scale, int window, int nthreads, const int CT)
 {
     const int G = H / Hkv;
     if (G * Hkv != H || G > MAXG || D > MAXD || bs > MAXBS) return 1;
@@ -220,7 +239,7 @@ static inline __attribute__((always_inline)) int paged_decode(
         const int len = seq_lens[s];
 #if defined(__AVX512F__)
 #define TASK(DD, GG) task_avx512(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, DD, GG, bs, \
-                                 scale, window, I8)
+                                 scale, window, CT)
         if (D == 64 && G == 3) TASK(64, 3);
         else if (D == 64 && G == 4) TASK(64, 4);
         else if (D == 64 && G == 1) TASK(64, 1);
@@ -230,7 +249,7 @@ static inline __attribute__((always_inline)) int paged_decode(
         else
 #endif
         task_portable(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, D, G, bs, scale, window,
-                      I8);
+                      CT);
     }
     return 0;
 }
@@ -242,7 +261,18 @@ int pagoda_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cac
                             int nthreads)
 {
     return paged_decode(q, q_stride, k_cache, v_cache, 0, 0, block_tables, bt_stride, seq_lens, seq_idx, tok_rows,
-                        n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, 0);
+                        n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, CT_F32);
+}
+
+/* bfloat16 cache (a bfloat16 model's): values widened to float32 in registers. */
+int pagoda_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                             const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out,
+                             int64_t out_stride, int H, int Hkv, int D, int bs, float scale, int window,
+                             int nthreads)
+{
+    return paged_decode(q, q_stride, k_cache, v_cache, 0, 0, block_tables, bt_stride, seq_lens, seq_idx, tok_rows,
+                        n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, CT_BF16);
 }
 
 /* INT8 cache: values dequantized in registers, each token's K scale on its score, V scale on its weight. */
@@ -253,7 +283,7 @@ int pagoda_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cac
                            int bs, float scale, int window, int nthreads)
 {
     return paged_decode(q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables, bt_stride, seq_lens,
-                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, 1);
+                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, CT_I8);
 }
 """
 )
@@ -264,9 +294,9 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_decode", _SOURCE)
     if lib is not None and not hasattr(lib, "_pagoda_typed"):
-        fn = lib.pagoda_paged_decode_f32
-        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
-        fn.restype = _I
+        for fn in (lib.pagoda_paged_decode_f32, lib.pagoda_paged_decode_bf16):
+            fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
+            fn.restype = _I
         fn = lib.pagoda_paged_decode_i8
         fn.argtypes = [
             _P,
@@ -302,8 +332,8 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
-    """The kernel's domain: float32 CPU tensors (or an INT8 cache with its float32 scales), contiguous head
-    rows, shapes within its fixed buffers."""
+    """The kernel's domain: float32 CPU queries over a float32 or bfloat16 cache (or an INT8 cache with its
+    float32 scales), contiguous head rows, shapes within its fixed buffers."""
     _, _, bs, hkv, d = kv.shape
     int8_ok = (
         kv.dtype == torch.int8
@@ -315,7 +345,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = No
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and (kv.dtype == torch.float32 or int8_ok)
+        and (kv.dtype in (torch.float32, torch.bfloat16) or int8_ok)
         and kv.is_contiguous()
         and q.stride(2) == 1
         and q.stride(1) == d
@@ -341,7 +371,7 @@ def paged_decode(
 ) -> None:
     """Attention of one new token per sequence over its cached keys (its own K/V already written).
 
-    q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32, or int8 with ``scales``
+    q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, or int8 with ``scales``
     [2, num_blocks, block_size, Hkv] float32 (per token and head); block_tables [S, max_blocks] int32 and
     seq_lens [S] int32, both contiguous. Decode i is sequence ``seq_idx[i]`` (default i) and token row
     ``rows[i]`` of q and out (default i); ``len(rows)`` (or T) decodes in all. Caller checks `supports`.
@@ -365,7 +395,7 @@ def paged_decode(
         head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr(), scales[0].data_ptr(),
                 scales[1].data_ptr())  # fmt: skip
     else:
-        fn = lib.pagoda_paged_decode_f32
+        fn = lib.pagoda_paged_decode_bf16 if kv.dtype == torch.bfloat16 else lib.pagoda_paged_decode_f32
         head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr())
     status = fn(
         *head,

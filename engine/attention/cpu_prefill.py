@@ -36,8 +36,8 @@ _SOURCE = (
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void pf_tile(
     const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
-    int c1, const float *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
-    float *m, float *l, const int D)
+    int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
+    float *m, float *l, const int D, const int BF)
 {
     const int DV = D / 16;
     const int RB = 24 / DV > PF_R ? PF_R : 24 / DV; /* rows per P.V pass: accumulators stay in registers */
@@ -78,10 +78,10 @@ static inline __attribute__((always_inline)) void pf_tile(
             m[r] = mnew;
         }
         const int j0 = 0, j1 = kend - c * 16 < 16 ? kend - c * 16 : 16;
-        const float *vrow[16];
+        int64_t vrow[16]; /* element offsets of the chunk's V rows */
         for (int j = j0; j < j1; j++) {
             const int key = c * 16 + j;
-            vrow[j] = vc + ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
+            vrow[j] = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
         }
         for (int rb = 0; rb < PF_R; rb += RB) {
             const int nr = PF_R - rb < RB ? PF_R - rb : RB;
@@ -93,7 +93,10 @@ static inline __attribute__((always_inline)) void pf_tile(
             }
             for (int j = j0; j < j1; j++) {
                 __m512 vv[PF_MAXD / 16];
-                for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps(vrow[j] + 16 * i);
+                if (BF)
+                    for (int i = 0; i < DV; i++) vv[i] = bf16x16((const uint16_t *)vc + vrow[j] + 16 * i);
+                else
+                    for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps((const float *)vc + vrow[j] + 16 * i);
                 for (int rr = 0; rr < nr; rr++) {
                     const __m512 p = _mm512_set1_ps(ps[rb + rr][j]);
                     for (int i = 0; i < DV; i++) acc[rr * DV + i] = _mm512_fmadd_ps(p, vv[i], acc[rr * DV + i]);
@@ -107,9 +110,9 @@ static inline __attribute__((always_inline)) void pf_tile(
 
 /* KV head h of one prefill chunk, query positions [i0, i1) of the chunk (absolute ctx + i). */
 static inline __attribute__((always_inline)) void pf_task(
-    const float *q, int64_t q_stride, const float *kc, const float *vc, const int32_t *bt_row, int ctx,
+    const float *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *bt_row, int ctx,
     int i0, int i1, float *out, int64_t out_stride, int h, int Hkv, const int D, int G, int bs, float scale,
-    int window, float *kt)
+    int window, float *kt, const int BF)
 {
     const int64_t tok_stride = (int64_t)Hkv * D;
     const int kend = ctx + i1;
@@ -121,8 +124,14 @@ static inline __attribute__((always_inline)) void pf_task(
         for (int j = 0; j < 16; j++) {
             const int key = c * 16 + j;
             if (key >= kstart && key < kend) {
-                const float *src = kc + ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
-                for (int d = 0; d < D; d++) dst[d * 16 + j] = src[d];
+                const int64_t at = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
+                if (BF) {
+                    const uint16_t *src = (const uint16_t *)kc + at;
+                    for (int d = 0; d < D; d++) dst[d * 16 + j] = bf16_to_f32(src[d]);
+                } else {
+                    const float *src = (const float *)kc + at;
+                    for (int d = 0; d < D; d++) dst[d * 16 + j] = src[d];
+                }
             } else {
                 for (int d = 0; d < D; d++) dst[d * 16 + j] = 0.0f;
             }
@@ -149,7 +158,7 @@ static inline __attribute__((always_inline)) void pf_task(
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
-        pf_tile(qs, pos, ws, PF_R, kt, c0, c1, vc, bt_row, bs, tok_stride, h, kend, O, m, l, D);
+        pf_tile(qs, pos, ws, PF_R, kt, c0, c1, vc, bt_row, bs, tok_stride, h, kend, O, m, l, D, BF);
         for (int r = 0; r < R; r++) {
             const float inv = 1.0f / l[r];
             for (int d = 0; d < D; d++) orow[r][d] = O[r * D + d] * inv;
@@ -160,11 +169,11 @@ static inline __attribute__((always_inline)) void pf_task(
 
 /* Prefill chunks of one step: chunk i has rows [starts[i], starts[i] + qlens[i]) of q/out, ctx_lens[i] tokens
    cached before it, and block table row seq_idx[i]. Tasks: (chunk, KV head, range of pr positions). */
-int pagoda_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                             const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_idx,
-                             const int64_t *starts, const int64_t *qlens, const int64_t *ctx_lens, int n,
-                             float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale,
-                             int window, float *scratch, int64_t scratch_per_thread, int nthreads)
+static inline __attribute__((always_inline)) int paged_prefill(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, const int64_t *qlens,
+    const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale,
+    int window, float *scratch, int64_t scratch_per_thread, int nthreads, const int BF)
 {
 #if defined(__AVX512F__)
     const int G = H / Hkv;
@@ -198,10 +207,10 @@ int pagoda_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_ca
             const int32_t *bt = block_tables + seq_idx[i] * bt_stride;
             if (D == 64)
                 pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, 64, G,
-                        bs, scale, window, kt);
+                        bs, scale, window, kt, BF);
             else
                 pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, D, G,
-                        bs, scale, window, kt);
+                        bs, scale, window, kt, BF);
         }
     }
     return 0;
@@ -209,6 +218,17 @@ int pagoda_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_ca
     return 2;
 #endif
 }
+
+#define PF_ARGS_DECL const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
+    const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, \
+    const int64_t *qlens, const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, \
+    int bs, float scale, int window, float *scratch, int64_t scratch_per_thread, int nthreads
+#define PF_ARGS q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_idx, starts, qlens, ctx_lens, n, out, \
+    out_stride, H, Hkv, D, bs, scale, window, scratch, scratch_per_thread, nthreads
+
+int pagoda_paged_prefill_f32(PF_ARGS_DECL) { return paged_prefill(PF_ARGS, 0); }
+/* bfloat16 cache (a bfloat16 model's): keys widened into the transposed scratch, values in registers. */
+int pagoda_paged_prefill_bf16(PF_ARGS_DECL) { return paged_prefill(PF_ARGS, 1); }
 """
 )
 
@@ -218,8 +238,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_prefill", _SOURCE)
     if lib is not None and not hasattr(lib, "_pagoda_typed"):
-        fn = lib.pagoda_paged_prefill_f32
-        fn.argtypes = [
+        args = [
             _P,
             _I64,
             _P,
@@ -243,7 +262,9 @@ def _library() -> ctypes.CDLL | None:
             _I64,
             _I,
         ]
-        fn.restype = _I
+        for fn in (lib.pagoda_paged_prefill_f32, lib.pagoda_paged_prefill_bf16):
+            fn.argtypes = args
+            fn.restype = _I
         lib._pagoda_typed = True
     return lib
 
@@ -271,12 +292,13 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
-    """float32 CPU query and cache (no INT8/FP8), contiguous head rows, shapes within the kernel's tiles."""
+    """float32 CPU queries over a float32 or bfloat16 cache (no INT8/FP8), contiguous head rows, shapes within
+    the kernel's tiles."""
     _, _, _, hkv, d = kv.shape
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and kv.dtype == torch.float32
+        and kv.dtype in (torch.float32, torch.bfloat16)
         and scales is None
         and kv.is_contiguous()
         and q.stride(2) == 1
@@ -324,7 +346,7 @@ def paged_prefill(
 ) -> None:
     """Causal attention of every prefill chunk's tokens over its sequence's cached keys up to each token
     (the chunk's own K/V already written). q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D]
-    float32; block_tables [S, max_blocks] int32 contiguous. Caller checks `supports`."""
+    float32 or bfloat16; block_tables [S, max_blocks] int32 contiguous. Caller checks `supports`."""
     lib = _library()
     assert lib is not None, "paged_prefill called without the native library"
     if len(chunks) == 0:
@@ -334,7 +356,8 @@ def paged_prefill(
     _, _, bs, hkv, d = kv.shape
     threads = torch.get_num_threads()
     scratch, per = chunks.scratch(d, threads)
-    status = lib.pagoda_paged_prefill_f32(
+    fn = lib.pagoda_paged_prefill_bf16 if kv.dtype == torch.bfloat16 else lib.pagoda_paged_prefill_f32
+    status = fn(
         q.data_ptr(),
         q.stride(0),
         kv[0].data_ptr(),

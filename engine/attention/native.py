@@ -33,15 +33,20 @@ log = logging.getLogger(__name__)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
-# Shared by the kernels' sources: headers and a 16-lane exp.
+# Shared by the kernels' sources: headers, a 16-lane exp and bfloat16 widening.
 C_PRELUDE = r"""
 #include <stdint.h>
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+/* bfloat16 is the top half of a float32: widening is a 16-bit shift. */
+static inline float bf16_to_f32(uint16_t x) { union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f; }
 #if defined(__AVX512F__)
 #include <immintrin.h>
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 /* exp on 16 lanes: 2^n * p(r), r = x - n ln2, Cephes' minimax polynomial (about 1 ulp on the range used). */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));

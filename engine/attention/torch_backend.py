@@ -224,10 +224,21 @@ class TorchAttentionBackend:
         self.write_kv(k, v, cache, meta.slot_mapping)
         plan = self._get_plan(meta, block_size)
         gqa = q.shape[1] != cache.kv.shape[3]
+        dtype = q.dtype
+        native = self.native is not False
+        # The native kernels take float32 queries: a bfloat16 model's are widened (T x H x D values, little next
+        # to the cache rows a step reads) and the output narrowed back at the end.
+        qn = q.float() if native and q.dtype == torch.bfloat16 and q.device.type == "cpu" else q
+        native_decode = (
+            plan.decode_blocks is not None and native and cpu_decode.supports(qn, cache.kv, cache.scales)
+        )
+        native_prefill = bool(plan.prefills) and native and cpu_prefill.supports(qn, cache.kv, cache.scales)
+        if native_decode or native_prefill:
+            q = qn
         out = torch.empty_like(q) if plan.prefills or plan.decode_rows is not None else None
 
         if plan.decode_blocks is not None:
-            if self.native is not False and cpu_decode.supports(q, cache.kv, cache.scales):
+            if native_decode:
                 out = torch.empty_like(q) if out is None else out
                 cpu_decode.paged_decode(
                     q,
@@ -242,18 +253,18 @@ class TorchAttentionBackend:
                     scales=cache.scales,
                 )
                 if not plan.prefills:
-                    return out
+                    return out.to(dtype)
             else:
                 od = self._gathered_decode(q, cache, plan, scale, sliding_window)
                 if out is None:
                     return od
                 out.index_copy_(0, plan.decode_rows, od)
 
-        if plan.prefills and self.native is not False and cpu_prefill.supports(q, cache.kv, cache.scales):
+        if native_prefill:
             cpu_prefill.paged_prefill(
                 q, cache.kv, plan.block_tables, plan.prefill_chunks, out, scale, sliding_window
             )
-            return out
+            return out.to(dtype)
         for i, p in enumerate(plan.prefills):
             if p.context_len == 0 and cache.kv.dtype == k.dtype:
                 # Nothing cached before this chunk and the cache holds exactly what was written: skip the gather.
@@ -278,4 +289,4 @@ class TorchAttentionBackend:
                     plan.masks[key] = mask
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[p.start : p.end] = op[0].transpose(0, 1)
-        return out
+        return out.to(dtype)

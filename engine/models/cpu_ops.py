@@ -98,6 +98,126 @@ void pagoda_silu_mul(float *out, const float *gu, int64_t T, int64_t I, int64_t 
         for (; i < I; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
 }
+
+/* ---- bfloat16 tensors: the same ops computed in float32, each output rounded once (to nearest even) ---- */
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c; c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+#if defined(__AVX512F__)
+static inline __m256i f32x16_to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
+void pagoda_add_rms_norm_bf16(uint16_t *out, uint16_t *residual, const uint16_t *x, const uint16_t *w, int64_t T,
+                              int64_t n, int64_t x_stride, int64_t out_stride, int64_t res_stride, float eps,
+                              int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * n >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xt = x + t * x_stride;
+        uint16_t *o = out + t * out_stride;
+        uint16_t *rt = residual ? residual + t * res_stride : 0;
+        float r[8192] __attribute__((aligned(64)));
+        float ss = 0.0f;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = bf16x16(xt + i);
+            if (rt) { /* the residual stream is bfloat16: the sum is rounded where it is stored */
+                const __m256i sum = f32x16_to_bf16(_mm512_add_ps(v, bf16x16(rt + i)));
+                _mm256_storeu_si256((__m256i *)(rt + i), sum);
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+            }
+            _mm512_store_ps(r + i, v);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < n; i++) {
+            float v = bf16_to_f32(xt[i]);
+            if (rt) {
+                rt[i] = f32_to_bf16(v + bf16_to_f32(rt[i]));
+                v = bf16_to_f32(rt[i]);
+            }
+            r[i] = v;
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(o + i),
+                                f32x16_to_bf16(_mm512_mul_ps(bf16x16(w + i), _mm512_mul_ps(_mm512_load_ps(r + i), iv))));
+#endif
+        for (; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * (r[i] * inv));
+    }
+}
+
+void pagoda_rotary_bf16(uint16_t *x, int64_t T, int64_t x_stride, int nheads, int D, const uint16_t *cos_t,
+                        const uint16_t *sin_t, int nthreads)
+{
+    const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * nheads * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int h = 0; h < nheads; h++) {
+            uint16_t *v = x + t * x_stride + (int64_t)h * D;
+            int i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= half; i += 16) {
+                const __m512 x1 = bf16x16(v + i), x2 = bf16x16(v + i + half);
+                const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, bf16x16(c + i)), _mm512_mul_ps(x2, bf16x16(s + i)));
+                const __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, bf16x16(c + i + half)),
+                                                _mm512_mul_ps(x1, bf16x16(s + i + half)));
+                _mm256_storeu_si256((__m256i *)(v + i), f32x16_to_bf16(lo));
+                _mm256_storeu_si256((__m256i *)(v + i + half), f32x16_to_bf16(hi));
+            }
+#endif
+            for (; i < half; i++) {
+                const float x1 = bf16_to_f32(v[i]), x2 = bf16_to_f32(v[i + half]);
+                v[i] = f32_to_bf16(x1 * bf16_to_f32(c[i]) - x2 * bf16_to_f32(s[i]));
+                v[i + half] = f32_to_bf16(x2 * bf16_to_f32(c[i + half]) + x1 * bf16_to_f32(s[i + half]));
+            }
+        }
+    }
+}
+
+void pagoda_silu_mul_bf16(uint16_t *out, const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride,
+                          int64_t out_stride, int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * gu_stride, *u = g + I;
+        uint16_t *o = out + t * out_stride;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = bf16x16(g + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm256_storeu_si256((__m256i *)(o + i), f32x16_to_bf16(_mm512_mul_ps(sv, bf16x16(u + i))));
+        }
+#endif
+        for (; i < I; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16((gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
+        }
+    }
+}
 """
 )
 
@@ -107,21 +227,38 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     lib = load_library("layer_ops", _SOURCE)
     if lib is not None and not hasattr(lib, "_pagoda_typed"):
-        lib.pagoda_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I]
-        lib.pagoda_rotary.argtypes = [_P, _I64, _I64, _I, _I, _P, _P, _I]
-        lib.pagoda_silu_mul.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I]
-        for fn in (lib.pagoda_add_rms_norm, lib.pagoda_rotary, lib.pagoda_silu_mul):
-            fn.restype = None
+        for suffix in ("", "_bf16"):
+            getattr(lib, "pagoda_add_rms_norm" + suffix).argtypes = [
+                _P,
+                _P,
+                _P,
+                _P,
+                _I64,
+                _I64,
+                _I64,
+                _I64,
+                _I64,
+                _F,
+                _I,
+            ]
+            getattr(lib, "pagoda_rotary" + suffix).argtypes = [_P, _I64, _I64, _I, _I, _P, _P, _I]
+            getattr(lib, "pagoda_silu_mul" + suffix).argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I]
+            for name in ("pagoda_add_rms_norm", "pagoda_rotary", "pagoda_silu_mul"):
+                getattr(lib, name + suffix).restype = None
         lib._pagoda_typed = True
     return lib
 
 
 def _rows_ok(*tensors: torch.Tensor) -> bool:
-    """2-D float32 CPU tensors whose rows are contiguous."""
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
-        for t in tensors
+    """2-D CPU tensors of one dtype, float32 or bfloat16, whose rows are contiguous."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors
     )
+
+
+def _fn(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    return getattr(lib, name + ("_bf16" if dtype == torch.bfloat16 else ""))
 
 
 def add_rms_norm(
@@ -135,10 +272,12 @@ def add_rms_norm(
         or (residual is not None and not _rows_ok(residual))
     ):
         return None
-    if residual is not None and residual.shape != x.shape:
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return None
+    if x.dtype == torch.bfloat16 and x.shape[1] > 8192:
+        return None  # the bfloat16 kernel keeps one row in a float32 buffer of 8192
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.pagoda_add_rms_norm(
+    _fn(lib, "pagoda_add_rms_norm", x.dtype)(
         out.data_ptr(),
         None if residual is None else residual.data_ptr(),
         x.data_ptr(),
@@ -168,7 +307,7 @@ def rotary_(x: torch.Tensor, nheads: int, head_dim: int, cos: torch.Tensor, sin:
         or x.shape[1] < nheads * head_dim
     ):
         return False
-    lib.pagoda_rotary(
+    _fn(lib, "pagoda_rotary", x.dtype)(
         x.data_ptr(),
         x.shape[0],
         x.stride(0),
@@ -188,7 +327,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, inter), dtype=gate_up.dtype)
-    lib.pagoda_silu_mul(
+    _fn(lib, "pagoda_silu_mul", gate_up.dtype)(
         out.data_ptr(),
         gate_up.data_ptr(),
         t,

@@ -68,8 +68,67 @@ def test_silu_mul(tokens, inter):
 
 
 def test_declines_what_it_does_not_handle():
-    x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert cpu_ops.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-6) is None
+    x = torch.randn(4, 32, dtype=torch.float16)
+    assert cpu_ops.add_rms_norm(x, None, torch.ones(32, dtype=torch.float16), 1e-6) is None
     assert cpu_ops.silu_mul(x) is None
+    mixed = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert cpu_ops.add_rms_norm(mixed, torch.randn(4, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6) is None
     cos = torch.ones(4, 8)
     assert not cpu_ops.rotary_(torch.randn(4, 32)[:, ::2], 2, 8, cos, cos)  # elements not contiguous
+
+
+# ---- bfloat16: computed in float32, every stored value rounded once to the nearest bfloat16 -------------
+
+
+def _bf(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (300, 576), (5, 100)])
+def test_bfloat16_rms_norm_with_residual(tokens, hidden):
+    torch.manual_seed(hidden)
+    x, res, w = (
+        _bf(torch.randn(tokens, hidden) * 3),
+        _bf(torch.randn(tokens, hidden)),
+        _bf(torch.rand(hidden) + 0.5),
+    )
+    res_in = res.clone()
+    out = cpu_ops.add_rms_norm(x, res_in, w, 1e-5)
+    assert out.dtype == torch.bfloat16
+    summed = _bf(x.float() + res.float())  # the residual stream is bfloat16
+    assert torch.equal(res_in, summed)
+    r = summed.float()
+    want = _bf(w.float() * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5)))
+    # float32 summation order differs from torch's: at most one bfloat16 step apart
+    assert (out.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+    assert (out == want).float().mean() > 0.99
+    plain = cpu_ops.add_rms_norm(x, None, w, 1e-5)
+    xf = x.float()
+    want_plain = _bf(w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)))
+    assert (plain == want_plain).float().mean() > 0.99
+
+
+def test_bfloat16_rotary_and_silu_mul():
+    torch.manual_seed(0)
+    t, heads, kv_heads, d = 29, 9, 3, 64
+    rope = RotaryEmbedding(d, 10000.0, None, 4096, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.randint(0, 3000, (t,)), 3000, torch.bfloat16)
+    qkv = _bf(torch.randn(t, (heads + 2 * kv_heads) * d))
+    before = qkv.clone()
+    assert cpu_ops.rotary_(qkv, heads + kv_heads, d, cos.view(t, d), sin.view(t, d))
+    x = before[:, : (heads + kv_heads) * d].float().view(t, heads + kv_heads, d)
+    c, s_ = cos.float(), sin.float()
+    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+    want = _bf(x * c + rotated * s_)
+    got = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+    assert (got == want).float().mean() > 0.99
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])  # V untouched
+
+    gate_up = _bf(torch.randn(33, 2 * 1536) * 4)
+    g, u = gate_up.float().split(1536, dim=-1)
+    want = _bf(torch.nn.functional.silu(g) * u)
+    got = cpu_ops.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+    assert (got == want).float().mean() > 0.99

@@ -320,3 +320,53 @@ def test_native_prefill_refuses_what_it_cannot_run():
     assert not cpu_prefill.supports(torch.zeros(3, 4, 64), kv.to(torch.int8), torch.zeros(2, 4, 16, 2))  # int8
     assert not cpu_prefill.supports(torch.zeros(3, 4, 24), torch.zeros(2, 4, 16, 2, 24))  # head size
     assert not cpu_prefill.supports(torch.zeros(3, 26, 64), kv)  # 13 query heads per KV head
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,block_size,window", [(9, 3, 64, 16, None), (8, 2, 32, 8, 9)])
+def test_native_kernels_read_bfloat16_caches(heads, kv_heads, d, block_size, window, paged):
+    """A bfloat16 model's cache is read in place by both native kernels (its queries widened to float32):
+    the result equals the dense reference over the same bfloat16-rounded values to float32 rounding (far
+    tighter than a bfloat16 computation would be), and it is the kernels that ran."""
+    from pagoda.engine.attention import cpu_decode, cpu_prefill
+
+    _require_native_prefill()
+    torch.manual_seed(1)
+    bf = torch.bfloat16
+    batches = paged(num_blocks=64, block_size=block_size, seed=4)
+    cache = LayerKVCache(torch.zeros(2, 64, block_size, kv_heads, d, dtype=bf))
+    assert cpu_decode.supports(torch.zeros(1, heads, d), cache.kv)
+    assert cpu_prefill.supports(torch.zeros(1, heads, d), cache.kv)
+    backend = TorchAttentionBackend(native=True)
+    calls = {"decode": 0, "prefill": 0}
+    real = cpu_decode.paged_decode, cpu_prefill.paged_prefill
+
+    def count(kind, fn):
+        def spy(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+
+        return spy
+
+    cpu_decode.paged_decode, cpu_prefill.paged_prefill = count("decode", real[0]), count("prefill", real[1])
+    hist: dict[int, tuple] = {}
+    try:
+        for step in ([(0, 0, 40), (1, 0, 3)], [(0, 40, 1), (1, 3, 21), (2, 0, 1)], [(0, 41, 1), (1, 24, 1)]):
+            meta = batches.step(step)
+            q, k, v = (torch.randn(meta.num_tokens, n, d).to(bf) for n in (heads, kv_heads, kv_heads))
+            out = backend.forward(q, k, v, cache, meta, d**-0.5, window)
+            assert out.dtype == bf
+            start = 0
+            for sid, ctx, ql in step:
+                empty = (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
+                old = hist.get(sid, empty)
+                hist[sid] = tuple(
+                    torch.cat([o, x[start : start + ql].float()]) for o, x in zip(old, (q, k, v), strict=True)
+                )
+                ref = dense_reference(*hist[sid], ctx, ql, window)
+                # only the final narrowing to bfloat16 rounds: within half a bfloat16 ulp of the result
+                err = (out[start : start + ql].float() - ref).abs()
+                assert (err <= ref.abs() * 2**-8 + 1e-6).all()
+                start += ql
+    finally:
+        cpu_decode.paged_decode, cpu_prefill.paged_prefill = real
+    assert calls == {"decode": 2, "prefill": 2}
