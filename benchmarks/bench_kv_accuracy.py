@@ -1,9 +1,11 @@
-"""What a quantised KV cache costs in accuracy and buys in capacity: fp32 vs fp8_e4m3 vs int8 caches.
+"""What a quantised KV cache (or a bfloat16 model) costs in accuracy and buys in capacity: fp32 vs fp8_e4m3 vs
+int8 caches, and the whole model in bfloat16 (weights, activations and cache; the CPU's fast path where it has
+AVX512-BF16).
 
     make bench-kv-accuracy        # or: python benchmarks/bench_kv_accuracy.py [--ppl-tokens 2048]
 
-On the default model (SmolLM2-135M-Instruct, float32 compute on CPU), through the engine's own model runner
-and paged cache, so every read of the past goes through the cache dtype under test:
+On the default model (SmolLM2-135M-Instruct, float32 compute on CPU except the bf16 row), through the engine's
+own model runner and paged cache, so every read of the past goes through the cache dtype under test:
 
 - greedy agreement: the HF parity prompts of tests/engine/test_hf_parity.py, --new-tokens greedy tokens each;
   "identical" is the share of output positions whose token equals the fp32 cache's, and "whole" the share
@@ -38,8 +40,13 @@ from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
 from pagoda.engine.model_runner import StepInput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DTYPES = ("auto", "fp8_e4m3", "int8")
-LABEL = {"auto": "fp32", "fp8_e4m3": "fp8_e4m3", "int8": "int8"}
+# label -> (model dtype, KV cache dtype); the first is the reference
+VARIANTS = {
+    "fp32": ("float32", "auto"),
+    "fp8_e4m3": ("float32", "fp8_e4m3"),
+    "int8": ("float32", "int8"),
+    "bf16": ("bfloat16", "auto"),
+}
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 BLOCK = 16
 
@@ -61,13 +68,13 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 class Runner:
     """One engine's model runner driven directly, sequences on disjoint runs of blocks (no scheduler)."""
 
-    def __init__(self, kv_cache_dtype: str, num_blocks: int) -> None:
-        probe = LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv_cache_dtype, max_model_len=BLOCK,
+    def __init__(self, dtype: str, kv_cache_dtype: str, num_blocks: int) -> None:
+        probe = LLMEngine(EngineConfig(device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=BLOCK,
                                        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False))  # fmt: skip
         per_token = probe.kv_bytes_per_token
         probe.close()
-        self.engine = LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv_cache_dtype, max_model_len=BLOCK,
-                                             kv_cache_memory_bytes=num_blocks * BLOCK * per_token,
+        self.engine = LLMEngine(EngineConfig(device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                             max_model_len=BLOCK, kv_cache_memory_bytes=num_blocks * BLOCK * per_token,
                                              enable_prefix_caching=False))  # fmt: skip
         self.runner = self.engine.runner
         self.num_blocks = self.engine.num_blocks
@@ -134,8 +141,8 @@ class Runner:
         self.engine.close()
 
 
-def capacity(kv_cache_dtype: str, budget: int) -> dict:
-    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv_cache_dtype, max_model_len=256,
+def capacity(dtype: str, kv_cache_dtype: str, budget: int) -> dict:
+    engine = LLMEngine(EngineConfig(device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=256,
                                     kv_cache_memory_bytes=budget, enable_prefix_caching=False))  # fmt: skip
     try:
         allocated = engine.runner.kv_cache_bytes
@@ -167,8 +174,8 @@ def main() -> None:
     ref_logits: list[torch.Tensor] = []
     prompts: list[list[int]] = []
     ids: list[int] = []
-    for dt in DTYPES:
-        label = LABEL[dt]
+    for label, (dtype, dt) in VARIANTS.items():
+        is_ref = label == "fp32"
         t0 = time.perf_counter()
         if not prompts:
             from pagoda.engine.loader import load_tokenizer, resolve_model
@@ -177,15 +184,15 @@ def main() -> None:
             prompts = parity_prompts(tok)
             ids = tok(TEXT.read_text(), add_special_tokens=False).input_ids[: args.ppl_tokens]
         nb = -(-(max(len(p) for p in prompts) + args.new_tokens) // BLOCK)
-        run = Runner(dt, max(nb * len(prompts), -(-len(ids) // BLOCK)))
+        run = Runner(dtype, dt, max(nb * len(prompts), -(-len(ids) // BLOCK)))
         with tqdm(total=3, desc=f"{label}: greedy, forced, perplexity", leave=False) as bar:
             got = run.greedy(prompts, args.new_tokens, nb)
             bar.update()
-            if dt == "auto":
+            if is_ref:
                 ref_tokens = got
             logits = run.forced(prompts, ref_tokens, nb)
             bar.update()
-            if dt == "auto":
+            if is_ref:
                 ref_logits = logits
             ppl = run.perplexity(ids, args.chunk)
             bar.update()
@@ -197,7 +204,7 @@ def main() -> None:
         for mine, ref in zip(logits, ref_logits, strict=True):
             top = ref.argmax(-1)
             drift.extend(
-                (mine.gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().squeeze(1).tolist()
+                (mine.float().gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().squeeze(1).tolist()
             )
             flips += int((mine.argmax(-1) != top).sum())
             steps += len(top)
@@ -218,12 +225,12 @@ def main() -> None:
         r["perplexity_vs_fp32_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
 
     budget = args.budget_mib << 20
-    caps = {LABEL[dt]: capacity(dt, budget) for dt in tqdm(DTYPES, desc="capacity", leave=False)}
+    caps = {label: capacity(*v, budget) for label, v in tqdm(VARIANTS.items(), desc="capacity", leave=False)}
 
     print_table(
         f"Accuracy vs the fp32 cache (SmolLM2-135M, {len(prompts)} parity prompts x {args.new_tokens} greedy "
         f"tokens; perplexity on {len(ids)} tokens of GPL-3 in {args.chunk}-token chunks)",
-        ["cache", "identical tokens %", "identical outputs %", "mean top-1 logit drift", "top-1 changed %",
+        ["model / cache", "identical tokens %", "identical outputs %", "mean top-1 logit drift", "top-1 changed %",
          "perplexity", "vs fp32 %"],
         [[k, r["identical_tokens_pct"], r["identical_outputs_pct"], r["mean_top1_logit_drift"],
           r["top1_changed_pct"], round(r["perplexity"], 4), round(r["perplexity_vs_fp32_pct"], 3)]
@@ -231,7 +238,7 @@ def main() -> None:
     )  # fmt: skip
     print_table(
         f"Capacity of a {args.budget_mib} MiB KV budget (allocated bytes, scales included)",
-        ["cache", "bytes/token", "blocks", "tokens", "x fp32"],
+        ["model / cache", "bytes/token", "blocks", "tokens", "x fp32"],
         [[k, c["bytes_per_token"], c["blocks"], c["tokens"], round(c["tokens"] / caps["fp32"]["tokens"], 2)]
          for k, c in caps.items()],
     )  # fmt: skip
@@ -253,10 +260,11 @@ def main() -> None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(results)
-    a.bar(names, [results[n]["perplexity"] for n in names], color=["#555", "#c84", "#48c"])
+    colors = ["#555", "#c84", "#48c", "#4a4"]
+    a.bar(names, [results[n]["perplexity"] for n in names], color=colors)
     a.set_ylim(min(r["perplexity"] for r in results.values()) * 0.98, None)
     a.set_title("perplexity (GPL-3, chunked prefill)")
-    b.bar(names, [caps[n]["tokens"] for n in names], color=["#555", "#c84", "#48c"])
+    b.bar(names, [caps[n]["tokens"] for n in names], color=colors)
     b.set_title(f"tokens in {args.budget_mib} MiB of KV")
     fig.tight_layout()
     fig.savefig(plot_path("bench_kv_accuracy"))
