@@ -40,16 +40,12 @@ from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
-from pagoda.engine.sizing.engine_plan import engine_plan, gpu_kv_budget
+from pagoda.engine.sizing.engine_plan import engine_plan, gpu_kv_budget, resolve_dtype_name
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
 log = logging.getLogger("pagoda.engine")
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,15 +57,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # the fastest and most exact choice on CPUs without bf16 matrix units
-    return (
-        _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
-        if checkpoint_dtype != "float32"
-        else torch.bfloat16
-    )
+    """The torch dtype of ``--dtype name`` (the sizing module's rule, so dry runs size what runs)."""
+    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype)]
 
 
 class LLMEngine:

@@ -31,7 +31,8 @@ def enabled() -> bool:
 
 
 class PackedWeight:
-    """A weight's oneDNN copy, refreshed when the weight is replaced or changed in place."""
+    """A weight's oneDNN copy (in the weight's dtype, or widened to float32 for float32 inputs), refreshed when
+    the weight is replaced or changed in place."""
 
     __slots__ = ("_key", "_packed")
 
@@ -39,20 +40,28 @@ class PackedWeight:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of ``weight``, or None where oneDNN does not apply (device, dtype, grad)."""
-        if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
+    def get(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The packed copy of ``weight`` as ``dtype`` (default its own), or None where oneDNN does not apply
+        (device, dtype, grad)."""
+        dtype = dtype or weight.dtype
+        if (
+            weight.device.type != "cpu"
+            or weight.dtype not in _DTYPES
+            or dtype not in _DTYPES
+            or weight.dim() != 2
+        ):
             return None
         if torch.is_grad_enabled() and weight.requires_grad:
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, dtype)
         if key != self._key:
             self._packed = None
             self._key = None
             if not enabled():
                 return None
             try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+                # a widened copy lives only until it is packed
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), _ROWS_HINT)
             except RuntimeError:
                 return None
             self._key = key
@@ -62,9 +71,15 @@ class PackedWeight:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed weight where it applies."""
-    if x.device.type == "cpu" and x.dtype == weight.dtype and x.numel() > 0:
-        w = packed.get(weight)
+    """``F.linear(x, weight, bias)``, through the packed weight where it applies. A float32 ``x`` with a
+    bfloat16 weight computes in float32 over the widened weight (exact products, float32 output)."""
+    widen = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
+    if x.device.type == "cpu" and (x.dtype == weight.dtype or widen) and x.numel() > 0:
+        w = packed.get(weight, x.dtype)
         if w is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, w, None if bias is None else bias.to(x.dtype), "none", [], ""
+            )
+    if widen:
+        return F.linear(x, weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight, bias)

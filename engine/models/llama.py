@@ -168,6 +168,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> float32 logits [N, vocab] (every tensor-parallel
         rank computes its vocabulary slice; the slices are gathered)."""
+        if hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16:
+            # bfloat16 logits lie 0.125 apart around 20, coarse enough to tie greedy's top two (the default
+            # model's "capital of France" answer changed on such a tie): on the CPU the head runs in float32
+            # over the bfloat16 weights (exact products), as the sampler wants float32 anyway.
+            hidden = hidden.float()
         local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
         return all_gather_last_dim(local, shard_widths(self.config.vocab_size))
 

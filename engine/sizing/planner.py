@@ -141,6 +141,10 @@ class Plan:
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--tensor-parallel-size", str(self.tensor_parallel_size),
         ]  # fmt: skip
+        if self.device == "cpu":
+            # Sized for float32: a node's CPU may or may not multiply bfloat16 natively (the engine's `auto`
+            # picks bfloat16 where it does), and the operator cannot see which CPU the pod lands on.
+            args += ["--dtype", "float32"]
         if self.kv_offload_host_bytes:
             args += ["--kv-offload-host-bytes", str(self.kv_offload_host_bytes)]
         if self.kv_offload_disk_bytes:

@@ -23,7 +23,8 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 
 def test_prints_config_and_memory_plan_as_json() -> None:
-    r = serve("--dry-run", "--device", "cpu", "--kv-cache-memory-bytes", "512MiB", "--max-num-seqs", "8")
+    args = ("--dry-run", "--device", "cpu", "--kv-cache-memory-bytes", "512MiB", "--max-num-seqs", "8")
+    r = serve(*args, "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["dry_run"] is True and report["weights_loaded"] is False
@@ -32,6 +33,13 @@ def test_prints_config_and_memory_plan_as_json() -> None:
     assert report["plan"]["num_blocks"] == 512 * 2**20 // (46_080 * 16)
     assert report["memory"]["kv_cache_bytes"] == 512 * 2**20 and report["memory"]["measured"] is False
     assert report["fit_checked"] is True
+    # `auto` sizes the dtype this CPU runs: bfloat16 where it multiplies bfloat16 natively (half the bytes)
+    from pagoda.engine.sizing.engine_plan import cpu_has_native_bf16
+
+    auto = json.loads(serve(*args).stdout)
+    bf16 = cpu_has_native_bf16()
+    assert auto["device"]["dtype"] == ("bfloat16" if bf16 else "float32")
+    assert auto["plan"]["num_blocks"] == 512 * 2**20 // ((23_040 if bf16 else 46_080) * 16)
 
 
 def test_refuses_with_the_real_starts_error_and_exit_2() -> None:

@@ -27,7 +27,8 @@ def termination_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 CPU_TOO_SMALL = [
-    "--device", "cpu", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "4096", "--skip-tokenizer-init",
+    "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "4096",
+    "--skip-tokenizer-init",
 ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Attention sinks (StreamingLLM) on the real default model and a tiny sliding-window Mistral.
 
-Measured on the default model (SmolLM2-135M, CPU, max_model_len 64, 256 tokens = 4x, temperature 0.8,
+Measured on the default model (SmolLM2-135M, CPU, float32, max_model_len 64, 256 tokens = 4x, temperature 0.8,
 seeds 1, 2, 3; distinct-2 over the last quarter of the output): 0.98, 0.95, 0.87 with 16 sink tokens;
 0.25, 0.25, 0.60 with the same window and no sinks (a naive sliding window: the text falls into a loop such
 as "The mountain is no mountain anymore."). Greedy runs of this model repeat a sentence either way (0.67
@@ -38,7 +38,7 @@ def _stream(llm: LLM, params: SamplingParams) -> tuple[list[int], list[int]]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20)
+    return LLM(device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20)
 
 
 def test_four_times_max_model_len_keeps_blocks_flat_and_text_fluent(llm):
@@ -92,7 +92,7 @@ def test_bad_sizes_are_refused_at_the_door(llm):
     assert not eng.has_unfinished_requests()
     # Server-wide sizes no request could use stop the start, with the same words.
     with pytest.raises(ValueError, match="kv_window_tokens"):
-        LLM(device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20, kv_eviction="streaming",
+        LLM(device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20, kv_eviction="streaming",
             kv_window_tokens=60)  # fmt: skip
 
 
@@ -102,10 +102,15 @@ def test_sliding_window_model_keeps_its_own_window(tiny_model):
     path = str(tiny_model("mistral"))
     prompt = list(range(3, 23))
     n = 4 * MAX_LEN
-    streaming = LLM(path, device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=4 << 20,
+    streaming = LLM(path, device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=4 << 20,
                     skip_tokenizer_init=True, kv_eviction="streaming")  # fmt: skip
     roomy = LLM(
-        path, device="cpu", max_model_len=512, kv_cache_memory_bytes=4 << 20, skip_tokenizer_init=True
+        path,
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=4 << 20,
+        skip_tokenizer_init=True,
     )
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     (a,) = streaming.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -119,7 +124,7 @@ def test_preempted_streaming_sequences_restart_from_their_kept_tokens(tiny_model
     """Two streaming sequences in a 6-block pool (each wants 4): one is preempted after its evictions and
     recomputes only sinks + window (cache positions), then both run to 4x max_model_len."""
     path = str(tiny_model("llama"))
-    llm = LLM(path, device="cpu", max_model_len=MAX_LEN, kv_cache_memory_bytes=6 * 16 * 512,
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=6 * 16 * 512,
               skip_tokenizer_init=True, kv_eviction="streaming")  # fmt: skip
     eng = llm.engine
     assert eng.scheduler.kv.num_blocks == 6

@@ -18,7 +18,7 @@ DRAWS = 3000
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", max_model_len=512, kv_cache_memory_bytes=48 << 20)
+    return LLM(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory_bytes=48 << 20)
 
 
 def test_seeded_sampling_same_alone_and_in_batch(llm):

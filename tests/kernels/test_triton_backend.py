@@ -114,7 +114,7 @@ def test_engine_greedy_tokens_match_torch_backend(tmp_path, tokenizer_dir, slidi
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(
-            model=str(model_dir), attention_backend=backend, device="cpu", block_size=16,
+            model=str(model_dir), attention_backend=backend, device="cpu", dtype="float32", block_size=16,
             kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32, max_model_len=128,
             kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip

@@ -317,7 +317,9 @@ def test_native_prefill_refuses_what_it_cannot_run():
 
     kv = torch.zeros(2, 4, 16, 2, 64)
     assert not cpu_prefill.supports(torch.zeros(3, 4, 64, dtype=torch.float64), kv)  # dtype
-    assert not cpu_prefill.supports(torch.zeros(3, 4, 64), kv.to(torch.int8), torch.zeros(2, 4, 16, 2))  # int8
+    assert not cpu_prefill.supports(
+        torch.zeros(3, 4, 64), kv.to(torch.int8), torch.zeros(2, 4, 16, 2)
+    )  # int8
     assert not cpu_prefill.supports(torch.zeros(3, 4, 24), torch.zeros(2, 4, 16, 2, 24))  # head size
     assert not cpu_prefill.supports(torch.zeros(3, 26, 64), kv)  # 13 query heads per KV head
 

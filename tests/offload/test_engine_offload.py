@@ -22,7 +22,10 @@ from pagoda.engine.sampling_params import SamplingParams
 torch.set_num_threads(2)
 
 BLOCK = 46080 * 16  # bytes of one block of SmolLM2-135M in float32 (30 layers, 3 kv heads, 64)
-COMMON = dict(device="cpu", max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=10 * BLOCK)
+# float32: BLOCK is a float32 block, and the workloads below are sized in such blocks
+COMMON = dict(
+    device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=10 * BLOCK
+)
 SHORT = SamplingParams(max_tokens=4, temperature=0)
 LONG = SamplingParams(max_tokens=40, temperature=0)  # 2 x (50 + 40) tokens need 12 of the 10 blocks
 

@@ -3,7 +3,7 @@
 import pytest
 from pagoda.engine.sizing import SizingError, fit_max_model_len, num_blocks_for
 
-KV_PER_TOKEN = 46_080  # SmolLM2-135M in float32, the CPU engine's dtype
+KV_PER_TOKEN = 46_080  # SmolLM2-135M in float32 (pinned below: `auto` is bfloat16 on CPUs with AVX512-BF16)
 BLOCK = 16
 KV_MEMORY = 8 * KV_PER_TOKEN * BLOCK + 12_345  # eight blocks and change: 128 tokens
 
@@ -19,7 +19,7 @@ def test_impossible_max_model_len_is_refused_with_the_fit_message(torch_threads)
     from pagoda.engine import LLM
 
     with pytest.raises(SizingError) as e:
-        LLM(model=None, max_model_len=4096, kv_cache_memory_bytes=KV_MEMORY, device="cpu")
+        LLM(model=None, max_model_len=4096, kv_cache_memory_bytes=KV_MEMORY, device="cpu", dtype="float32")
     msg = str(e.value)
     assert "max_model_len=4096" in msg
     assert "needs 180.00 MiB of KV cache" in msg  # 4096 x 46,080 B
@@ -33,7 +33,9 @@ def test_auto_picks_a_length_that_serves_a_request_of_that_length(torch_threads)
 
     expected = fit_max_model_len("auto", 8192, KV_PER_TOKEN, KV_MEMORY, BLOCK)
     assert expected == 128 == num_blocks_for(KV_MEMORY, KV_PER_TOKEN, BLOCK) * BLOCK
-    llm = LLM(model=None, max_model_len="auto", kv_cache_memory_bytes=KV_MEMORY, device="cpu")
+    llm = LLM(
+        model=None, max_model_len="auto", kv_cache_memory_bytes=KV_MEMORY, device="cpu", dtype="float32"
+    )
     assert llm.engine.max_model_len == expected
     prompt = [(7 * i) % 1000 + 100 for i in range(expected - 1)]  # fills the context with the one new token
     out = llm.generate(

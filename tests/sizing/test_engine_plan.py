@@ -63,8 +63,22 @@ def test_gpu_budget_is_the_engines_formula() -> None:
     assert gpu_kv_budget(total, free, reserved, 0.1, 15 << 30, 2 << 30)[0] == 0
 
 
-def test_dtype_and_kv_bytes() -> None:
-    assert resolve_dtype_name("auto", "cpu", "bfloat16") == "float32"
+def test_dtype_and_kv_bytes(monkeypatch, tmp_path) -> None:
+    import importlib
+
+    plan_module = importlib.import_module(
+        "pagoda.engine.sizing.engine_plan"
+    )  # the package re-exports a function of that name
+    probe = plan_module.cpu_has_native_bf16
+    for flags, want in (("fpu avx2 avx512f avx512_bf16 avx512_vnni", "bfloat16"), ("fpu amx_bf16", "bfloat16"),
+                        ("fpu avx2 avx512f avx512bw", "float32")):  # fmt: skip
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert probe(str(info)) == (want == "bfloat16")
+        monkeypatch.setattr(plan_module, "cpu_has_native_bf16", lambda w=want: w == "bfloat16")
+        assert resolve_dtype_name("auto", "cpu", "float32") == want
+        assert resolve_dtype_name("float32", "cpu", "bfloat16") == "float32"
+    assert probe(str(tmp_path / "missing")) is False
     assert resolve_dtype_name("auto", "cuda", "float16") == "float16"
     assert resolve_dtype_name("auto", "cuda", "float32") == "bfloat16"
     assert resolve_dtype_name("auto", "cuda", None) == "bfloat16"
