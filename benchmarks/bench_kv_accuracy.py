@@ -23,7 +23,6 @@ Prints tables, writes bench-results/bench_kv_accuracy.json and a plot.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import time
@@ -39,7 +38,10 @@ from pagoda.engine.config import EngineConfig  # noqa: E402
 from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
 from pagoda.engine.model_runner import StepInput  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+# The HF parity prompts are the test kit's (tests/support/pagoda_testkit), as for bench_router.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from pagoda_testkit.parity import parity_prompts  # noqa: E402
+
 # label -> (model dtype, KV cache dtype); the first is the reference
 VARIANTS = {
     "fp32": ("float32", "auto"),
@@ -49,20 +51,6 @@ VARIANTS = {
 }
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 BLOCK = 16
-
-
-def parity_prompts(tokenizer) -> list[list[int]]:
-    """The prompts of the HF parity test, tokenised the way that test does."""
-    spec = importlib.util.spec_from_file_location("hf_parity", ROOT / "tests/engine/test_hf_parity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    prompts = [tokenizer(p).input_ids for p in mod.RAW_PROMPTS]
-    for q in mod.CHAT_PROMPTS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
-    return prompts
 
 
 class Runner:

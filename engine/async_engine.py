@@ -190,6 +190,10 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # Serving: this process also runs the event loop, which must not preempt the engine's compute threads
+        # on every token (engines that can leave it a core while a step is small: `serving_front_end`).
+        if hasattr(self.engine, "serving_front_end"):
+            self.engine.serving_front_end = True
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
         self._thread.start()
 

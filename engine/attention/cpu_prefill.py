@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from pagoda.engine.attention.native import C_PRELUDE, load_library
+from pagoda.engine.attention.native import C_PRELUDE, cpu_flags, load_library
 
 _ROWS = 12  # query rows per tile (PF_R)
 _MAX_HEAD_DIM = 256
@@ -270,14 +270,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return " avx512f " in f" {line.split(':', 1)[1].strip()} "
-    except OSError:
-        pass
-    return False
+    return "avx512f" in cpu_flags().split()
 
 
 _HAS_AVX512 = None

@@ -82,7 +82,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -123,7 +123,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
     if cc is not None:
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-            key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), version, _cpu_flags()]).encode())
+            key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), version, cpu_flags()]).encode())
             for openmp in (True, False):
                 target = _cache_dir() / f"{name}-{'omp' if openmp else 'serial'}-{key.hexdigest()[:20]}.so"
                 if target.exists() or _build(cc, source, target, openmp):

@@ -9,30 +9,14 @@ top 5 within a small log-probability gap.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.model_runner import StepInput
+from pagoda_testkit.parity import parity_prompts
 
 NEW_TOKENS = 16
-
-
-def _prompts(tokenizer) -> list[list[int]]:
-    """The HF parity test's prompts, tokenised as that test does."""
-    spec = importlib.util.spec_from_file_location("hf_parity", Path(__file__).with_name("test_hf_parity.py"))
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
-    ids = [tokenizer(p).input_ids for p in parity.RAW_PROMPTS]
-    for q in parity.CHAT_PROMPTS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        ids.append(tokenizer(text, add_special_tokens=False).input_ids)
-    return ids
 
 
 def _forced_logprobs(llm: LLM, tokens: list[int], first: int) -> torch.Tensor:
@@ -66,7 +50,7 @@ def engines():
 def test_bfloat16_picks_float32s_tokens_teacher_forced(engines):
     fp32, bf16 = engines
     assert bf16.engine.dtype == torch.bfloat16 and bf16.engine.runner.kv_caches[0].kv.dtype == torch.bfloat16
-    prompts = _prompts(fp32.get_tokenizer())
+    prompts = parity_prompts(fp32.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = fp32.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     same = total = 0

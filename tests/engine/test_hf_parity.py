@@ -9,31 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
+from pagoda_testkit.parity import parity_prompts
 
-RAW_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "import numpy as np\n\nx = np.",
-    "Water boils at a temperature of",
-    "The quick brown fox",
-    "List of planets in the solar system: Mercury,",
-    "In 1492, Christopher Columbus",
-    "Photosynthesis is the process by which",
-    "SELECT name FROM users WHERE",
-    "Les fleurs du jardin sont",
-]
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion in one sentence.",
-    "How many legs does a spider have?",
-    "Give me three tips for better sleep.",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?",
-    "Name a famous painting by Leonardo da Vinci.",
-]
 NEW_TOKENS = 64
 TOPK = 5
 TOL = 1e-3
@@ -91,12 +68,7 @@ def test_default_model_matches_transformers(default_model_dir):
 
     tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    prompts = [tok(p).input_ids for p in RAW_PROMPTS]
-    for q in CHAT_PROMPTS:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tok(text, add_special_tokens=False).input_ids)
+    prompts = parity_prompts(tok)
     assert len(prompts) >= 20
     assert run_parity(default_model_dir, prompts, hf) >= 0.95
 

@@ -162,6 +162,28 @@ def test_get_attention_backend():
         get_attention_backend("flash", "cpu")
 
 
+def run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window) -> None:
+    """Each step through the native and the reference backend (random q, k, v): the two agree, and every
+    new token's output matches the dense per-token reference over its sequence's history."""
+    hist: dict[int, tuple] = {}
+    for step in steps:
+        meta = batches.step(step)
+        q = torch.randn(meta.num_tokens, heads, d)
+        k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
+        outs = {n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window) for n in backends}
+        assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
+        start = 0
+        for sid, ctx, ql in step:
+            empty = (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
+            old = hist.get(sid, empty)
+            hist[sid] = tuple(
+                torch.cat([o, x[start : start + ql]]) for o, x in zip(old, (q, k, v), strict=True)
+            )
+            ref = dense_reference(*hist[sid], ctx, ql, window)
+            assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
+            start += ql
+
+
 # ---- the native CPU decode kernel ------------------------------------------------------------------------
 
 
@@ -197,29 +219,13 @@ def test_native_decode_matches_the_gathered_reference(heads, kv_heads, d, block_
     batches = paged(num_blocks=128, block_size=block_size, seed=1)
     caches = {n: LayerKVCache(torch.zeros(2, 128, block_size, kv_heads, d)) for n in ("native", "ref")}
     backends = {"native": TorchAttentionBackend(native=True), "ref": TorchAttentionBackend(native=False)}
-    hist: dict[int, tuple] = {}
     steps = [
         [(0, 0, 37), (1, 0, 1), (2, 0, 5)],
         [(0, 37, 1), (1, 1, 1), (2, 5, 1)],
         [(0, 38, 1), (3, 0, 2 * block_size + 1), (1, 2, 1), (2, 6, 1)],
         [(3, 2 * block_size + 1, 1), (0, 39, 1), (1, 3, 1), (2, 7, 1)],
     ]
-    for step in steps:
-        meta = batches.step(step)
-        q = torch.randn(meta.num_tokens, heads, d)
-        k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
-        outs = {n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window) for n in backends}
-        assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
-        start = 0
-        for sid, ctx, ql in step:
-            empty = (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
-            old = hist.get(sid, empty)
-            hist[sid] = tuple(
-                torch.cat([o, x[start : start + ql]]) for o, x in zip(old, (q, k, v), strict=True)
-            )
-            ref = dense_reference(*hist[sid], ctx, ql, window)
-            assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
-            start += ql
+    run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window)
 
 
 # ---- the native CPU prefill kernel -----------------------------------------------------------------------
@@ -258,7 +264,6 @@ def test_native_prefill_matches_the_dense_reference(heads, kv_heads, d, block_si
     backends = {"native": TorchAttentionBackend(native=True), "ref": TorchAttentionBackend(native=False)}
     q0 = torch.randn(1, heads, d)
     assert cpu_prefill.supports(q0, caches["native"].kv)
-    hist: dict[int, tuple] = {}
     steps = [
         [(0, 0, 37), (1, 0, 1), (2, 0, 5), (4, 0, 2)],
         [(0, 37, 1), (1, 1, 19), (2, 5, 1), (3, 0, 70), (4, 2, 33)],  # chunks continuing cached prefixes
@@ -273,22 +278,7 @@ def test_native_prefill_matches_the_dense_reference(heads, kv_heads, d, block_si
 
     cpu_prefill.paged_prefill = spy
     try:
-        for step in steps:
-            meta = batches.step(step)
-            q = torch.randn(meta.num_tokens, heads, d)
-            k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
-            outs = {n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window) for n in backends}
-            assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
-            start = 0
-            for sid, ctx, ql in step:
-                empty = (torch.empty(0, heads, d), torch.empty(0, kv_heads, d), torch.empty(0, kv_heads, d))
-                old = hist.get(sid, empty)
-                hist[sid] = tuple(
-                    torch.cat([o, x[start : start + ql]]) for o, x in zip(old, (q, k, v), strict=True)
-                )
-                ref = dense_reference(*hist[sid], ctx, ql, window)
-                assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
-                start += ql
+        run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window)
     finally:
         cpu_prefill.paged_prefill = real
     assert len(calls) == len(steps)
