@@ -109,7 +109,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def resolve_dtype_name(name: str, device: str, checkpoint_dtype: str | None) -> str:
     """The compute dtype the engine uses for ``--dtype name``. ``auto``: on CUDA the checkpoint's (bfloat16 for
     float32); on a CPU with native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks
-    (measured on the default model: 1.75x the float32 throughput, perplexity -0.08%, `make bench-peers`,
+    (measured on the default model: 1.53x the float32 throughput, perplexity -0.10%, `make bench-peers`,
     `make bench-kv-accuracy`); on other CPUs float32, their fastest and most exact choice."""
     if name != "auto":
         return _DTYPE_NAMES[name]
