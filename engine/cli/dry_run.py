@@ -349,9 +349,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
         warnings.append("on CPU the KV cache is sized from the available RAM where the engine starts")
     else:
         tokens = profile_tokens(config.max_num_batched_tokens, facts.max_position_embeddings)
-        act = activation_bytes(facts.shape, tokens, 1, tp, dtype) + -(-tokens // config.block_size) * (
-            config.block_size * kv_bpt
-        )
+        act = activation_bytes(facts.shape, tokens, 1, tp, dtype)  # as the engine profiles it (no scratch KV)
         info["activation_bytes_estimated"] = act
         if cuda is not None:
             index = _device_index(config.device)
