@@ -3,8 +3,8 @@
 A CPU forward allocates and frees activations of tens of MB per layer (a 2,048-token prefill's gate/up output
 is 25 MB). glibc serves blocks that large with fresh `mmap`s, or trims its heap once the free top passes a
 threshold, so the next step's tensors fault in new zeroed pages from the kernel, page by page: ~300,000 page
-faults over the bench-peers-shaped workload on the test machine, and 10-14% of its wall time in a VM where
-every fault exits to the hypervisor. Telling glibc to keep what it freed (no trim, no mmap below 32 MiB, a
+faults over the bench-peers-shaped workload on the test machine (a VM), 3.5-6% of its wall time in three
+paired runs. Telling glibc to keep what it freed (no trim, no mmap below 32 MiB, a
 64 MiB pad when the heap grows) makes later steps reuse the same pages, as a caching allocator would.
 
 The cost is that the process keeps its peak heap: memory freed after a burst is not returned to the
