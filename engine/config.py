@@ -35,7 +35,10 @@ class EngineConfig:
         "(a local directory or GGUF file is served as it is)",
     )
     dtype: str = _opt(
-        "auto", "weights and activations; auto = float32 on CPU, the checkpoint's on CUDA", choices=DTYPES
+        "auto",
+        "weights and activations; auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU multiplies it "
+        "natively (AVX512-BF16 or AMX), else float32",
+        choices=DTYPES,
     )
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
     block_size: int = _opt(16, "tokens per KV cache block", choices=(8, 16, 32, 64, 128))
@@ -100,6 +103,11 @@ class EngineConfig:
         True,
         "on a prefix hit, also reuse the matching first tokens of a cached block after the last whole-block "
         "match (copied into a fresh block)",
+    )
+    enforce_eager: bool = _opt(
+        False,
+        "never record CUDA graphs: run every decode step eagerly (graphs are recorded on CUDA with the triton "
+        "attention backend and tensor_parallel_size 1)",
     )
     skip_tokenizer_init: bool = _opt(
         False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"

@@ -7,6 +7,7 @@ request state: what it produced goes back in a RunnerOutput.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from pagoda.engine import host_allocator
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+from pagoda.engine.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagoda.engine.distributed.workers import Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
@@ -30,6 +32,9 @@ _QUANTIZED = {
 }
 SCALE_DTYPE = torch.float32  # INT8 caches: one scale per token, KV head and K|V
 SCALE_BYTES = kv_scale_bytes("int8")
+GRAPH_CHECK_MIN_COSINE = 0.99  # replayed vs eager logits; a stale buffer gives unrelated rows, rounding ~1.0
+
+log = logging.getLogger("pagoda.engine")
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -76,6 +81,7 @@ class ModelRunner:
         # Tensor parallelism: the other ranks (pagoda.engine.distributed.workers.TPWorkers), which get every
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- memory -------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -141,6 +147,74 @@ class ModelRunner:
         self.kv_caches, self.block_size = saved
         torch.cuda.empty_cache()
         return int(peak)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None
+    ) -> str | None:
+        """Record the decode forward per batch size (after the KV cache is allocated), then check one
+        replay against the eager forward. Returns None when graphs are on, else why they stay off: a
+        recording that fails or disagrees leaves the engine eager, it never stops it."""
+        self.decode_graphs = None
+        try:
+            graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                sizes=capture_sizes(max_num_seqs),
+                max_model_len=max_model_len,
+                block_size=self.block_size,
+                hidden_size=self.model.config.hidden_size,
+                dtype=self.model.dtype,
+                device=self.device,
+                capture=capture or cuda_capture(),
+            )
+            why = self._check_decode_graphs(graphs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+            why = f"capture failed: {type(exc).__name__}: {exc}"
+        if why is None:
+            self.decode_graphs = graphs
+            log.info("CUDA graphs: decode batches of %s sequences", ", ".join(map(str, graphs.sizes)))
+        else:
+            log.warning("CUDA graphs are off, decode runs eagerly (%s)", why)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return why
+
+    def _check_decode_graphs(self, graphs: DecodeGraphs) -> str | None:
+        """One padded decode batch over random KV in free blocks (start-up: every block is free), replayed
+        and run eagerly; None when every row's logits agree."""
+        num_blocks = self.kv_caches[0].kv.shape[1]
+        n = min(3, graphs.sizes[-1], num_blocks)
+        per_seq = max(1, min(num_blocks // n, graphs.max_blocks, 4))
+        blocks = torch.arange(n * per_seq, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for cache in self.kv_caches:
+            shape = (2, len(blocks), *cache.kv.shape[2:])
+            if cache.scales is None:
+                noise = torch.randn(shape, generator=gen, device=self.device).to(cache.kv.dtype)
+            else:
+                noise = torch.randint(-100, 100, shape, generator=gen, device=self.device).to(torch.int8)
+                cache.scales[:, blocks] = 0.01
+            cache.kv[:, blocks] = noise
+        seq_lens = [max(1, min(per_seq * self.block_size, graphs.max_model_len) - i) for i in range(n)]
+        ctx = np.asarray(seq_lens, dtype=np.int64) - 1
+        step = StepInput(
+            input_ids=np.arange(1, n + 1, dtype=np.int64),
+            positions=ctx.copy(),
+            query_lens=np.ones(n, dtype=np.int64),
+            context_lens=ctx,
+            block_tables=np.arange(n * per_seq, dtype=np.int32).reshape(n, per_seq),
+            sample_idx=np.arange(n, dtype=np.int64),
+        )
+        self.decode_graphs = None
+        eager = self.run(step)
+        self.decode_graphs = graphs
+        replayed = self.run(step)
+        self.decode_graphs = None
+        cosine = torch.nn.functional.cosine_similarity(eager.float(), replayed.float(), dim=-1)
+        if not bool(torch.isfinite(replayed).all()) or float(cosine.min()) < GRAPH_CHECK_MIN_COSINE:
+            return f"a replayed decode disagrees with the eager forward (cosine {float(cosine.min()):.4f})"
+        return None
 
     # ---- device-cache ops ---------------------------------------------------------------------------
     def apply_kv_ops(self, ops: list[KVOp]) -> list[tuple[bytes, torch.Tensor]]:
@@ -274,6 +348,12 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor:
         """The forward of one step's batch (what every tensor-parallel rank runs); returns the logits of the
         sampling rows (on the rank that gathers them; an empty tensor elsewhere)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(
+            step.input_ids, step.query_lens, step.context_lens, step.block_tables, len(step.sample_idx)
+        ):
+            hidden = graphs.run(step.input_ids, step.positions, step.context_lens, step.block_tables)
+            return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._metadata(step)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if len(step.sample_idx) == 0:

@@ -33,6 +33,7 @@ _reload_triton_in_interpreter_mode()
 
 import math  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -113,3 +114,39 @@ def paged():
         tolerance = staticmethod(tolerance)
 
     return _Helpers
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """A factory: tiny_llama(sliding_window=None) -> a random-weight Llama checkpoint (Mistral with a sliding
+    window) with the default model's tokenizer, big enough for the Triton kernels' tile shapes."""
+    import shutil
+
+    import transformers
+    from pagoda.engine.loader import resolve_model
+
+    def make(sliding_window: int | None = None):
+        torch.manual_seed(0)
+        common = dict(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        if sliding_window is None:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        else:
+            model = transformers.MistralForCausalLM(
+                transformers.MistralConfig(**common, sliding_window=sliding_window)
+            )
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.08)  # sharper logits than the default init, so greedy ties are rare
+        out = tmp_path / f"tiny-window{sliding_window}"
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer_dir = Path(resolve_model(None))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, out / name)
+        return out
+
+    return make

@@ -1,7 +1,5 @@
 """The triton attention backend against the torch backend, and the engine end to end (interpreter)."""
 
-import shutil
-
 import pytest
 import torch
 from pagoda.engine.attention import get_attention_backend
@@ -65,46 +63,11 @@ def _torch_attention_over(written, case, meta, window):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir():
-    from pathlib import Path
-
-    from pagoda.engine.loader import resolve_model
-
-    return Path(resolve_model(None))
-
-
-def _tiny_llama(tmp_path, tokenizer_dir, sliding_window=None):
-    import transformers
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    if sliding_window is None:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(**common, sliding_window=sliding_window)
-        )
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)  # sharper logits than the default init, so greedy ties are rare
-    out = tmp_path / "tiny"
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
-    return out
-
-
 @pytest.mark.parametrize(("sliding_window", "kv_cache_dtype"), [(None, "auto"), (12, "auto"), (None, "int8")])
-def test_engine_greedy_tokens_match_torch_backend(tmp_path, tokenizer_dir, sliding_window, kv_cache_dtype):
+def test_engine_greedy_tokens_match_torch_backend(tiny_llama, sliding_window, kv_cache_dtype):
     from pagoda.engine import LLM, SamplingParams
 
-    model_dir = _tiny_llama(tmp_path, tokenizer_dir, sliding_window)
+    model_dir = tiny_llama(sliding_window)
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 512, (20,), generator=gen).tolist()
     # ragged prompts, one of exactly a block (16), two sharing a 20-token prefix (prefix-cache hit)
