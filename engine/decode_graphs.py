@@ -86,7 +86,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((top, self.max_blocks), dtype=torch.int32, device=device)
         self.hidden = torch.zeros((top, hidden_size), dtype=dtype, device=device)
         self._replays: dict[int, Replay] = {}
-        for size in reversed(self.sizes):
+        from tqdm.auto import tqdm
+
+        for size in tqdm(list(reversed(self.sizes)), desc="Recording CUDA graphs", unit="graph"):
             self._forward(size, self._metadata(size))  # warm-up: kernels compile, the rotary table grows
             # A metadata object of its own: what backends derive from it and cache (the Triton backend's
             # per-step plan) is then computed inside the recording, not borrowed from the warm-up.
