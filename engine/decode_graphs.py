@@ -19,10 +19,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+
+if TYPE_CHECKING:
+    from pagoda.engine.model_runner import StepInput
 
 Replay = Callable[[], None]
 Capture = Callable[[Callable[[], None]], Replay]
@@ -114,28 +118,27 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         self.hidden[:size].copy_(hidden)
 
-    def fits(self, input_ids: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray, tables: np.ndarray,
-             num_samples: int) -> bool:  # fmt: skip
+    def fits(self, step: StepInput) -> bool:
         """A pure decode step (one new token per sequence, every sequence samples) that a recording covers."""
-        n = len(query_lens)
+        n = len(step.query_lens)
         return (
             0 < n <= self.sizes[-1]
-            and len(input_ids) == n
-            and num_samples == n
-            and tables.shape[1] <= self.max_blocks
-            and int(context_lens.max()) < self.max_model_len
+            and len(step.input_ids) == n
+            and len(step.sample_idx) == n
+            and step.block_tables.shape[1] <= self.max_blocks
+            and int(step.context_lens.max()) < self.max_model_len
         )
 
     @torch.inference_mode()
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, context_lens: np.ndarray,
-            tables: np.ndarray) -> torch.Tensor:  # fmt: skip
+    def run(self, step: StepInput) -> torch.Tensor:
         """Copy the step into the buffers, pad, replay; the hidden rows of the real sequences (a view of a
         buffer the next replay overwrites)."""
-        n = len(input_ids)
+        tables, positions, context_lens = step.block_tables, step.positions, step.context_lens
+        n = len(step.input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         bs = self.block_size
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids))
+        self.input_ids[:n].copy_(torch.from_numpy(step.input_ids))
         self.positions[:n].copy_(torch.from_numpy(positions))
         self.slot_mapping[:n].copy_(torch.from_numpy(slots))
         self.seq_lens[:n].copy_(torch.from_numpy((context_lens + 1).astype(np.int32)))

@@ -348,12 +348,8 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor:
         """The forward of one step's batch (what every tensor-parallel rank runs); returns the logits of the
         sampling rows (on the rank that gathers them; an empty tensor elsewhere)."""
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(
-            step.input_ids, step.query_lens, step.context_lens, step.block_tables, len(step.sample_idx)
-        ):
-            hidden = graphs.run(step.input_ids, step.positions, step.context_lens, step.block_tables)
-            return self.model.compute_logits(hidden)
+        if self.decode_graphs is not None and self.decode_graphs.fits(step):
+            return self.model.compute_logits(self.decode_graphs.run(step))
         input_ids, positions, meta = self._metadata(step)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if len(step.sample_idx) == 0:
