@@ -127,8 +127,8 @@ class LLMEngine:
         self.max_model_len_fitted = self.plan.max_model_len_fitted
         config.max_num_batched_tokens = self.plan.max_num_batched_tokens
         self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
-        graphs = self.device.type == "cuda" and backend.name == "triton" and self.workers is None
-        if graphs and not config.enforce_eager:
+        recordable = self.device.type == "cuda" and backend.name == "triton" and self.workers is None
+        if recordable and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         if self.workers is not None:
             self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))

@@ -298,29 +298,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
             fn.restype = _I
         fn = lib.pagoda_paged_decode_i8
-        fn.argtypes = [
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _I,
-            _P,
-            _I64,
-            _I,
-            _I,
-            _I,
-            _I,
-            _F,
-            _I,
-            _I,
-        ]
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _I]  # fmt: skip
         fn.restype = _I
         lib._pagoda_typed = True
     return lib

@@ -238,30 +238,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_prefill", _SOURCE)
     if lib is not None and not hasattr(lib, "_pagoda_typed"):
-        args = [
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I,
-            _P,
-            _I64,
-            _I,
-            _I,
-            _I,
-            _I,
-            _F,
-            _I,
-            _P,
-            _I64,
-            _I,
-        ]
+        args = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I, _F, _I, _P, _I64, _I]  # fmt: skip
         for fn in (lib.pagoda_paged_prefill_f32, lib.pagoda_paged_prefill_bf16):
             fn.argtypes = args
             fn.restype = _I
