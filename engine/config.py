@@ -109,6 +109,12 @@ class EngineConfig:
         "never record CUDA graphs: run every decode step eagerly (graphs are recorded on CUDA with the triton "
         "attention backend and tensor_parallel_size 1)",
     )
+    profile_on_cpu: bool = _opt(
+        False,
+        "run the start-up profiling forward on CPU too (every rank, as on CUDA); nothing is measured there "
+        "(the KV cache is sized from host memory), so this only walks the GPU's start-up path (tests)",
+        cli=False,
+    )
     skip_tokenizer_init: bool = _opt(
         False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"
     )

@@ -28,11 +28,10 @@ from pagoda.engine.distributed.parallel_state import (
     kv_heads_of_rank,
 )
 from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
-from pagoda.engine.distributed.workers import Allocate, TPWorkers, free_tcp_port
+from pagoda.engine.distributed.workers import Allocate, Profile, TPWorkers, free_tcp_port
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
-from pagoda.engine.memory import cpu_kv_cache_bytes
 from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
@@ -40,7 +39,12 @@ from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
-from pagoda.engine.sizing.engine_plan import engine_plan, gpu_kv_budget, resolve_dtype_name
+from pagoda.engine.sizing.engine_plan import (
+    engine_plan,
+    max_kv_heads_per_rank,
+    profile_tokens,
+    resolve_dtype_name,
+)
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
 log = logging.getLogger("pagoda.engine")
@@ -96,6 +100,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
+        size = config.tensor_parallel_size
         self.runner = ModelRunner(
             model,
             num_layers=mc.num_hidden_layers,
@@ -104,13 +109,16 @@ class LLMEngine:
             device=self.device,
             eos_token_ids=self.eos_token_ids,
         )
+        self.runner.peers = self.workers
 
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
-        # Per rank: each holds the KV of its own heads (INT8: and their scales).
-        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype)
+        # Per rank: each holds the KV of its own heads (INT8: and their scales); the rank with the most
+        # sizes the blocks of all.
+        most_heads = max_kv_heads_per_rank(mc.num_attention_heads, mc.num_key_value_heads, size)
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, most_heads, mc.head_dim, kv_dtype)
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
-        kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(weights_bytes)
+        kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype)
         # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.
         self.plan = engine_plan(
             config,
@@ -132,7 +140,6 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         if self.workers is not None:
             self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
-            self.runner.peers = self.workers
         offload = (
             None
             if self.workers is not None
@@ -222,27 +229,18 @@ class LLMEngine:
         return self.runner.model
 
     # ---- memory -------------------------------------------------------------------------------------
-    def _kv_memory_bytes(self, weights_bytes: int) -> tuple[int, int, dict]:
+    def _kv_memory_bytes(self, kv_dtype: torch.dtype) -> tuple[int, int, dict]:
         """KV bytes to allocate, the activation reserve that was measured (CUDA) or assumed (CPU), and the
-        device's memory as measured (for the start-up memory profile)."""
+        device's memory as measured (for the start-up memory profile): every rank profiles, the least
+        budget wins."""
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
             return int(cfg.kv_cache_memory_bytes), 0, {"source": "--kv-cache-memory-bytes"}
-        if self.device.type != "cuda":
-            return cpu_kv_cache_bytes(), 0, {"source": "host"}
-        tokens = min(cfg.max_num_batched_tokens or 2048, self.model_config.max_position_embeddings)
-        activation = self.runner.profile_activation_peak(tokens, cfg.block_size, self.dtype)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget, others = gpu_kv_budget(
-            total,
-            free,
-            torch.cuda.memory_reserved(self.device),
-            cfg.gpu_memory_utilization,
-            weights_bytes,
-            activation,
-        )
-        measured = {"device_total_bytes": total, "device_free_bytes": free, "other_bytes": others}
-        return budget, activation, {**measured, "source": str(self.device)}
+        tokens = profile_tokens(cfg.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        request = Profile(tokens, cfg.block_size, kv_dtype, cfg.gpu_memory_utilization, cfg.profile_on_cpu)
+        budget = self.runner.measure_kv_budget(request)
+        ranks = {"rank_kv_cache_bytes": budget.rank_kv_bytes} if self.workers is not None else {}
+        return budget.kv_bytes, budget.activation_bytes, {**budget.device_memory, **ranks}
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(

@@ -48,5 +48,6 @@ def available_host_memory_bytes() -> int:
     return min(candidates) if candidates else 4 << 30
 
 
-def cpu_kv_cache_bytes() -> int:
-    return int(available_host_memory_bytes() * CPU_KV_FRACTION)
+def cpu_kv_cache_bytes(ranks: int = 1) -> int:
+    """One rank's KV budget on CPU: the tensor-parallel ranks of an engine share the host's memory."""
+    return int(available_host_memory_bytes() * CPU_KV_FRACTION) // max(ranks, 1)

@@ -16,11 +16,14 @@ import torch
 from pagoda.engine import host_allocator
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
-from pagoda.engine.distributed.workers import Step
+from pagoda.engine.distributed.parallel_state import gather_ints, tp_size
+from pagoda.engine.distributed.workers import Profile, Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
+from pagoda.engine.memory import cpu_kv_cache_bytes
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagoda.engine.sizing.engine_plan import gpu_kv_budget
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token as plan_kv_bytes_per_token
 from pagoda.engine.sizing.shapes import kv_scale_bytes
 
@@ -49,12 +52,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     return plan_kv_bytes_per_token(num_layers, num_kv_heads, num_kv_heads, head_dim, elem, scale_bytes=scale)
 
 
-@dataclass
-class MemoryProfile:
-    """What the model takes on its device, measured at start-up (CUDA) or counted (CPU)."""
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV bytes every rank may allocate (the least any rank measured) and this rank's measurements."""
 
-    weights_bytes: int
-    activation_peak_bytes: int = 0
+    kv_bytes: int
+    activation_bytes: int
+    rank_kv_bytes: list[int]  # each rank's own budget, in rank order
+    device_memory: dict  # device_total_bytes, device_free_bytes, other_bytes (CUDA), source
 
 
 class ModelRunner:
@@ -121,18 +126,25 @@ class ModelRunner:
         row = self.head_dim + (SCALE_BYTES if self._int8 else 0)
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, row)
 
-    def profile_activation_peak(self, num_tokens: int, block_size: int, dtype: torch.dtype) -> int:
+    def profile_activation_peak(
+        self, num_tokens: int, block_size: int, kv_dtype: torch.dtype, forward_on_cpu: bool = False
+    ) -> int:
         """Run one dummy forward of ``num_tokens`` tokens against a just-big-enough cache; return the peak
-        memory the forward took beyond what was allocated before it (CUDA only; 0 elsewhere). The scratch
-        cache is not counted: it is freed before the real cache takes its place (counting it reserved 2.5 GiB
-        too much for Llama-3.1-70B at 16,384 tokens per step, and refused what the operator had planned)."""
-        if self.device.type != "cuda":
+        memory the forward took beyond what was allocated before it (CUDA only; 0 elsewhere, where the
+        forward runs only with ``forward_on_cpu``). The scratch cache is not counted: it is freed before the
+        real cache takes its place (counting it reserved 2.5 GiB too much for Llama-3.1-70B at 16,384 tokens
+        per step, and refused what the operator had planned). Under tensor parallelism every rank must run
+        it at once: the forward meets the other ranks in its all-reduces (see measure_kv_budget)."""
+        cuda = self.device.type == "cuda"
+        if not cuda and not forward_on_cpu:
             return 0
         saved = self.kv_caches, self.block_size
         num_blocks = -(-num_tokens // block_size)
-        self.allocate_kv_cache(num_blocks, block_size, dtype)
-        before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(num_blocks, block_size, kv_dtype)
+        before = 0
+        if cuda:
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         step = StepInput(
             input_ids=np.zeros(num_tokens, dtype=np.int64),
             positions=np.arange(num_tokens, dtype=np.int64),
@@ -142,11 +154,37 @@ class ModelRunner:
             sample_idx=np.asarray([num_tokens - 1]),
         )
         self.run(step)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches, self.block_size = saved
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         return int(peak)
+
+    def measure_kv_budget(self, request: Profile) -> KVBudget:
+        """This rank's KV budget (the GPU's share left after weights and the profiled activation peak; on
+        CPU this rank's share of the host), agreed with the other ranks: every rank gets the least, since
+        every rank allocates the same number of blocks. Rank 0 sends ``request`` to the others first; they
+        run this same method when it arrives."""
+        if self.peers is not None:
+            self.peers.send(request)
+        activation = self.profile_activation_peak(
+            request.num_tokens, request.block_size, request.kv_dtype, request.forward_on_cpu
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            own, others = gpu_kv_budget(
+                total, free, reserved, request.gpu_memory_utilization, self.weights_bytes(), activation
+            )
+            measured = {"device_total_bytes": total, "device_free_bytes": free, "other_bytes": others}
+            source = str(self.device)
+        else:
+            own, measured, source = cpu_kv_cache_bytes(tp_size()), {}, "host"
+        ranks = gather_ints(own, self.device)
+        return KVBudget(min(ranks), activation, ranks, {**measured, "source": source})
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------
     def capture_decode_graphs(

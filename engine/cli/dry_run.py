@@ -344,7 +344,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
     elif device == "cpu":
         from pagoda.engine.memory import cpu_kv_cache_bytes
 
-        kv_memory, source = cpu_kv_cache_bytes(), "this machine's available RAM"
+        kv_memory, source = cpu_kv_cache_bytes(tp), "this machine's available RAM"
         info["memory_measured"] = True
         warnings.append("on CPU the KV cache is sized from the available RAM where the engine starts")
     else:

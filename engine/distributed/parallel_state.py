@@ -61,6 +61,16 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def gather_ints(value: int, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in rank order, on every rank (start-up figures the ranks must agree on)."""
+    if _group.size == 1:
+        return [int(value)]
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(t) for _ in range(_group.size)]
+    dist.all_gather(parts, t)
+    return [int(p.item()) for p in parts]
+
+
 def all_gather_last_dim(t: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Concatenate every rank's ``t`` along the last dimension; rank r's part is ``widths[r]`` wide
     (shards may differ by one: each is padded to the widest for the collective, then trimmed)."""

@@ -23,6 +23,18 @@ log = logging.getLogger("pagoda.engine.distributed")
 
 
 @dataclass
+class Profile:
+    """Measure what this rank's KV cache may take: every rank runs the same profiling forward (meeting in
+    its collectives) and the ranks agree on the smallest budget (ModelRunner.measure_kv_budget)."""
+
+    num_tokens: int
+    block_size: int
+    kv_dtype: Any  # torch.dtype
+    gpu_memory_utilization: float
+    forward_on_cpu: bool = False
+
+
+@dataclass
 class Allocate:
     num_blocks: int
     block_size: int
@@ -77,7 +89,7 @@ class TPWorkers:
                     return
             threading.Event().wait(0.5)
 
-    def send(self, msg: Allocate | Step | Stop) -> None:
+    def send(self, msg: Profile | Allocate | Step | Stop) -> None:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
         for q in self.queues:
@@ -116,7 +128,9 @@ def worker_main(rank: int, size: int, init_method: str, config: Any, inbox: Any,
                 continue
             if isinstance(msg, Stop):
                 return
-            if isinstance(msg, Allocate):
+            if isinstance(msg, Profile):
+                runner.measure_kv_budget(msg)
+            elif isinstance(msg, Allocate):
                 runner.allocate_kv_cache(msg.num_blocks, msg.block_size, msg.kv_dtype)
             elif isinstance(msg, Step):
                 if msg.kv_ops:

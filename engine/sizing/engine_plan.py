@@ -44,6 +44,7 @@ class MemoryProfile:
     gpu_memory_utilization: float | None = None
     measured: bool = True
     source: str = ""  # where the device figures came from: cuda, host, catalogue:<GPU>, flag, none
+    rank_kv_cache_bytes: list[int] | None = None  # tensor parallel: each rank's budget; all take the least
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +170,12 @@ def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, rank: int = 0)
     return len(kv_heads_of_rank(num_heads, num_kv_heads, rank, tp))
 
 
+def max_kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> int:
+    """The most KV heads any rank keeps: every rank allocates the same number of blocks, so this rank's
+    bytes size them all (28 query over 4 KV heads on 8 ranks: rank 0 keeps 1, rank 1 keeps 4 copies)."""
+    return max(kv_heads_per_rank(num_heads, num_kv_heads, tp, rank) for rank in range(max(tp, 1)))
+
+
 def kv_bytes_per_token(
     num_layers: int,
     num_heads: int,
@@ -178,9 +185,9 @@ def kv_bytes_per_token(
     tp: int = 1,
     scale_bytes: int = 0,
 ) -> int:
-    """KV bytes per token on rank 0 (the rank the engine sizes every rank's cache by); ``scale_bytes`` per
-    KV head and K|V for caches that keep per-token scales (INT8)."""
-    heads = kv_heads_per_rank(num_heads, num_kv_heads, tp)
+    """KV bytes per token on the rank with the most KV heads (the rank that sizes every rank's cache);
+    ``scale_bytes`` per KV head and K|V for caches that keep per-token scales (INT8)."""
+    heads = max_kv_heads_per_rank(num_heads, num_kv_heads, tp)
     return 2 * num_layers * heads * (head_dim * element_bytes + scale_bytes)
 
 
@@ -219,6 +226,7 @@ def engine_plan(
     other_bytes: int | None = None,
     measured: bool = True,
     source: str = "",
+    rank_kv_cache_bytes: list[int] | None = None,
 ) -> EnginePlan:
     """max_model_len, KV blocks and the token budget for `config` (an EngineConfig, read only) in
     `kv_memory_bytes` of KV cache; raises StartupFitError (a SizingError) saying what fits otherwise,
@@ -238,6 +246,7 @@ def engine_plan(
         else None,
         measured=measured,
         source=source,
+        rank_kv_cache_bytes=rank_kv_cache_bytes,
     )
     _last_profile = profile
     try:

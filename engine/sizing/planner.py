@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
 from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.gpus import GPUInfo
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
@@ -200,7 +201,8 @@ def _fit_len(blocks: int, block_size: int, conc: int, slack: float = 1.0) -> int
 
 
 def _kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
-    return _ceil_div(shape.num_kv_heads, tp)  # replicated when TP exceeds the KV heads
+    """KV heads of the rank that keeps the most (the engine sizes every rank's blocks by it)."""
+    return max_kv_heads_per_rank(shape.num_attention_heads, shape.num_kv_heads, tp)
 
 
 def kaito_kv_cache_bytes(gpu_memory_bytes: int, weights_bytes: int, *, a10: bool = False) -> int:

@@ -83,3 +83,23 @@ def test_sizing_assumes_what_a_rank_allocates(tiny_model):
         assert abs(engine.runner.weights_bytes() - planned_weights) <= norms
     finally:
         llm.engine.close()
+
+
+@pytest.mark.timeout(100)
+def test_every_rank_profiles_and_the_least_budget_sizes_every_cache(tiny_model):
+    """The start-up profiling forward runs on every rank at once (it meets the other ranks in its
+    all-reduces: rank 0 alone waits there for a rank that waits for its cache: a hang) and every rank's
+    cache takes the least budget any rank measured."""
+    path = str(tiny_model("llama"))
+    prompts = [[5, 6, 7, 8, 9], [42] * 20]
+    one, _ = _greedy(path, 1, prompts, kv_cache_memory_bytes=4 << 20)
+    two, llm = _greedy(path, 2, prompts, profile_on_cpu=True)
+    try:
+        engine = llm.engine
+        profile = engine.plan.profile
+        assert profile.source == "host" and len(profile.rank_kv_cache_bytes) == 2
+        assert profile.kv_cache_bytes == min(profile.rank_kv_cache_bytes) > 0
+        assert engine.num_blocks == profile.kv_cache_bytes // (engine.kv_bytes_per_token * 16)
+        assert two == one  # the scratch cache of the profiling forward left nothing behind
+    finally:
+        llm.engine.close()

@@ -102,6 +102,14 @@ def test_kv_heads_per_rank_matches_the_engines_sharding() -> None:
     assert kv_heads_per_rank(9, 3, 2) == 5  # uneven split: one copy per query head
 
 
+def test_the_rank_with_the_most_kv_heads_sizes_every_rank() -> None:
+    """Every rank allocates the same blocks, so the rank keeping the most KV heads sizes them: 28 query over
+    4 KV heads on 8 ranks (Qwen2.5-7B's heads) leaves rank 0 one KV head and rank 1 four copies."""
+    assert [kv_heads_per_rank(28, 4, 8, rank) for rank in range(8)] == [1, 4, 1, 2, 1, 3, 1, 1]
+    assert kv_bytes_per_token(28, 28, 4, 128, 2, tp=8) == 2 * 28 * 4 * 128 * 2
+    assert kv_bytes_per_token(28, 28, 4, 128, 1, tp=8, scale_bytes=4) == 2 * 28 * 4 * (128 + 4)
+
+
 def test_the_engine_and_its_dry_run_agree_on_cpu() -> None:
     """The real start on the default model and `--dry-run` give the same plan, and the same refusal."""
     import torch

@@ -5,6 +5,7 @@ import json
 import pytest
 from pagoda.engine.sizing import (
     Hints,
+    ModelShape,
     Plan,
     SizingError,
     gpu_info,
@@ -30,6 +31,19 @@ def test_70b_bf16_on_one_h100_is_refused_proposing_tp():
         plan(LLAMA_70B, gpu_info("H100", 1))
     msg = str(e.value)
     assert "tensor_parallel_size=2" in msg and "Llama-3.1-70B" in msg and "H100" in msg
+
+
+def test_tensor_parallel_blocks_are_sized_by_the_rank_with_the_most_kv_heads():
+    """12 query over 3 KV heads on 2 ranks: each rank's 6 query heads straddle two groups, so it keeps a
+    copy of its KV head per query head (6), not the 2 an even split of the KV heads would give."""
+    shape = ModelShape(
+        "straddle", num_layers=40, num_attention_heads=12, num_kv_heads=3, head_dim=128, hidden_size=1536,
+        intermediate_size=8192, vocab_size=32000, max_position_embeddings=8192, weight_bytes=100 * GiB,
+    )  # fmt: skip
+    p = plan(shape, gpu_info("H100", 2))
+    assert p.tensor_parallel_size == 2
+    block_bytes = 2 * 40 * 6 * 128 * 1 * 16  # fp8 on an H100
+    assert p.kv_cache_bytes == p.num_gpu_blocks * block_bytes
 
 
 def test_70b_on_two_h100_plans_tp2():
