@@ -1,14 +1,18 @@
 """The router's HTTP side (aiohttp): OpenAI routes proxied to the chosen replica, streams passed through.
 
-Per request: read the body, compute its block chain (chain.py), let the policy pick a replica among the
-routable ones (policies.py), forward. A replica that refuses the connection (or drops it before answering)
-is marked unhealthy and the request goes to another one, as long as nothing was sent to the client yet; a
-replica's own answer (4xx, 5xx) is passed through as is. A client that goes away closes the upstream
-connection, which aborts the request on the replica.
+Per request: read the body (up to the engine's own limit), compute its block chain (chain.py), let the
+policy pick a replica among the routable ones (policies.py), forward. While the client has had nothing yet,
+a replica that refuses the connection (marked unhealthy at once), drops it, or answers 503 (full or
+draining) is skipped and the request goes to another one, up to ``--max-retries``; when none takes it the
+client gets 503 with ``Retry-After``. Other answers (4xx, 5xx) are passed through as they are. Streams are
+passed on in whole events; a replica that fails after the first one ends the client's stream with an
+OpenAI-style ``error`` event. Waits on a replica are bounded per read (``--read-timeout``), never as a
+whole. A client that goes away closes the upstream connection, which aborts the request on the replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -17,7 +21,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pagoda.router.backends import Backend, BackendPool
+from pagoda.router.backends import Backend, BackendPool, reported_number
 from pagoda.router.chain import ChainHasher, chain_of, load_local_tokenizer
 from pagoda.router.config import RouterConfig
 from pagoda.router.metrics import RouterMetrics
@@ -35,6 +39,9 @@ _HOP = {
     "x-api-key",
 }
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
+DEFAULT_RETRY_AFTER_S = 1  # the engine's own (ServerSettings.retry_after_seconds)
+MAX_RETRY_AFTER_S = 3600
+_STARTED = "pagoda_stream_status"  # request key: the status of a stream the client already has
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -59,7 +66,9 @@ class RouterApp:
 
     # -- app ---------------------------------------------------------------------------------------------
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(
+            middlewares=[self._too_large, self._auth], client_max_size=self.config.max_request_body_bytes
+        )
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
         app.router.add_get("/router/state", self.state)
@@ -75,6 +84,25 @@ class RouterApp:
 
     async def _stop(self, _: web.Application) -> None:
         await self.pool.close()
+
+    @web.middleware
+    async def _too_large(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own 413 is plain text: answer with the engine's OpenAI-style body instead."""
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.config.max_request_body_bytes
+            body = {
+                "error": {
+                    "message": f"Request body is larger than the limit of {limit} bytes.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+            if request.path in _ROUTED:
+                self.metrics.requests.labels("413").inc()
+            return web.json_response(body, status=413)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -158,6 +186,17 @@ class RouterApp:
         return chosen, decision, chain
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        """Route one completion. Every client request is counted once in ``router_requests_total``, by the
+        status the client got (499: it went away before any answer started)."""
+        try:
+            resp = await self._route(request)
+        except asyncio.CancelledError:  # the client left: the status it got, if a stream had started
+            self.metrics.requests.labels(str(request.get(_STARTED, 499))).inc()
+            raise
+        self.metrics.requests.labels(str(resp.status)).inc()
+        return resp
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -169,83 +208,121 @@ class RouterApp:
         ids = await self._token_ids(request.path, body) if self.needs_chain else None
         overhead = time.perf_counter() - t0
         tried: set[str] = set()
+        retry_after: list[int] = []  # what the replicas that answered 503 asked for
+        refused: _Refused | None = None  # why the previous attempt failed
         for attempt in range(self.config.max_retries + 1):
             t1 = time.perf_counter()
             backends = self.pool.routable(tried)
             if not backends:
                 break
             b, decision, chain = self._choose(backends, ids)
-            if attempt == 0:
+            if refused is None:
                 overhead += time.perf_counter() - t1
-                self.metrics.overhead.observe(overhead)
-                self.overheads.append(overhead)
-                self.overheads_cpu.append(time.thread_time() - c0)  # without waiting for a CPU
-                if len(self.overheads) > 20000:
-                    del self.overheads[:10000], self.overheads_cpu[:10000]
+                self._record_overhead(overhead, time.thread_time() - c0)
+            else:
+                self.metrics.retries.labels(refused.reason).inc()
             self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
             try:
-                resp = await self._forward(request, raw, b, decision, chain, body)
+                return await self._forward(request, raw, b, decision, chain)
             except _Refused as exc:
+                log.debug("replica %s did not take a request (attempt %d): %s", b.url, attempt + 1, exc)
+                refused = exc
                 if exc.down:
                     b.mark_failed(str(exc))
+                if exc.retry_after is not None:
+                    retry_after.append(exc.retry_after)
                 tried.add(b.url)
-                self.metrics.retries.labels("connect" if exc.down else "disconnect").inc()
-                continue
-            self.metrics.requests.labels(str(resp.status)).inc()
-            return resp
-        self.metrics.requests.labels("503").inc()
-        return _error(503, "no healthy replica could take the request", "no_backend")
+        return _unavailable(max(retry_after, default=DEFAULT_RETRY_AFTER_S))
+
+    def _record_overhead(self, wall: float, cpu: float) -> None:
+        self.metrics.overhead.observe(wall)
+        self.overheads.append(wall)
+        self.overheads_cpu.append(cpu)  # without waiting for a CPU
+        if len(self.overheads) > 20000:
+            del self.overheads[:10000], self.overheads_cpu[:10000]
 
     async def _forward(
-        self,
-        request: web.Request,
-        raw: bytes,
-        b: Backend,
-        decision: Decision,
-        chain: list[str],
-        body: dict[str, Any],
+        self, request: web.Request, raw: bytes, b: Backend, decision: Decision, chain: list[str]
     ) -> web.StreamResponse:
+        """One attempt at replica ``b``. Raises _Refused while the client has had nothing yet (the caller
+        tries another replica); after that, a failing replica ends the stream with an error event."""
         assert self.pool.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         b.inflight += 1
         self.metrics.routed.labels(b.url).inc()
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=5)
         try:
             try:
                 upstream = await self.pool.session.post(
-                    b.url + request.path, data=raw, headers=headers, timeout=timeout
+                    b.url + request.path, data=raw, headers=headers, timeout=self._timeout()
                 )
             except aiohttp.ClientConnectorError as exc:  # nothing listens: the replica is down
-                raise _Refused(f"{type(exc).__name__}: {exc}", down=True) from exc
-            except aiohttp.ServerDisconnectedError as exc:  # e.g. a stale pooled connection: try elsewhere
-                raise _Refused(f"{type(exc).__name__}: {exc}", down=False) from exc
-            if chain:
-                b.index.predict(chain)
-            self.metrics.predicted_cached.labels(b.url).inc(decision.predicted_cached_tokens)
+                raise _Refused(exc, "connect", down=True) from exc
+            except aiohttp.SocketTimeoutError:  # accepted, then silent: it may still be working on it
+                return _error(504, "the replica did not answer in time", "upstream_timeout")
+            except aiohttp.ClientConnectionError as exc:  # dropped (e.g. a stale pooled connection)
+                raise _Refused(exc, "disconnect") from exc
             async with upstream:
+                if upstream.status == 503:  # full or draining: another replica may take it
+                    raise _Refused(
+                        f"{b.url} answered 503", "unavailable", retry_after=_retry_after(upstream.headers)
+                    )
+                if chain:
+                    b.index.predict(chain)
+                self.metrics.predicted_cached.labels(b.url).inc(decision.predicted_cached_tokens)
                 ctype = upstream.headers.get("Content-Type", "application/json")
-                if "text/event-stream" not in ctype:
+                if "text/event-stream" in ctype:
+                    return await self._relay(request, upstream, b)
+                try:
                     data = await upstream.read()
-                    self._observe_usage(b, data)
-                    return web.Response(body=data, status=upstream.status, headers={"Content-Type": ctype})
-                out = web.StreamResponse(
-                    status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
-                )
-                await out.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    if request.transport is None or request.transport.is_closing():
-                        break  # the client left: leaving the block closes the upstream, the replica aborts
-                    if b'"usage"' in chunk:
-                        self._observe_stream_usage(b, chunk)
-                    try:
-                        await out.write(chunk)
-                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        break
-                else:
-                    await out.write_eof()
-                return out
+                except (aiohttp.ClientError, TimeoutError) as exc:  # the client has nothing yet
+                    raise _Refused(exc, "disconnect") from exc
+                self._observe_usage(b, data)
+                return web.Response(body=data, status=upstream.status, headers=_answer_headers(upstream))
         finally:
             b.inflight -= 1
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, b: Backend
+    ) -> web.StreamResponse:
+        """Pass a stream through event by event. Until the first whole event the client has nothing, so a
+        replica that fails before it is refused (another replica gets the request); one that fails later
+        ends the client's stream with an error event and ``data: [DONE]``."""
+        events = SSEBuffer()
+        out: web.StreamResponse | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                whole = events.feed(chunk)
+                if not whole:
+                    continue
+                if out is None:
+                    out = await self._start_stream(request, upstream)
+                if request.transport is None or request.transport.is_closing():
+                    return out  # the client left: leaving the block closes the upstream, the replica aborts
+                if b'"usage"' in whole:
+                    self._observe_stream_usage(b, whole)
+                try:
+                    await out.write(whole)
+                except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                    return out
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if out is None:
+                raise _Refused(exc, "disconnect") from exc
+            reason = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+            log.warning("replica %s failed mid-stream (%s): %s", b.url, reason, exc)
+            self.metrics.stream_errors.labels(b.url, reason).inc()
+            message = f"the replica serving this stream failed ({reason}); the answer is incomplete"
+            return await _finish(out, _sse_error(message, f"upstream_{reason}"))
+        if out is None:  # an empty (or unterminated) stream: pass on what there is
+            out = await self._start_stream(request, upstream)
+        return await _finish(out, events.rest)
+
+    @staticmethod
+    async def _start_stream(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        out = web.StreamResponse(status=upstream.status, headers=_answer_headers(upstream))
+        out.headers["Cache-Control"] = "no-cache"
+        request[_STARTED] = upstream.status
+        await out.prepare(request)
+        return out
 
     def _observe_usage(self, b: Backend, data: bytes) -> None:
         try:
@@ -264,10 +341,17 @@ class RouterApp:
                 if usage:
                     self._count_usage(b, usage)
 
-    def _count_usage(self, b: Backend, usage: dict[str, Any]) -> None:
-        details = usage.get("prompt_tokens_details") or {}
-        self.metrics.observed_cached.labels(b.url).inc(int(details.get("cached_tokens") or 0))
-        self.metrics.prompt_tokens.labels(b.url).inc(int(usage.get("prompt_tokens") or 0))
+    def _count_usage(self, b: Backend, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        for counter, value, what in (
+            (self.metrics.observed_cached, cached, "cached_tokens"),
+            (self.metrics.prompt_tokens, usage.get("prompt_tokens"), "prompt_tokens"),
+        ):
+            if value is not None and (n := reported_number(value, f"usage.{what}", b.url)) is not None:
+                counter.labels(b.url).inc(n)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Anything else (/v1/models, /tokenize, ...) goes to the least loaded replica, as is."""
@@ -278,22 +362,95 @@ class RouterApp:
         for b in sorted(backends, key=lambda x: x.load)[: self.config.max_retries + 1]:
             try:
                 async with self.pool.session.request(
-                    request.method, b.url + request.path_qs, data=raw or None, headers=headers
+                    request.method,
+                    b.url + request.path_qs,
+                    data=raw or None,
+                    headers=headers,
+                    timeout=self._timeout(),
                 ) as r:
                     data = await r.read()
-                    ctype = r.headers.get("Content-Type", "application/json")
-                    return web.Response(body=data, status=r.status, headers={"Content-Type": ctype})
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                    return web.Response(body=data, status=r.status, headers=_answer_headers(r))
+            except aiohttp.ClientConnectorError as exc:
                 b.mark_failed(str(exc))
-        return _error(503, "no healthy replica", "no_backend")
+            except aiohttp.SocketTimeoutError:
+                return _error(504, "the replica did not answer in time", "upstream_timeout")
+            except aiohttp.ClientError:
+                continue  # dropped before a whole answer: the next replica
+        return _unavailable(DEFAULT_RETRY_AFTER_S)
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        """No limit on a whole answer; ``read_timeout`` on each wait for the replica's next bytes."""
+        return aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.read_timeout)
 
 
 class _Refused(Exception):
-    """The replica could not be reached before anything was sent to the client."""
+    """The replica did not take the request and the client has had nothing yet: try another one.
+    ``reason`` labels router_retries_total (connect, disconnect, unavailable); ``down``: refused the
+    connection (marked unhealthy at once); ``retry_after``: seconds its 503 asked for."""
 
-    def __init__(self, message: str, down: bool) -> None:
-        super().__init__(message)
+    def __init__(
+        self, cause: object, reason: str, down: bool = False, retry_after: int | None = None
+    ) -> None:
+        super().__init__(cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}")
+        self.reason = reason
         self.down = down
+        self.retry_after = retry_after
+
+
+class SSEBuffer:
+    """Splits a byte stream into whole server-sent events (each ends with a blank line), so that what the
+    client gets never ends inside an event and an error event can always follow."""
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events completed by ``chunk`` (possibly b"")."""
+        data = self.rest + chunk
+        end = max(data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n"))
+        if end < 0:
+            self.rest = data
+            return b""
+        end += 4 if data.startswith(b"\r\n\r\n", end) else 2
+        self.rest = data[end:]
+        return data[:end]
+
+
+async def _finish(out: web.StreamResponse, last: bytes) -> web.StreamResponse:
+    """Write the stream's last bytes and its end (a client that left meanwhile is no error)."""
+    try:
+        if last:
+            await out.write(last)
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass
+    return out
+
+
+def _retry_after(headers: Any) -> int | None:
+    """A replica's Retry-After in whole seconds (delta-seconds form only), capped; None when absent or bad."""
+    value = headers.get("Retry-After", "").strip()
+    return min(int(value), MAX_RETRY_AFTER_S) if value.isdigit() else None
+
+
+def _answer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    """What the client gets of a replica's headers: the content type, and Retry-After if it sent one."""
+    headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
+    if "Retry-After" in upstream.headers:
+        headers["Retry-After"] = upstream.headers["Retry-After"]
+    return headers
+
+
+def _unavailable(retry_after: int) -> web.Response:
+    resp = _error(503, "no replica could take the request now; retry later", "no_backend")
+    resp.headers["Retry-After"] = str(retry_after)
+    return resp
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    """An OpenAI-style error as a server-sent ``error`` event, then the end of the stream."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def run(config: RouterConfig) -> None:

@@ -1,11 +1,17 @@
 """The replicas behind the router: discovery (static URLs, a headless Service's A records), health, load
 (from each replica's /metrics) and the KV block index (following /v1/kv_events, re-syncing from
-/v1/kv_snapshot), each refreshed by its own background loop."""
+/v1/kv_snapshot), each refreshed by its own background loop.
+
+Numbers a replica reports (its load, its measured rates, its block size) are checked as they arrive: a value
+that is not a finite non-negative number is logged and ignored, so one broken replica can neither win every
+routing decision (a negative rate is a negative cost) nor fail every request (a string in the arithmetic).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -21,15 +27,60 @@ FAILURES_TO_EJECT = 2
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
-def parse_load(text: str) -> int:
-    """running + waiting from a replica's Prometheus text (summed over label sets)."""
+MAX_BLOCK_SIZE = 1 << 16
+
+
+def reported_number(value: object, what: str, url: str) -> float | None:
+    """A number a replica reported, if it is a finite non-negative int or float; else None (logged)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    log.warning("replica %s reported %s = %r: not a finite non-negative number, ignored", url, what, value)
+    return None
+
+
+def checked_info(info: object, url: str) -> dict[str, Any] | None:
+    """The replica's /v1/router_info with every field the router computes with checked: rates that fail
+    are dropped (the defaults apply), a bad block size or extra keys make the whole answer unusable."""
+    if not isinstance(info, dict):
+        log.warning("replica %s: /v1/router_info is not an object, ignored", url)
+        return None
+    size = info.get("block_size")
+    keys = info.get("extra_keys") or []
+    if not (isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_BLOCK_SIZE):
+        log.warning("replica %s reported block_size = %r, ignored", url, size)
+        return None
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        log.warning("replica %s reported extra_keys = %r, ignored", url, keys)
+        return None
+    out = dict(info, extra_keys=keys)
+    prefill = info.get("prefill_tokens_per_s")
+    out["prefill_tokens_per_s"] = (
+        None if prefill is None else reported_number(prefill, "prefill_tokens_per_s", url)
+    )
+    loads = info.get("load_tokens_per_s") or {}
+    if not isinstance(loads, dict):
+        log.warning("replica %s reported load_tokens_per_s = %r, ignored", url, loads)
+        loads = {}
+    out["load_tokens_per_s"] = {
+        tier: rate
+        for tier, value in loads.items()
+        if (rate := reported_number(value, f"load_tokens_per_s[{tier!r}]", url)) is not None
+    }
+    return out
+
+
+def parse_load(text: str, url: str = "") -> int:
+    """running + waiting from a replica's Prometheus text (summed over label sets; values that are not
+    finite and non-negative are logged and skipped)."""
     total = 0.0
     for line in text.splitlines():
         if line.startswith(_LOAD_METRICS) and line.partition("{")[0].partition(" ")[0] in _LOAD_METRICS:
             try:
-                total += float(line.rsplit(" ", 1)[1])
+                value = float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
+            checked = reported_number(value, line.partition(" ")[0].partition("{")[0], url)
+            total += checked or 0.0
     return int(total)
 
 
@@ -41,7 +92,7 @@ class Backend:
     scraped_load: int = 0  # running + waiting at the last /metrics scrape
     inflight: int = 0  # requests this router has open there now
     inflight_at_scrape: int = 0  # ... and when that scrape was answered (they are in scraped_load too)
-    info: dict[str, Any] | None = None  # the replica's /v1/router_info
+    info: dict[str, Any] | None = None  # the replica's /v1/router_info, checked (checked_info)
     index: BlockIndex = field(default_factory=BlockIndex)
     last_error: str | None = None
     checked_at: float = 0.0
@@ -90,6 +141,8 @@ class Backend:
             "load": self.load,
             "inflight": self.inflight,
             "blocks": self.index.counts(),
+            "blocks_forgotten": self.index.forgotten,
+            "malformed_events": self.index.malformed,
             "synced": self.index.synced,
             "seq": self.index.seq,
             "resyncs": self.index.resyncs,
@@ -101,12 +154,15 @@ class Backend:
 class BackendPool:
     def __init__(self, config: RouterConfig, on_change: Any = None) -> None:
         self.config = config
-        self.backends: dict[str, Backend] = {u: Backend(u) for u in config.backends}
+        self.backends: dict[str, Backend] = {u: self._backend(u) for u in config.backends}
         self._dns: dict[str, set[str]] = {t: set() for t in config.backend_dns}
         self._tasks: list[asyncio.Task] = []
         self.session: aiohttp.ClientSession | None = None
         self.on_change = on_change  # called after every health round (metrics refresh)
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    def _backend(self, url: str) -> Backend:
+        return Backend(url, index=BlockIndex(self.config.max_index_blocks))
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,7 +214,7 @@ class BackendPool:
                 ip = addr[0]
                 urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
             for url in urls - self._dns[target]:
-                self.backends.setdefault(url, Backend(url))
+                self.backends.setdefault(url, self._backend(url))
                 log.info("replica %s found via %s", url, target)
             for url in self._dns[target] - urls:
                 if url not in self.config.backends:
@@ -191,7 +247,7 @@ class BackendPool:
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
                         text = await r.text()
-                        b.scraped_load, b.inflight_at_scrape = parse_load(text), b.inflight
+                        b.scraped_load, b.inflight_at_scrape = parse_load(text, b.url), b.inflight
                 if b.info is None or time.monotonic() - b.checked_at > 10 * self.config.health_interval:
                     await self._fetch_info(b, timeout)
                     b.checked_at = time.monotonic()
@@ -204,8 +260,8 @@ class BackendPool:
         assert self.session is not None
         async with self.session.get(b.url + "/v1/router_info", timeout=timeout) as r:
             if r.status == 200:
-                info = await r.json()
-                if b.info is not None and info.get("epoch") != b.info.get("epoch"):
+                info = checked_info(await r.json(), b.url)
+                if b.info is not None and (info or {}).get("epoch") != b.info.get("epoch"):
                     b.index.reset()  # restarted: its blocks are what its new snapshot says
                 b.info = info
 
@@ -216,6 +272,7 @@ class BackendPool:
     async def follow(self, b: Backend) -> None:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=5)
+        malformed = b.index.malformed
         try:
             if b.index.synced:
                 params = {"since": str(b.index.seq), "epoch": b.index.epoch or ""}
@@ -227,5 +284,7 @@ class BackendPool:
             async with self.session.get(b.url + "/v1/kv_snapshot", timeout=timeout) as r:
                 if r.status == 200:
                     b.index.load_snapshot(await r.json())
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:
             log.debug("kv events from %s: %s", b.url, exc)
+        if b.index.malformed > malformed:
+            log.warning("replica %s: %d malformed KV events skipped", b.url, b.index.malformed - malformed)

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from pagoda.engine.cli.engine_args import parse_bytes
 from pagoda.router.config import POLICIES, ConfigError, RouterConfig
 
 
@@ -45,8 +46,32 @@ def build_parser() -> argparse.ArgumentParser:
         "replica's /tokenize)",
     )
     p.add_argument("--load-slack", type=int, default=d.load_slack, help="extra requests a cache hit may cost")
-    p.add_argument("--max-retries", type=int, default=d.max_retries)
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="other replicas tried when one refuses, drops the connection or answers 503 before any byte "
+        "reached the client",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=d.read_timeout,
+        help="seconds a replica may stay silent (before its answer and between two reads of a stream); the "
+        "whole answer has no limit",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=d.max_request_body_bytes,
+        help="413 for larger request bodies (the engine's default)",
+    )
+    p.add_argument(
+        "--max-index-blocks",
+        type=int,
+        default=d.max_index_blocks,
+        help="block hashes remembered per replica, all tiers together (oldest forgotten first)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--dry-run", action="store_true", help="validate, print the config as JSON, exit")
     return p
@@ -67,7 +92,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokenizer=args.tokenizer,
         load_slack=args.load_slack,
         max_retries=args.max_retries,
-        request_timeout=args.request_timeout,
+        read_timeout=args.read_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_index_blocks=args.max_index_blocks,
     ).validate()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagoda.engine.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+
 POLICIES = ("roundRobin", "leastLoaded", "prefix", "tierAware")
 
 
@@ -28,8 +30,16 @@ class RouterConfig:
     load_slack: int = (
         2  # "bounded by load": a replica may carry this many more requests than the least loaded
     )
-    request_timeout: float = 600.0
-    max_retries: int = 2  # other replicas tried when one refuses the connection before any byte was sent
+    # Seconds a replica may stay silent: before its answer starts and between two reads of it. No limit on
+    # the whole answer (a long generation streams for as long as it needs).
+    read_timeout: float = 600.0
+    # Other replicas tried when one refuses the connection, drops it or answers 503 before the client got
+    # any byte.
+    max_retries: int = 2
+    # The engine's own limit (`pagoda serve --max-request-body-bytes`): the router never refuses a body a
+    # replica would take.
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_index_blocks: int = 262_144  # per replica, all tiers together (docs/router.md)
 
     def validate(self) -> RouterConfig:
         if self.policy not in POLICIES:
@@ -45,11 +55,14 @@ class RouterConfig:
                 raise ConfigError(f"--backend-dns must be HOST:PORT, got {target!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
-        for name in ("dns_interval", "health_interval", "events_interval", "request_timeout"):
+        for name in ("dns_interval", "health_interval", "events_interval", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.load_slack < 0 or self.max_retries < 0:
             raise ConfigError("--load-slack and --max-retries must not be negative")
+        for name in ("max_request_body_bytes", "max_index_blocks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         self.backends = [u.rstrip("/") for u in self.backends]
         return self
 

@@ -37,7 +37,18 @@ class RouterMetrics:
             ("backend",),
             registry=r,
         )
-        self.requests = Counter("pagoda:router_requests", "Requests by HTTP status.", ("code",), registry=r)
+        self.requests = Counter(
+            "pagoda:router_requests",
+            "Completion requests by the HTTP status the client got (499: the client left first).",
+            ("code",),
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "pagoda:router_stream_errors",
+            "Streams a replica failed after the client had its first event: ended with an error event.",
+            ("backend", "reason"),
+            registry=r,
+        )
         self.retries = Counter(
             "pagoda:router_retries",
             "Requests re-sent to another replica, by reason.",

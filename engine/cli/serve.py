@@ -33,7 +33,7 @@ from pagoda.engine.cli.exit_codes import (
     write_termination_message,
 )
 from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
-from pagoda.engine.server.settings import ServerSettings
+from pagoda.engine.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
 __all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "main", "parse_args", "parse_bytes", "parse_max_model_len"]
 
@@ -92,7 +92,7 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     s.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
-        default=16 * 1024 * 1024,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="413 for larger request bodies",
     )
     s.add_argument(

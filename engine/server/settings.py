@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 # 64 bytes per token at worst: text, ids, block hashes) and its state; at an 8k context that is ~270 MB at
 # most, at 32k ~1.1 GB (docs/serving.md). The operator renders a per-pod value from its plan.
 DEFAULT_MAX_NUM_QUEUED_REQS = 512
+# Larger bodies get a 413; `pagoda router` takes the same default, so it never refuses what a replica takes.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -19,7 +21,7 @@ class ServerSettings:
     api_key: str | None = None
     # None (the flag absent) means the default: the queue is never unbounded.
     max_num_queued_reqs: int | None = DEFAULT_MAX_NUM_QUEUED_REQS
-    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_grace_seconds: float = 30.0
     retry_after_seconds: int = 1
     uvicorn_log_level: str = "info"

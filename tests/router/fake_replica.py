@@ -1,0 +1,92 @@
+"""A small stand-in for `pagoda serve` in the router's fault tests, run as its own process:
+
+    python fake_replica.py PORT MODE REQUEST_LOG
+
+MODE is one of
+- ``ok``: streams ``WORDS`` chat chunks, ``GAP_S`` apart, then a finishing chunk and ``[DONE]``; a
+  non-streamed request gets one chat completion (any body size up to 64 MiB);
+- ``busy``: every completion is a 503 ``queue_full`` with ``Retry-After: 7``, as a full engine answers;
+- ``crash``: streams like ``ok``, and once its first stream has sent ``CRASH_AFTER`` chunks the process
+  kills itself (SIGKILL): every stream it is serving is cut where it stands.
+
+Every completion request is appended to REQUEST_LOG (one line each) before it is answered, so a test can
+compare what the replica received with what the router counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+WORDS = 30
+GAP_S = 0.05
+CRASH_AFTER = 3
+RETRY_AFTER = "7"
+
+
+def chunk(i: int | None) -> bytes:
+    """The i-th content chunk, or the finishing one (None)."""
+    delta = {} if i is None else {"content": f"w{i} "}
+    choice = {"index": 0, "delta": delta, "finish_reason": "stop" if i is None else None}
+    body = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "fake", "choices": [choice]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def main() -> None:
+    port, mode, request_log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    streams = 0
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal streams
+        body = await request.json()
+        with open(request_log, "a") as f:
+            f.write(f"{len(json.dumps(body))}\n")
+        if mode == "busy":
+            err = {
+                "error": {"message": "queue full", "type": "service_unavailable_error", "code": "queue_full"}
+            }
+            return web.json_response(err, status=503, headers={"Retry-After": RETRY_AFTER})
+        if not body.get("stream"):
+            msg = {"role": "assistant", "content": "".join(f"w{i} " for i in range(WORDS))}
+            choice = {"index": 0, "message": msg, "finish_reason": "stop"}
+            out = {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fake",
+                "choices": [choice],
+            }
+            return web.json_response(out)
+        streams += 1
+        crashes = mode == "crash" and streams == 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(WORDS):
+            await resp.write(chunk(i))
+            if crashes and i + 1 == CRASH_AFTER:
+                os.kill(os.getpid(), signal.SIGKILL)
+            await asyncio.sleep(GAP_S)
+        await resp.write(chunk(None) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""`pagoda router` under replica faults, with real processes (tests/router/fake_replica.py): one replica
+killed mid-stream, one answering 503 + Retry-After, one slow. Every client sees a complete stream, an error
+event or a 503 with Retry-After, never a truncated answer, and the router's counters add up to what was
+sent. No assertion depends on how the clients' requests interleave."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+FAKE = str(Path(__file__).with_name("fake_replica.py"))
+WORDS = 30  # fake_replica.WORDS: a complete stream is w0 .. w29
+GAP_S = 0.05  # fake_replica.GAP_S: a stream takes WORDS x GAP_S = 1.5 s, each wait 0.05 s
+CLIENTS = 24
+MESSAGES = [{"role": "user", "content": "Count."}]
+# Longer than any gap between two chunks (30x), shorter than a whole stream: a limit on the whole answer
+# would cut every stream of the slow replica.
+READ_TIMEOUT = ("--read-timeout", "1.5")
+
+
+def fake(kit, log_dir: Path, mode: str):
+    port = kit.free_port()
+    argv = [sys.executable, FAKE, str(port), mode, str(log_dir / f"{mode}.requests")]
+    return kit.wait_healthy(kit.start(log_dir, argv, port, f"fake-{mode}"), 30)
+
+
+def received(log_dir: Path, mode: str) -> int:
+    path = log_dir / f"{mode}.requests"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def router(kit, log_dir: Path, replicas, *extra: str):
+    return kit.start_router(
+        log_dir,
+        [r.url for r in replicas],
+        "--policy",
+        "roundRobin",
+        "--tokenizer",
+        "backend",
+        *READ_TIMEOUT,
+        *extra,
+    )
+
+
+def stream_once(url: str) -> tuple[str, object]:
+    """("complete", text) | ("error", error body) | ("503", Retry-After); anything else raises."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    text, finish = "", None
+    try:
+        for ch in client.chat.completions.create(model="fake", messages=MESSAGES, stream=True):
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+        return "503", exc.response.headers.get("Retry-After")
+    except openai.APIConnectionError:
+        raise  # a truncated stream: what the router must never let through
+    except openai.APIError as exc:  # an `error` event in the stream
+        return "error", exc.body
+    assert finish == "stop", text
+    return "complete", text
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory, kit):
+    log_dir = tmp_path_factory.mktemp("busy")
+    p = fake(kit, log_dir, "busy")
+    yield p, log_dir
+    p.stop()
+
+
+def test_faulty_replicas_never_cost_a_client_its_answer(busy, tmp_path_factory, kit):
+    log_dir = tmp_path_factory.mktemp("faults")
+    crash, slow = fake(kit, log_dir, "crash"), fake(kit, log_dir, "ok")
+    b, busy_dir = busy
+    before_busy = received(busy_dir, "busy")
+    r = router(kit, log_dir, [crash, b, slow], "--max-retries", "2")
+    try:
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            outcomes = list(pool.map(lambda _: stream_once(r.url), range(CLIENTS)))
+        kinds = [k for k, _ in outcomes]
+        want = "".join(f"w{i} " for i in range(WORDS))
+        assert all(text == want for k, text in outcomes if k == "complete")  # never cut short
+        errors = [body for k, body in outcomes if k == "error"]
+        # the crashing replica's first stream had sent 3 chunks: that client cannot be served elsewhere
+        assert errors and all(e["code"] == "upstream_disconnect" for e in errors), errors
+        assert all(value == "7" for k, value in outcomes if k == "503")  # the replicas' Retry-After
+        assert crash.proc.wait(10) == -9  # it really died (SIGKILL), mid-stream
+
+        def metric(name: str, **labels: str) -> float:
+            return r.metric(f"pagoda:router_{name}_total", **labels)
+
+        # each client counted once, by what it got
+        assert metric("requests") == CLIENTS
+        assert metric("requests", code="200") == kinds.count("complete") + kinds.count("error")
+        assert metric("requests", code="503") == kinds.count("503")
+        assert metric("stream_errors") == metric("stream_errors", backend=crash.url) == len(errors)
+        # every attempt was either a client's first or a retry; the replicas' own logs agree
+        assert metric("routed") == CLIENTS + metric("retries")
+        busy_got = received(busy_dir, "busy") - before_busy
+        assert busy_got > 0 and metric("routed", backend=b.url) == busy_got
+        assert metric("retries", reason="unavailable") == busy_got  # every 503 was retried elsewhere
+        assert metric("routed", backend=slow.url) == received(log_dir, "ok") == kinds.count("complete")
+        assert metric("routed", backend=crash.url) >= received(log_dir, "crash") >= 1
+    finally:
+        r.stop()
+        slow.stop()
+        crash.stop()
+
+
+def test_when_no_replica_can_take_it_the_client_gets_503_with_retry_after(busy, tmp_path_factory, kit):
+    b, _ = busy
+    r = router(kit, tmp_path_factory.mktemp("only-busy"), [b])
+    try:
+        kind, retry_after = stream_once(r.url)
+        assert (kind, retry_after) == ("503", "7")
+        got = httpx.post(r.url + "/v1/chat/completions", json={"model": "fake", "messages": MESSAGES})
+        assert got.status_code == 503 and got.headers["Retry-After"] == "7"
+        assert got.json()["error"]["code"] == "no_backend"
+        assert r.metric("pagoda:router_requests_total", code="503") == 2
+    finally:
+        r.stop()
+
+
+def test_the_router_takes_any_body_the_engine_takes(tmp_path_factory, kit):
+    """The engine's limit is 16 MiB: a 2 MiB body reaches the replica, a 17 MiB one gets the engine's 413."""
+    log_dir = tmp_path_factory.mktemp("body")
+    ok = fake(kit, log_dir, "ok")
+    r = router(kit, log_dir, [ok])
+    try:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+        got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=30)
+        assert got.status_code == 200 and got.json()["choices"][0]["finish_reason"] == "stop"
+        assert received(log_dir, "ok") == 1
+        body["messages"][0]["content"] = "x" * (17 << 20)
+        got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=30)
+        assert got.status_code == 413 and got.json()["error"]["code"] == "request_too_large"
+        assert received(log_dir, "ok") == 1
+        assert r.metric("pagoda:router_requests_total", code="413") == 1
+    finally:
+        r.stop()
+        ok.stop()
