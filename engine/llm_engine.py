@@ -29,6 +29,7 @@ from pagoda.engine.distributed.parallel_state import (
 )
 from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
 from pagoda.engine.distributed.workers import Allocate, Profile, TPWorkers, free_tcp_port
+from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
@@ -140,6 +141,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         if self.workers is not None:
             self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
+        identity = cache_identity(self.fingerprint, self.dtype, kv_dtype, block_size)
         offload = (
             None
             if self.workers is not None
@@ -148,7 +150,7 @@ class LLMEngine:
                 self.runner.block_shape,
                 kv_dtype,
                 self.device,
-                identity=f"{self.fingerprint}|{kv_dtype}|{block_size}",
+                identity="|".join(identity),
             )
         )
         self.scheduler = Scheduler(
@@ -165,7 +167,7 @@ class LLMEngine:
                 block_size=block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 enable_partial_prefix_reuse=config.enable_partial_prefix_reuse,
-                extra_keys=(self.fingerprint, str(kv_dtype), str(block_size)),
+                extra_keys=identity,
             ),
             offload,
         )

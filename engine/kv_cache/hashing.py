@@ -1,6 +1,6 @@
 """Chained block hashes: the identity of a full block of KV across sequences, processes and tiers.
 
-A block's hash covers its parent's hash, its token ids and the extra keys (model fingerprint, KV dtype, ...),
+A block's hash covers its parent's hash, its token ids and the extra keys (``cache_identity``),
 so equal hashes mean equal KV for the whole prefix up to and including the block. SHA-256 over a fixed
 byte encoding keeps the value stable across processes and machines (the disk tier names files by it);
 Python's ``hash()`` is salted per process and must never be used here.
@@ -20,6 +20,15 @@ HASH_VERSION = b"pagoda-kv-block-hash-v1"
 _NO_PARENT = bytes(32)
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+
+
+def cache_identity(
+    fingerprint: str, compute_dtype: object, kv_dtype: object, block_size: int
+) -> tuple[str, ...]:
+    """What a block's KV depends on besides its tokens: the weights, the dtype the model computes in (an
+    INT8 or FP8 cache of a float32 and of a bfloat16 model holds different values in the same format), the
+    cache dtype and the block size. The prefix cache's extra keys; joined, the disk tier's identity."""
+    return (fingerprint, f"compute:{compute_dtype}", str(kv_dtype), str(block_size))
 
 
 def encode_extra_keys(extra_keys: Sequence[str]) -> bytes:

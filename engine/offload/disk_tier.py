@@ -1,7 +1,7 @@
 """Disk tier: the base of the pagoda, one verified file per KV block on a local directory (the NVMe PVC).
 
 File ``<hash hex>.kv`` = ``MAGIC`` + u32 header length + JSON header + payload. The header names the
-layout version, the engine identity (model fingerprint, KV dtype, block size), the block's hash, shape,
+layout version, the engine identity (model fingerprint, compute dtype, KV dtype, block size), the block's hash, shape,
 dtype, where its quantization scales are (``scales``), payload length and a BLAKE2b checksum of the
 payload; every read checks all of them, and anything that disagrees (or cannot be read) is a miss: the
 file is removed and ``verification_failures`` goes up. INT8 blocks carry their float32 per-token, per-head

@@ -109,10 +109,11 @@ def prompts(tmp_path_factory):
     llm.engine.offload.flush()
     got.append(_run(llm, a))
     snap = llm.engine.get_scheduler_stats().offload
+    dtype = llm.engine.dtype
     llm.engine.close()
     del llm
     gc.collect()
-    return {"a": a, "ref": ref, "got": got, "sources": sources, "snap": snap, "disk": disk}
+    return {"a": a, "ref": ref, "got": got, "sources": sources, "snap": snap, "disk": disk, "dtype": dtype}
 
 
 def test_int8_blocks_through_host_and_disk_give_the_same_tokens(prompts):
@@ -136,3 +137,15 @@ def test_a_float32_engine_never_hits_int8_blocks_on_disk(prompts):
     assert snap["hits"] == 0 and snap["load_bytes"] == 0  # INT8 blocks hash differently: a miss, recomputed
     want = _run(_llm(kv_cache_memory_bytes=6 * FP32_BLOCK), prompts["a"][:1])
     assert got == want
+
+
+def test_an_engine_computing_in_another_dtype_never_hits_those_int8_blocks(prompts):
+    """Same model, same INT8 cache format, another compute dtype: the blocks on disk hold other values."""
+    other = "float32" if prompts["dtype"] == torch.bfloat16 else "bfloat16"
+    llm = _llm(kv_cache_memory_bytes=6 * INT8_BLOCK, kv_cache_dtype="int8", dtype=other, kv_offload_host_bytes=0,
+               kv_offload_disk_dir=str(prompts["disk"]), kv_offload_disk_bytes=100 * INT8_BLOCK)  # fmt: skip
+    assert len(llm.engine.offload.disk) > 0
+    _run(llm, prompts["a"][:1])
+    snap = llm.engine.get_scheduler_stats().offload["disk"]
+    llm.engine.close()
+    assert snap["hits"] == 0 and snap["load_bytes"] == 0
