@@ -14,6 +14,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 KV_EVICTION = ("none", "streaming")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
+DEFAULT_STREAMING_MAX_TOKENS = 32768
 
 
 def _opt(default: Any, help: str, **flag: Any) -> Any:
@@ -88,8 +89,18 @@ class EngineConfig:
         "none",
         "what a sequence at max-model-len does: none = stop (finish_reason length); streaming = keep the "
         "first --kv-sink-tokens and the last --kv-window-tokens in the KV cache and go on (attention sinks); "
-        "requests may also opt in with kv_eviction in their body",
+        "requests may also opt in with kv_eviction in their body (--kv-eviction-per-request)",
         choices=KV_EVICTION,
+    )
+    kv_eviction_per_request: bool = _opt(
+        True,
+        "let a request opt into streaming eviction with kv_eviction: streaming in its body; with "
+        "--no-kv-eviction-per-request such a request is a 400 (unless --kv-eviction streaming applies to all)",
+    )
+    kv_eviction_max_tokens: int = _opt(
+        DEFAULT_STREAMING_MAX_TOKENS,
+        "most tokens a request under streaming eviction may ask for (max_tokens; more is a 400), never less "
+        "than max-model-len leaves it: its token ids, text and logprobs grow in host memory as it runs",
     )
     kv_sink_tokens: int = _opt(
         16, "attention-sink tokens kept for good under streaming eviction (rounded up to whole blocks)"
@@ -168,6 +179,8 @@ class EngineConfig:
             bad("tensor_parallel_size", "must be a positive integer")
         if self.kv_eviction not in KV_EVICTION:
             bad("kv_eviction", f"must be one of {', '.join(KV_EVICTION)}")
+        if not isinstance(self.kv_eviction_max_tokens, int) or self.kv_eviction_max_tokens < 1:
+            bad("kv_eviction_max_tokens", "must be a positive integer")
         if not isinstance(self.kv_sink_tokens, int) or self.kv_sink_tokens < 0:
             bad("kv_sink_tokens", "must be a non-negative integer")
         if self.kv_window_tokens is not None and (

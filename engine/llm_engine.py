@@ -172,7 +172,11 @@ class LLMEngine:
             offload,
         )
         self.streaming_defaults = StreamingDefaults(
-            config.kv_eviction, config.kv_sink_tokens, config.kv_window_tokens
+            config.kv_eviction,
+            config.kv_sink_tokens,
+            config.kv_window_tokens,
+            config.kv_eviction_per_request,
+            config.kv_eviction_max_tokens,
         )
         # Server-wide sink sizes that no request could use are refused at start, not on every request.
         resolve_streaming(None, self.streaming_defaults, self.max_model_len, block_size, 0)
@@ -292,7 +296,12 @@ class LLMEngine:
             )
         room = self.max_model_len - n
         streaming = resolve_streaming(
-            params, self.streaming_defaults, self.max_model_len, self.scheduler.kv.block_size, n
+            params,
+            self.streaming_defaults,
+            self.max_model_len,
+            self.scheduler.kv.block_size,
+            n,
+            params.max_tokens,
         )
         if streaming is not None and params.max_tokens is not None:
             max_tokens = params.max_tokens  # sinks + window: the context never fills up

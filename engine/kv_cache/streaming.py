@@ -9,14 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.engine.config import DEFAULT_STREAMING_MAX_TOKENS
+
 
 @dataclass(frozen=True)
 class StreamingDefaults:
-    """The server-wide flags (--kv-eviction, --kv-sink-tokens, --kv-window-tokens)."""
+    """The server-wide flags (--kv-eviction, --kv-sink-tokens, --kv-window-tokens, --kv-eviction-per-request,
+    --kv-eviction-max-tokens)."""
 
     kv_eviction: str = "none"
     kv_sink_tokens: int = 16
     kv_window_tokens: int | None = None
+    per_request: bool = True  # a request may opt in with kv_eviction: "streaming"
+    max_tokens: int = (
+        DEFAULT_STREAMING_MAX_TOKENS  # of a streaming request (never below what the context leaves)
+    )
 
 
 @dataclass(frozen=True)
@@ -32,14 +39,32 @@ class StreamingPlan:
 
 
 def resolve_streaming(
-    params: object, defaults: StreamingDefaults, max_model_len: int, block_size: int, prompt_len: int
+    params: object,
+    defaults: StreamingDefaults,
+    max_model_len: int,
+    block_size: int,
+    prompt_len: int,
+    max_tokens: int | None = None,
 ) -> StreamingPlan | None:
     """The request's streaming plan, or None when it stops at max_model_len as usual. Raises ValueError
-    naming the field on sizes that cannot work (window under two blocks, sinks + window past max_model_len,
-    a prompt that does not fit the budget)."""
-    mode = getattr(params, "kv_eviction", None) or defaults.kv_eviction
+    naming the field on what the server does not allow (an opt-in it forbids, ``max_tokens`` past its cap)
+    and on sizes that cannot work (window under two blocks, sinks + window past max_model_len, a prompt that
+    does not fit the budget)."""
+    asked = getattr(params, "kv_eviction", None)
+    if asked == "streaming" and defaults.kv_eviction != "streaming" and not defaults.per_request:
+        raise ValueError(
+            'kv_eviction "streaming" is not allowed on this server (it runs with --no-kv-eviction-per-request): '
+            "a request stops at max-model-len"
+        )
+    mode = asked or defaults.kv_eviction
     if mode != "streaming":
         return None
+    cap = max(defaults.max_tokens, max_model_len - prompt_len)
+    if max_tokens is not None and max_tokens > cap:
+        raise ValueError(
+            f"max_tokens must be at most {cap} for a request under streaming KV eviction on this server "
+            f"(--kv-eviction-max-tokens), got {max_tokens}"
+        )
     sink_req = getattr(params, "kv_sink_tokens", None)
     sink_tokens = defaults.kv_sink_tokens if sink_req is None else sink_req
     sink = -(-sink_tokens // block_size) * block_size

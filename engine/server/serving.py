@@ -271,7 +271,9 @@ class OpenAIServing:
         kv = getattr(getattr(self.aengine.engine, "scheduler", None), "kv", None)
         block_size = getattr(kv, "block_size", 16)
         try:
-            streaming = resolve_streaming(req, defaults, self.max_model_len, block_size, prompt_len)
+            streaming = resolve_streaming(
+                req, defaults, self.max_model_len, block_size, prompt_len, max_tokens
+            )
         except ValueError as exc:
             raise self.value_error(exc, names) from exc
         if streaming is None or max_tokens is None:  # sinks + window: the context never fills up
