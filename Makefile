@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml setup.py scripts/install_tools.sh
 test: install
 	$(PY) -m pytest -q tests
 
+# crds/ and the chart's copy, generated from the typed spec (operator/spec.py)
+.PHONY: crds
+crds: install
+	$(PY) -m pagoda.operator.crd
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 KV_EVICTION = ("none", "streaming")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
@@ -42,7 +43,7 @@ class EngineConfig:
         choices=DTYPES,
     )
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
-    block_size: int = _opt(16, "tokens per KV cache block", choices=(8, 16, 32, 64, 128))
+    block_size: int = _opt(16, "tokens per KV cache block", choices=BLOCK_SIZES)
     max_model_len: int | str | None = _opt(
         None,
         "context length: an integer (4k = 4000, 4K = 4096), 'auto' = largest that fits; default: the model's",
@@ -144,8 +145,8 @@ class EngineConfig:
                 check_revision(self.revision)
             except ValueError:
                 bad("revision", "must name a branch, tag or commit")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            bad("block_size", "must be one of 8, 16, 32, 64, 128")
+        if self.block_size not in BLOCK_SIZES:
+            bad("block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}")
         if isinstance(self.max_model_len, str) and self.max_model_len != "auto":
             try:
                 self.max_model_len = int(self.max_model_len)

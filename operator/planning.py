@@ -82,7 +82,7 @@ def model_shape(spec: InferenceSpec) -> ModelShape:
     if spec.model.shape:
         try:
             return shape_from_config(
-                dict(spec.model.shape), name=spec.model.model_id, where="spec.model.shape"
+                spec.model.shape.config(), name=spec.model.model_id, where="spec.model.shape"
             )
         except SizingError as exc:
             raise SpecError("model.shape", str(exc), reason="InvalidModelShape") from None

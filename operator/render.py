@@ -176,6 +176,11 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     return args + list(spec.engine.extra_args)
 
 
+def model_cache_claim(name: str, spec: InferenceSpec) -> str:
+    """The claim downloaded weights live on: spec.model.cache.claimName, else the one the operator makes."""
+    return spec.model.cache.claim_name or f"{name}-model-cache"
+
+
 def termination_grace_seconds(spec: InferenceSpec) -> int:
     """The kubelet's grace period: the preStop pause, the engine's drain, and a margin to exit."""
     return PRESTOP_SECONDS + spec.drain_seconds + GRACE_MARGIN_SECONDS
@@ -229,7 +234,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         volumes.append(
             {
                 "name": "model-cache",
-                "persistentVolumeClaim": {"claimName": spec.model.cache_volume_claim, "readOnly": True},
+                "persistentVolumeClaim": {"claimName": model_cache_claim(name, spec), "readOnly": True},
             }
         )
     elif spec.model.kind == "pvc":

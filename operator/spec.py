@@ -1,32 +1,38 @@
-"""An InferenceDeployment's spec as a plain dataclass, with the CRD's defaults and rules applied.
+"""An InferenceDeployment's spec as typed dataclasses, which are also the CRD's schema.
 
-The API server applies the CRD defaults and CEL rules too, but the operator must not trust that (older
-servers, `pagoda render` with no server): every rule is checked here and a violation names its field.
+Every field is declared once with `prop` (operator/schema.py): its CRD name, type, bounds, enum, default and
+description, and the CEL rules next to it. crds/ is generated from these classes (operator/crd.py), and
+`parse_spec` checks the same declarations, so the operator never trusts that the API server did (older
+servers, `pagoda render` with no server): a violation names its field.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from pagoda.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES
 from pagoda.operator.quantity import parse_quantity
+from pagoda.operator.schema import (
+    Bool,
+    Int,
+    IntOrAuto,
+    Num,
+    Obj,
+    QuantityOrAuto,
+    Raw,
+    Rule,
+    SpecError,
+    Str,
+    parse_object,
+    prop,
+    spec_fields,
+)
 
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-# spec.model.shape (the CRD's names) -> the config.json keys the engine and sizing read
-SHAPE_KEYS = {
-    "numLayers": "num_hidden_layers",
-    "numAttentionHeads": "num_attention_heads",
-    "numKvHeads": "num_key_value_heads",
-    "headDim": "head_dim",
-    "hiddenSize": "hidden_size",
-    "intermediateSize": "intermediate_size",
-    "vocabSize": "vocab_size",
-    "maxPositionEmbeddings": "max_position_embeddings",
-    "numParams": "num_parameters",
-    "dtype": "torch_dtype",
-}
+__all__ = ["SpecError", "InferenceSpec", "parse_spec"]
+
+KV_DTYPES = KV_CACHE_DTYPES
 ROUTING_POLICIES = ("roundRobin", "leastLoaded", "prefix", "tierAware")
 NO_ROUTER = "none"
 DEFAULT_POLICY = "tierAware"  # when more than one replica may run and spec.routing.policy is unset
@@ -38,113 +44,600 @@ AUTOSCALING_METRICS: dict[str, tuple[float, float, float]] = {
 }
 MAX_REPLICAS_LIMIT = 1000
 DEFAULT_DRAIN_SECONDS = 60
-_SOURCE = re.compile(r"^(default|hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/\S+|file:///\S+)$")
+DEFAULT_IDLE_SECONDS = 900
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
+# One regular expression for the API server (CEL `matches`, RE2) and the operator (Python `re`).
+SOURCE_PATTERN = (
+    r"^(default|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?"
+    rf"|pvc://{DNS_LABEL}/\S+|file:///\S+)$"
+)
+ENV_NAME = r"[-._a-zA-Z][-._a-zA-Z0-9]*"
 
 
-class SpecError(ValueError):
-    """A spec the operator cannot serve; `reason` is the condition reason, `field` the spec path."""
+def _has(obj: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return None
+        obj = obj[key]
+    return obj
 
-    def __init__(self, field: str, message: str, reason: str = "InvalidSpec") -> None:
-        super().__init__(f"spec.{field}: {message}")
-        self.field = field
-        self.reason = reason
+
+# -- the model ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShapeSpec:
+    """The model's shape, for a model the operator does not know by name (pvc://, s3:// and file:// sources).
+    Read it from the model's config.json (num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim, hidden_size, intermediate_size, vocab_size, max_position_embeddings, torch_dtype)."""
+
+    # field names are config.json's keys, which the engine and sizing read
+    num_hidden_layers: int | None = prop(Int(1), "numLayers", required=True, reason="InvalidModelShape")
+    num_attention_heads: int | None = prop(
+        Int(1), "numAttentionHeads", required=True, reason="InvalidModelShape"
+    )
+    num_key_value_heads: int | None = prop(Int(1), "numKvHeads", "default numAttentionHeads")
+    head_dim: int | None = prop(Int(1), "headDim", "default hiddenSize / numAttentionHeads")
+    hidden_size: int | None = prop(Int(1), "hiddenSize", required=True, reason="InvalidModelShape")
+    intermediate_size: int | None = prop(Int(1), "intermediateSize", "default 4 x hiddenSize")
+    vocab_size: int | None = prop(Int(1), "vocabSize", required=True, reason="InvalidModelShape")
+    max_position_embeddings: int | None = prop(Int(1), "maxPositionEmbeddings")
+    num_parameters: int | None = prop(Int(1), "numParams", "parameter count")
+    torch_dtype: str | None = prop(Str(enum=("float16", "bfloat16", "float32")), "dtype")
+
+    def config(self) -> dict[str, Any]:
+        """The shape as config.json keys (only those given)."""
+        return {
+            f.name: getattr(self, f.name) for f in spec_fields(ShapeSpec) if getattr(self, f.name) is not None
+        }
+
+
+# spec.model.shape (the CRD's names) -> the config.json keys the engine and sizing read
+SHAPE_KEYS = {f.metadata["name"]: f.name for f in spec_fields(ShapeSpec)}
+
+
+@dataclass
+class SecretRef:
+    name: str | None = prop(Str(min_length=1), "name", required=True)
+
+
+@dataclass
+class ModelCacheSpec:
+    """Where downloaded weights (hf:// and s3:// sources) are kept. The operator fills the volume once with a
+    download Job and mounts it read-only into the engine pods."""
+
+    claim_name: str | None = prop(
+        Str(pattern=DNS_SUBDOMAIN),
+        "claimName",
+        "An existing PersistentVolumeClaim to download into (the operator mounts it read-write into the "
+        "download Job); unset: the operator creates NAME-model-cache, owned by this InferenceDeployment.",
+    )
+    size: int | None = prop(
+        QuantityOrAuto(),
+        "size",
+        "Size of the claim the operator creates: a Quantity, or auto (the weights' bytes x 1.2 + 2Gi).",
+        default="auto",
+    )
+    storage_class: str | None = prop(Str(), "storageClassName", "Storage class of the claim it creates.")
+    access_mode: str = prop(
+        Str(enum=("auto", "ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany")),
+        "accessMode",
+        "Access mode of the claim it creates; auto: ReadWriteOnce when at most one engine may run, else "
+        "ReadWriteMany (engine pods on several nodes mount it at once).",
+        default="auto",
+    )
+    per_pod: bool = prop(
+        Bool(),
+        "perPod",
+        "Download into a volume of each pod (a volumeClaimTemplate) from an init container, for storage "
+        "without ReadWriteMany; every pod then downloads once.",
+        default=False,
+    )
 
 
 @dataclass
 class ModelSpec:
-    source: str = "default"
-    served_model_name: str = ""
-    revision: str | None = None
-    shape: dict[str, Any] | None = None
-    cache_volume_claim: str = "pagoda-model-cache"
+    source: str = prop(
+        Str(),
+        "source",
+        "Where the weights come from: `default` (the engine's embedded small model), `hf://org/name[@revision]` "
+        "(downloaded from the Hugging Face hub into the model cache volume before the engine starts), "
+        "`s3://bucket/prefix` (downloaded from S3 or an S3-compatible store), `pvc://claim/path` (a directory "
+        "on a PersistentVolumeClaim) or `file:///path` (baked into the image). A `pvc://` source mounts "
+        "(read-only) any PersistentVolumeClaim of the namespace that the creator names: whoever may create an "
+        "InferenceDeployment can read every claim in its namespace this way.",
+        default="default",
+        reason="InvalidModelSource",
+        rules=[
+            Rule(
+                f"self.matches(r'{SOURCE_PATTERN}')",
+                "source must be default, hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or "
+                "file:///path",
+                lambda v: re.fullmatch(SOURCE_PATTERN, v) is not None,
+                reason="InvalidModelSource",
+            )
+        ],
+    )
+    served_model_name: str = prop(
+        Str(),
+        "servedModelName",
+        "The model name clients send in the OpenAI API; defaults to the source's name.",
+    )
+    revision: str | None = prop(
+        Str(min_length=1),
+        "revision",
+        "The Hugging Face revision (branch, tag or commit) of an hf:// source (or write hf://org/name@revision): "
+        "the download fetches that snapshot and the engine serves it (`pagoda serve --revision`). Other sources "
+        "refuse a revision.",
+    )
+    secret_ref: SecretRef | None = prop(
+        Obj(SecretRef, optional=True),
+        "secretRef",
+        "A Secret of the namespace with the download's credentials: HF_TOKEN for hf:// (gated or private "
+        "models); AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_SESSION_TOKEN, AWS_REGION and "
+        "AWS_ENDPOINT_URL (an S3-compatible store) for s3://. Only the download Job sees it, as environment "
+        "variables; the operator never reads it.",
+    )
+    cache: ModelCacheSpec = prop(Obj(ModelCacheSpec), "cache")
+    shape: ShapeSpec | None = prop(Obj(ShapeSpec, optional=True), "shape")
 
     @property
     def kind(self) -> str:
         return self.source.split("://", 1)[0] if "://" in self.source else "default"
 
     @property
+    def location(self) -> str:
+        """The source without its scheme and without an `@revision`."""
+        rest = self.source.split("://", 1)[-1]
+        return rest.split("@", 1)[0] if self.kind == "hf" else rest
+
+    @property
     def model_id(self) -> str:
         """What identifies the model's shape: `org/name` for hf://, the last path part otherwise."""
         if self.kind == "hf":
-            return self.source[len("hf://") :]
+            return self.location
         if self.kind == "default":
-            return "HuggingFaceTB/SmolLM2-135M-Instruct"
-        return self.source.rstrip("/").rsplit("/", 1)[-1]
+            return DEFAULT_MODEL_ID
+        return self.location.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def downloads(self) -> bool:
+        """Whether the weights are downloaded into the model cache before the engine starts."""
+        return self.kind in ("hf", "s3")
+
+
+# -- GPUs, engine, workload, offload ------------------------------------------------------------------------
+
+TOLERATION = {
+    "type": "object",
+    "properties": {
+        "key": {"type": "string"},
+        "operator": {"type": "string", "enum": ["Exists", "Equal"]},
+        "value": {"type": "string"},
+        "effect": {"type": "string", "enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]},
+        "tolerationSeconds": {"type": "integer"},
+    },
+}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 
 
 @dataclass
 class GPUSpec:
-    product: str = ""
-    count: int = 1
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    product: str = prop(
+        Str(),
+        "product",
+        "A GPU Feature Discovery product label (NVIDIA-H100-80GB-HBM3) or a short name (H100); empty lets the "
+        "operator choose among the nodes.",
+        default="",
+        show_default=False,
+    )
+    count: int = prop(Int(0, 16), "count", "GPUs per pod (tensor parallel size); 0 runs CPU pods.", default=1)
+    node_selector: dict[str, str] = prop(
+        Raw(STRING_MAP, dict), "nodeSelector", default={}, show_default=False
+    )
+    tolerations: list[dict[str, Any]] = prop(
+        Raw({"type": "array", "items": TOLERATION}, list), "tolerations", default=[], show_default=False
+    )
+
+
+def _strings(value: list[Any]) -> None:
+    if not all(isinstance(a, str) for a in value):
+        raise ValueError("must be a list of strings")
 
 
 @dataclass
 class EngineSpec:
-    max_model_len: int | None = None  # None = auto
-    block_size: int | None = None
-    gpu_memory_utilization: float | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    max_num_seqs: int | None = None
-    extra_args: list[str] = field(default_factory=list)
+    max_model_len: int | None = prop(IntOrAuto(minimum=16), "maxModelLen", default="auto")
+    block_size: int | None = prop(IntOrAuto(choices=BLOCK_SIZES), "blockSize", default="auto")
+    gpu_memory_utilization: float | None = prop(
+        Num(),
+        "gpuMemoryUtilization",
+        "Share of GPU memory the engine may use; unset means auto (sized by the operator).",
+        rules=[
+            Rule("self > 0.0 && self <= 1.0", "gpuMemoryUtilization must be in (0, 1]", lambda v: 0 < v <= 1)
+        ],
+    )
+    kv_cache_dtype: str = prop(
+        Str(enum=KV_CACHE_DTYPES),
+        "kvCacheDtype",
+        "auto = the operator decides (FP8 where the GPU has it; INT8 with workload.preferCapacity where it "
+        "has not); int8 = per-token scaled INT8, any GPU or CPU.",
+        default="auto",
+    )
+    enable_prefix_caching: bool = prop(Bool(), "enablePrefixCaching", default=True)
+    max_num_seqs: int | None = prop(Int(1), "maxNumSeqs", "Unset means sized by the operator.")
+    extra_args: list[str] = prop(
+        Raw({"type": "array", "items": {"type": "string"}}, list, check=_strings),
+        "extraArgs",
+        "More `pagoda serve` flags, after the operator's (the engine keeps the last value of a flag).",
+        default=[],
+        show_default=False,
+    )
 
 
 @dataclass
 class WorkloadSpec:
-    target_context: int | None = None
-    min_concurrency: int | None = None
-    p50_prompt_tokens: int | None = None
-    p99_prompt_tokens: int | None = None
-    p50_output_tokens: int | None = None
-    p99_output_tokens: int | None = None
-    quality_first: bool = False
-    prefer_capacity: bool = False  # kvCacheDtype auto: INT8 KV where the GPU has no FP8
+    """Hints the sizing uses to trade context length against concurrency."""
+
+    target_context: int | None = prop(Int(1), "targetContext")
+    min_concurrency: int | None = prop(Int(1), "minConcurrency")
+    p50_prompt_tokens: int | None = prop(Int(1), "p50PromptTokens")
+    p99_prompt_tokens: int | None = prop(Int(1), "p99PromptTokens")
+    p50_output_tokens: int | None = prop(Int(1), "p50OutputTokens")
+    p99_output_tokens: int | None = prop(Int(1), "p99OutputTokens")
+    quality_first: bool = prop(
+        Bool(),
+        "qualityFirst",
+        "Never trade precision (FP8 KV) for capacity.",
+        default=False,
+        show_default=False,
+    )
+    prefer_capacity: bool = prop(
+        Bool(),
+        "preferCapacity",
+        "Trade a little precision for KV capacity even on GPUs without FP8 (an INT8 KV cache, about half the "
+        "bytes); kvCacheDtype auto only.",
+        default=False,
+        show_default=False,
+    )
+    RULES = (
+        Rule(
+            "!(has(self.qualityFirst) && self.qualityFirst && has(self.preferCapacity) && self.preferCapacity)",
+            "preferCapacity contradicts qualityFirst (never quantise the KV cache); set one",
+            lambda w: not (w.get("qualityFirst") is True and w.get("preferCapacity") is True),
+            field_path=".preferCapacity",
+        ),
+    )
+
+
+@dataclass
+class HostTierSpec:
+    size: int | None = prop(
+        QuantityOrAuto(), "size", "Host-RAM KV tier, a Quantity (0 turns it off) or auto (from the plan).",
+        default="auto",
+    )  # fmt: skip
+
+
+@dataclass
+class NvmeTierSpec:
+    enabled: bool = prop(Bool(), "enabled", default=False)
+    storage_class: str | None = prop(Str(), "storageClassName")
+    size: int | None = prop(
+        QuantityOrAuto(), "size", "The per-pod PVC size, a Quantity or auto (from the plan).", default="auto"
+    )
+    RULES = (
+        Rule(
+            "!has(self.enabled) || !self.enabled || !has(self.size) || type(self.size) == string || self.size > 0",
+            "size must be more than 0 when enabled is true",
+            lambda n: (
+                not n.get("enabled") or n.get("size") in (None, "auto") or _positive_quantity(n["size"])
+            ),
+            field_path=".size",
+        ),
+    )
+
+
+def _positive_quantity(value: Any) -> bool:
+    try:
+        return parse_quantity(value) > 0
+    except ValueError:
+        return True  # the size's own check names the problem
 
 
 @dataclass
 class OffloadSpec:
-    host_bytes: int | None = None  # None = auto
-    nvme_enabled: bool = False
-    nvme_storage_class: str | None = None
-    nvme_bytes: int | None = None  # None = auto
+    host: HostTierSpec = prop(Obj(HostTierSpec), "host")
+    nvme: NvmeTierSpec = prop(Obj(NvmeTierSpec), "nvme")
+
+    @property
+    def host_bytes(self) -> int | None:
+        return self.host.size
+
+    @property
+    def nvme_enabled(self) -> bool:
+        return self.nvme.enabled
+
+    @property
+    def nvme_storage_class(self) -> str | None:
+        return self.nvme.storage_class or None
+
+    @property
+    def nvme_bytes(self) -> int | None:
+        return self.nvme.size
+
+
+# -- pods, routing, autoscaling ------------------------------------------------------------------------------
+
+
+def _resources(value: dict[str, Any]) -> None:
+    for kind in ("requests", "limits"):
+        part = value.get(kind) or {}
+        if not isinstance(part, dict):
+            raise ValueError(f"{kind} must be an object")
+        if "memory" in part:
+            try:
+                parse_quantity(part["memory"])
+            except ValueError as exc:
+                raise ValueError(f"{kind}.memory: {exc}") from None
+
+
+QUANTITY_MAP = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}}
+PRESERVE = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _env_list(value: list[Any]) -> None:
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError(f"item {i} must be an object with a name")
+        if not re.fullmatch(ENV_NAME, item["name"]):
+            raise ValueError(f"item {i}: {item['name']!r} is not a valid environment variable name")
+
+
+def _named_list(value: list[Any]) -> None:
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise ValueError(f"item {i} must be an object with a name")
+
+
+def _affinity(value: dict[str, Any]) -> None:
+    unknown = set(value) - {"nodeAffinity", "podAffinity", "podAntiAffinity"}
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {', '.join(sorted(unknown))}: nodeAffinity, podAffinity, podAntiAffinity"
+        )
+
+
+@dataclass
+class PodSpec:
+    """Fields passed through to the engine (and router) pods as they are, for what real clusters need.
+    Environment variables the operator sets itself (PAGODA_API_KEY, HF_HUB_OFFLINE, HF_HOME, ...) are
+    refused in env; in envFrom they lose to the operator's (an explicit env wins over envFrom)."""
+
+    image_pull_secrets: list[dict[str, Any]] = prop(
+        Raw({"type": "array", "items": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}}}, list, check=_named_list),
+        "imagePullSecrets", "Secrets to pull the engine image with.", default=[], show_default=False,
+    )  # fmt: skip
+    env: list[dict[str, Any]] = prop(
+        Raw({"type": "array", "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+                                        "properties": {"name": {"type": "string"}}}}, list, check=_env_list),
+        "env", "More environment variables of the engine container (Kubernetes EnvVar objects).",
+        default=[], show_default=False,
+    )  # fmt: skip
+    env_from: list[dict[str, Any]] = prop(
+        Raw({"type": "array", "items": PRESERVE}, list),
+        "envFrom", "ConfigMaps or Secrets whose keys become environment variables (Kubernetes EnvFromSource).",
+        default=[], show_default=False,
+    )  # fmt: skip
+    affinity: dict[str, Any] = prop(
+        Raw(PRESERVE, dict, check=_affinity),
+        "affinity",
+        "Kubernetes Affinity of the engine pods; on GPU pods it adds to the operator's GPU nodeSelector.",
+        default={},
+        show_default=False,
+    )
+    priority_class_name: str | None = prop(Str(pattern=DNS_SUBDOMAIN, max_length=253), "priorityClassName")
+    runtime_class_name: str | None = prop(
+        Str(pattern=DNS_SUBDOMAIN, max_length=253),
+        "runtimeClassName",
+        "The RuntimeClass of the engine pods (e.g. nvidia, where the NVIDIA container runtime is not the "
+        "node's default).",
+    )
+
+
+@dataclass
+class SecretKeyRef:
+    name: str | None = prop(Str(min_length=1), "name", required=True)
+    key: str = prop(Str(min_length=1), "key", default="api-key")
+
+
+@dataclass
+class ServiceMonitorSpec:
+    enabled: bool = prop(Bool(), "enabled", default=True)
+    interval: str = prop(Str(), "interval", default="30s")
 
 
 @dataclass
 class RoutingSpec:
-    """The router in front of the engines; `policy` None means no router (plain Service to the engines)."""
+    """The router in front of the engine pods (`pagoda router`, a Deployment from the engine image): the
+    InferenceDeployment's Service then points at the router, which finds the engines through the headless
+    Service and sends each request to the replica best placed to serve it."""
 
-    policy: str | None = None
-    explicit: bool = False  # the spec named the policy (else the default applied)
+    policy: str | None = prop(
+        Str(enum=(*ROUTING_POLICIES, NO_ROUTER)),
+        "policy",
+        "roundRobin; leastLoaded (running + waiting requests); prefix (the replica holding the longest cached "
+        "prefix, bounded by load); tierAware (the cost of serving the prefix from each replica's device, host "
+        "or disk tier); none (no router: the Service selects the engines). Unset: tierAware when more than one "
+        "engine may run (replicas or autoscaling.maxReplicas above 1) or autoscaling.minReplicas is 0, none "
+        "otherwise.",
+        reason="InvalidRouting",
+    )
+    explicit: bool = False  # resolved by parse_spec: the spec named the policy (else the default applied)
 
 
 @dataclass
 class AutoscalingSpec:
-    """An HPA (or KEDA ScaledObject) on the InferenceDeployment's scale subresource."""
+    """Scale the engines on KV-bound signals: an autoscaling/v2 HorizontalPodAutoscaler on this object's scale
+    subresource (metrics from the Prometheus Adapter, see docs/operator.md), or a KEDA ScaledObject where KEDA
+    is installed. The autoscaler writes spec.replicas. minReplicas 0 (scale to zero) needs KEDA: the router
+    holds requests while no engine is ready and KEDA starts one on the held requests."""
 
-    min_replicas: int
-    max_replicas: int
-    metric: str = "kvCacheUsage"
-    target: float = 0.8
+    min_replicas: int = prop(Int(0), "minReplicas", default=1, reason="InvalidAutoscaling")
+    max_replicas: int = prop(
+        Int(1, MAX_REPLICAS_LIMIT), "maxReplicas", required=True, reason="InvalidAutoscaling"
+    )
+    metric: str = prop(
+        Str(enum=tuple(AUTOSCALING_METRICS)),
+        "metric",
+        "kvCacheUsage (share of the KV cache in use, per pod), waitingRequests (requests waiting per pod) or "
+        "ttftP90 (the deployment's p90 time to first token, seconds).",
+        default="kvCacheUsage",
+        reason="InvalidAutoscaling",
+    )
+    target: float | None = prop(
+        Num(),
+        "target",
+        "The value to hold the metric at: kvCacheUsage in (0, 1] (default 0.8), waitingRequests above 0, at "
+        "most 10000 (default 4), ttftP90 seconds in (0, 600] (default 2).",
+        reason="InvalidAutoscaling",
+        rules=[Rule("self > 0.0 && self <= 10000.0", "target must be more than 0", lambda v: 0 < v <= 10000,
+                    reason="InvalidAutoscaling")],
+    )  # fmt: skip
+    idle_seconds: int = prop(
+        Int(30, 86400),
+        "idleSeconds",
+        "With minReplicas 0: how long the deployment must be idle (no request running, waiting or held by the "
+        "router) before the last engine stops (KEDA's cooldownPeriod).",
+        default=DEFAULT_IDLE_SECONDS,
+        reason="InvalidAutoscaling",
+    )
+    RULES = (
+        Rule(
+            "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+            "minReplicas must not be more than maxReplicas",
+            lambda a: (
+                not isinstance(a.get("maxReplicas"), int) or a.get("minReplicas", 1) <= a["maxReplicas"]
+            ),
+            field_path=".minReplicas",
+            reason="InvalidAutoscaling",
+        ),
+        Rule(
+            "!has(self.target) || (has(self.metric) && self.metric != 'kvCacheUsage') || self.target <= 1.0",
+            "a kvCacheUsage target is a share of the KV cache, in (0, 1]",
+            lambda a: (
+                a.get("target") is None
+                or a.get("metric", "kvCacheUsage") != "kvCacheUsage"
+                or a["target"] <= 1
+            ),
+            field_path=".target",
+            reason="InvalidAutoscaling",
+        ),
+        Rule(
+            "!has(self.target) || !has(self.metric) || self.metric != 'ttftP90' || self.target <= 600.0",
+            "a ttftP90 target is in seconds, at most 600",
+            lambda a: a.get("target") is None or a.get("metric") != "ttftP90" or a["target"] <= 600,
+            field_path=".target",
+            reason="InvalidAutoscaling",
+        ),
+    )
+
+
+@dataclass
+class DrainSpec:
+    """How engine pods stop (scale-down, rollouts) without failing requests."""
+
+    timeout_seconds: int = prop(
+        Int(0, 3600),
+        "timeoutSeconds",
+        "How long an engine may finish its in-flight requests after SIGTERM (--shutdown-grace-seconds); it "
+        "answers /health 503 meanwhile so the router stops sending to it. The pod's "
+        "terminationGracePeriodSeconds is this plus 15.",
+        default=DEFAULT_DRAIN_SECONDS,
+    )
 
 
 @dataclass
 class InferenceSpec:
-    model: ModelSpec
-    replicas: int = 1
-    gpu: GPUSpec = field(default_factory=GPUSpec)
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    offload: OffloadSpec = field(default_factory=OffloadSpec)
-    image: str | None = None
-    resources: dict[str, dict[str, Any]] = field(default_factory=dict)
-    api_key_secret: tuple[str, str] | None = None
-    service_monitor: bool = True
-    service_monitor_interval: str = "30s"
-    routing: RoutingSpec = field(default_factory=RoutingSpec)
-    autoscaling: AutoscalingSpec | None = None
-    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+    """A model served by Pagoda engine pods that the operator sizes for the GPUs it finds."""
+
+    model: ModelSpec = prop(Obj(ModelSpec), "model")
+    replicas: int = prop(Int(0), "replicas", default=1)
+    gpu: GPUSpec = prop(Obj(GPUSpec), "gpu")
+    engine: EngineSpec = prop(Obj(EngineSpec), "engine")
+    workload: WorkloadSpec = prop(Obj(WorkloadSpec), "workload", show_default=False)
+    offload: OffloadSpec = prop(Obj(OffloadSpec), "offload")
+    image: str | None = prop(
+        Str(),
+        "image",
+        "The engine image; defaults to the operator's engine image (ghcr.io/pagoda-llm/pagoda-engine:<operator "
+        "version> unless the chart sets another). Whoever may create an InferenceDeployment runs any code they "
+        "like this way, with the pod's API-key Secret, model volumes and GPUs. Cluster admins restrict it with "
+        "the operator's image allow-list (Helm value engine.allowedImages); an image off the list gets "
+        "Ready=False with reason ImageNotAllowed and an Event, and no pods.",
+    )
+    resources: dict[str, dict[str, Any]] = prop(
+        Raw({"type": "object", "properties": {"requests": QUANTITY_MAP, "limits": QUANTITY_MAP}}, dict,
+            check=_resources),
+        "resources",
+        "CPU and memory for each engine pod (GPUs come from gpu.count); unset ones are sized by the operator "
+        "(docs/operator.md).",
+        default={}, show_default=False,
+    )  # fmt: skip
+    pod: PodSpec = prop(Obj(PodSpec), "pod", show_default=False)
+    api_key_ref: SecretKeyRef | None = prop(
+        Obj(SecretKeyRef, optional=True),
+        "apiKeySecretRef",
+        "The Secret key holding the engine's API key (given to the engine as PAGODA_API_KEY). It may name any "
+        "Secret in the namespace, and with spec.image the pod's code can read it: grant create on "
+        "InferenceDeployments only to those who may read the namespace's Secrets.",
+    )
+    service_monitor_spec: ServiceMonitorSpec = prop(Obj(ServiceMonitorSpec), "serviceMonitor")
+    routing: RoutingSpec = prop(Obj(RoutingSpec), "routing", show_default=False)
+    autoscaling: AutoscalingSpec | None = prop(Obj(AutoscalingSpec, optional=True), "autoscaling")
+    drain: DrainSpec = prop(Obj(DrainSpec), "drain", show_default=False)
+    RULES = (
+        Rule(
+            "!has(self.gpu) || !has(self.gpu.product) || self.gpu.product == '' || self.gpu.count > 0",
+            "gpu.product needs gpu.count of at least 1 (count 0 means CPU pods)",
+            lambda s: not _has(s, "gpu", "product") or _has(s, "gpu", "count") != 0,
+            field_path=".gpu.count",
+        ),
+        Rule(
+            "!has(self.gpu) || !has(self.gpu.count) || self.gpu.count > 0 || !has(self.engine) || "
+            "!has(self.engine.kvCacheDtype) || !self.engine.kvCacheDtype.startsWith('fp8')",
+            "an FP8 KV cache needs a GPU (gpu.count 0 means CPU pods)",
+            lambda s: _has(s, "gpu", "count") != 0 or not str(_has(s, "engine", "kvCacheDtype") or "").startswith("fp8"),
+            field_path=".engine.kvCacheDtype",
+        ),
+        Rule(
+            "!has(self.model) || !has(self.model.revision) || (has(self.model.source) && "
+            "self.model.source.startsWith('hf://') && !self.model.source.contains('@'))",
+            "revision applies to hf:// sources only (written once: as revision or as hf://org/name@revision)",
+            lambda s: _has(s, "model", "revision") is None
+            or (str(_has(s, "model", "source") or "").startswith("hf://") and "@" not in s["model"]["source"]),
+            field_path=".model.revision",
+        ),
+    )  # fmt: skip
+
+    # -- derived ------------------------------------------------------------------------------------------
+    @property
+    def api_key_secret(self) -> tuple[str, str] | None:
+        return (self.api_key_ref.name, self.api_key_ref.key) if self.api_key_ref else None  # type: ignore[return-value]
+
+    @property
+    def service_monitor(self) -> bool:
+        return self.service_monitor_spec.enabled
+
+    @property
+    def service_monitor_interval(self) -> str:
+        return self.service_monitor_spec.interval
+
+    @property
+    def drain_seconds(self) -> int:
+        return self.drain.timeout_seconds
 
     @property
     def max_possible_replicas(self) -> int:
@@ -162,6 +655,10 @@ class InferenceSpec:
         return min(max(self.replicas, self.autoscaling.min_replicas), self.autoscaling.max_replicas)
 
     @property
+    def scales_to_zero(self) -> bool:
+        return self.autoscaling is not None and self.autoscaling.min_replicas == 0
+
+    @property
     def memory_limit_bytes(self) -> int | None:
         limit = self.resources.get("limits", {}).get("memory") or self.resources.get("requests", {}).get(
             "memory"
@@ -169,236 +666,35 @@ class InferenceSpec:
         return parse_quantity(limit) if limit is not None else None
 
 
-def _obj(data: Any, path: str) -> dict[str, Any]:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise SpecError(path, f"must be an object, got {type(data).__name__}")
-    return data
-
-
-def _int(data: dict[str, Any], key: str, path: str, *, minimum: int = 0, auto: bool = False) -> int | None:
-    value = data.get(key)
-    where = f"{path}.{key}" if path else key
-    if value is None or (auto and value == "auto"):
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        hint = " or auto" if auto else ""
-        raise SpecError(where, f"must be an integer{hint}, got {value!r}")
-    if value < minimum:
-        raise SpecError(where, f"must be at least {minimum}, got {value}")
-    return value
-
-
-def _bool(data: dict[str, Any], key: str, path: str, default: bool) -> bool:
-    value = data.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
-    return value
-
-
-def _size(data: dict[str, Any], key: str, path: str) -> int | None:
-    value = data.get(key, "auto")
-    if value == "auto" or value is None:
-        return None
-    try:
-        return parse_quantity(value)
-    except ValueError as exc:
-        raise SpecError(f"{path}.{key}", f"{exc}, or auto") from None
-
-
 def parse_spec(spec: Any) -> InferenceSpec:
     """The spec with defaults applied; raises SpecError naming the first bad field."""
-    spec = _obj(spec, "")
-    model = _obj(spec.get("model"), "model")
-    source = model.get("source", "default")
-    if not isinstance(source, str) or not _SOURCE.match(source):
-        raise SpecError(
-            "model.source",
-            f"{source!r} is not a model source: use default, hf://org/name, pvc://claim/path or file:///path",
-            reason="InvalidModelSource",
-        )
-    shape = model.get("shape")
-    if shape is not None:
-        shape = {SHAPE_KEYS.get(k, k): v for k, v in _obj(shape, "model.shape").items()}
-    revision = model.get("revision")
-    if revision is not None:
-        if not isinstance(revision, str) or not revision:
-            raise SpecError("model.revision", f"must be a branch, tag or commit name, got {revision!r}")
-        if not source.startswith("hf://"):
-            raise SpecError(
-                "model.revision",
-                f"applies to hf:// sources only (a Hugging Face cache holds revisions); {source!r} is served as "
-                "it is",
-            )
-    model_spec = ModelSpec(
-        source=source,
-        revision=revision,
-        shape=shape,
-        cache_volume_claim=model.get("cacheVolumeClaim", "pagoda-model-cache"),
-    )
-    model_spec.served_model_name = model.get("servedModelName") or (
-        "default" if model_spec.kind == "default" else model_spec.model_id
-    )
-
-    gpu = _obj(spec.get("gpu"), "gpu")
-    product = gpu.get("product") or ""
-    if not isinstance(product, str):
-        raise SpecError("gpu.product", f"must be a string, got {product!r}")
-    count = _int(gpu, "count", "gpu")
-    count = 1 if count is None else count
-    if product and count == 0:
-        raise SpecError("gpu.count", "gpu.product needs gpu.count of at least 1 (count 0 means CPU pods)")
-    node_selector = _obj(gpu.get("nodeSelector"), "gpu.nodeSelector")
-    tolerations = gpu.get("tolerations") or []
-    if not isinstance(tolerations, list):
-        raise SpecError("gpu.tolerations", "must be a list")
-
-    engine = _obj(spec.get("engine"), "engine")
-    block_size = _int(engine, "blockSize", "engine", minimum=1, auto=True)
-    if block_size is not None and block_size not in BLOCK_SIZES:
-        raise SpecError("engine.blockSize", f"must be auto or one of {', '.join(map(str, BLOCK_SIZES))}")
-    util = engine.get("gpuMemoryUtilization")
-    if util == "auto":
-        util = None
-    if util is not None and (
-        isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1
-    ):
-        raise SpecError("engine.gpuMemoryUtilization", f"must be in (0, 1], got {util!r}")
-    kv_dtype = engine.get("kvCacheDtype", "auto")
-    if kv_dtype not in KV_DTYPES:
-        raise SpecError("engine.kvCacheDtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype.startswith("fp8") and count == 0:
-        raise SpecError("engine.kvCacheDtype", "an FP8 KV cache needs a GPU (gpu.count 0 means CPU pods)")
-    extra = engine.get("extraArgs") or []
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise SpecError("engine.extraArgs", "must be a list of strings")
-    engine_spec = EngineSpec(
-        max_model_len=_int(engine, "maxModelLen", "engine", minimum=16, auto=True),
-        block_size=block_size,
-        gpu_memory_utilization=float(util) if util is not None else None,
-        kv_cache_dtype=kv_dtype,
-        enable_prefix_caching=_bool(engine, "enablePrefixCaching", "engine", True),
-        max_num_seqs=_int(engine, "maxNumSeqs", "engine", minimum=1),
-        extra_args=list(extra),
-    )
-
-    work = _obj(spec.get("workload"), "workload")
-    workload = WorkloadSpec(
-        target_context=_int(work, "targetContext", "workload", minimum=1),
-        min_concurrency=_int(work, "minConcurrency", "workload", minimum=1),
-        p50_prompt_tokens=_int(work, "p50PromptTokens", "workload", minimum=1),
-        p99_prompt_tokens=_int(work, "p99PromptTokens", "workload", minimum=1),
-        p50_output_tokens=_int(work, "p50OutputTokens", "workload", minimum=1),
-        p99_output_tokens=_int(work, "p99OutputTokens", "workload", minimum=1),
-        quality_first=_bool(work, "qualityFirst", "workload", False),
-        prefer_capacity=_bool(work, "preferCapacity", "workload", False),
-    )
-    if workload.quality_first and workload.prefer_capacity:
-        raise SpecError(
-            "workload.preferCapacity",
-            "contradicts workload.qualityFirst (never quantise the KV cache); set one",
-        )
-
-    offload = _obj(spec.get("offload"), "offload")
-    host = _obj(offload.get("host"), "offload.host")
-    nvme = _obj(offload.get("nvme"), "offload.nvme")
-    offload_spec = OffloadSpec(
-        host_bytes=_size(host, "size", "offload.host"),
-        nvme_enabled=_bool(nvme, "enabled", "offload.nvme", False),
-        nvme_storage_class=nvme.get("storageClassName") or None,
-        nvme_bytes=_size(nvme, "size", "offload.nvme"),
-    )
-    if offload_spec.nvme_enabled and offload_spec.nvme_bytes == 0:
-        raise SpecError("offload.nvme.size", "must be more than 0 when offload.nvme.enabled is true")
-
-    resources = _obj(spec.get("resources"), "resources")
-    for kind in ("requests", "limits"):
-        for name, value in _obj(resources.get(kind), f"resources.{kind}").items():
-            if name == "memory":
-                try:
-                    parse_quantity(value)
-                except ValueError as exc:
-                    raise SpecError(f"resources.{kind}.memory", str(exc)) from None
-
-    secret = spec.get("apiKeySecretRef")
-    api_key = None
-    if secret is not None:
-        secret = _obj(secret, "apiKeySecretRef")
-        if not secret.get("name"):
-            raise SpecError("apiKeySecretRef.name", "is required")
-        api_key = (secret["name"], secret.get("key") or "api-key")
-
-    monitor = _obj(spec.get("serviceMonitor"), "serviceMonitor")
-    replicas = _int(spec, "replicas", "") if spec.get("replicas") is not None else 1
-    autoscaling = parse_autoscaling(spec.get("autoscaling"))
-    drain = _int(_obj(spec.get("drain"), "drain"), "timeoutSeconds", "drain")
-    if drain is not None and drain > 3600:
-        raise SpecError("drain.timeoutSeconds", f"must be at most 3600, got {drain}")
-    return InferenceSpec(
-        model=model_spec,
-        replicas=replicas,
-        gpu=GPUSpec(product=product, count=count, node_selector=dict(node_selector), tolerations=tolerations),
-        engine=engine_spec,
-        workload=workload,
-        offload=offload_spec,
-        image=spec.get("image") or None,
-        resources={k: dict(v) for k, v in resources.items() if isinstance(v, dict)},
-        api_key_secret=api_key,
-        service_monitor=_bool(monitor, "enabled", "serviceMonitor", True),
-        service_monitor_interval=str(monitor.get("interval", "30s")),
-        routing=parse_routing(spec.get("routing"), replicas, autoscaling),
-        autoscaling=autoscaling,
-        drain_seconds=DEFAULT_DRAIN_SECONDS if drain is None else drain,
-    )
-
-
-def parse_autoscaling(data: Any) -> AutoscalingSpec | None:
-    """spec.autoscaling, or None when absent; raises SpecError (InvalidAutoscaling) for a bad combination."""
-    if data is None:
-        return None
-    data = _obj(data, "autoscaling")
-
-    def bad(field: str, message: str) -> SpecError:
-        return SpecError(f"autoscaling.{field}", message, reason="InvalidAutoscaling")
-
-    try:
-        low = _int(data, "minReplicas", "autoscaling", minimum=1)
-        high = _int(data, "maxReplicas", "autoscaling", minimum=1)
-    except SpecError as err:
-        raise SpecError(err.field, str(err).split(": ", 1)[1], reason="InvalidAutoscaling") from None
-    low = 1 if low is None else low
-    if high is None:
-        raise bad("maxReplicas", "is required when autoscaling is set")
-    if high > MAX_REPLICAS_LIMIT:
-        raise bad("maxReplicas", f"must be at most {MAX_REPLICAS_LIMIT}, got {high}")
-    if low > high:
-        raise bad("minReplicas", f"minReplicas {low} is more than maxReplicas {high}")
-    metric = data.get("metric", "kvCacheUsage")
-    if metric not in AUTOSCALING_METRICS:
-        raise bad("metric", f"must be one of {', '.join(AUTOSCALING_METRICS)}, got {metric!r}")
-    floor, ceiling, default = AUTOSCALING_METRICS[metric]
-    target = data.get("target", default)
-    if isinstance(target, bool) or not isinstance(target, int | float) or not floor < target <= ceiling:
-        raise bad(
-            "target", f"for {metric} must be more than {floor:g} and at most {ceiling:g}, got {target!r}"
-        )
-    return AutoscalingSpec(min_replicas=low, max_replicas=high, metric=metric, target=float(target))
-
-
-def parse_routing(data: Any, replicas: int, autoscaling: AutoscalingSpec | None) -> RoutingSpec:
-    """spec.routing: an explicit policy (or `none`), else tierAware when more than one engine may run."""
-    data = _obj(data, "routing")
-    policy = data.get("policy")
-    if policy is None:
-        most = max(replicas, autoscaling.max_replicas) if autoscaling is not None else replicas
-        return RoutingSpec(DEFAULT_POLICY if most > 1 else None, explicit=False)
-    if policy == NO_ROUTER:
-        return RoutingSpec(None, explicit=True)
-    if policy not in ROUTING_POLICIES:
+    out: InferenceSpec = parse_object(InferenceSpec, spec)
+    model = out.model
+    if model.kind == "hf" and "@" in model.source:
+        model.revision = model.source.rsplit("@", 1)[1]
+    if not model.served_model_name:
+        model.served_model_name = "default" if model.kind == "default" else model.model_id
+    auto = out.autoscaling
+    if auto is not None and auto.target is None:
+        auto.target = AUTOSCALING_METRICS[auto.metric][2]
+    out.routing = resolve_routing(out.routing, out.replicas, auto)
+    if out.scales_to_zero and out.routing.policy is None:
         raise SpecError(
             "routing.policy",
-            f"must be one of {', '.join((*ROUTING_POLICIES, NO_ROUTER))}, got {policy!r}",
-            reason="InvalidRouting",
+            "autoscaling.minReplicas 0 needs the router (it holds requests while no engine is ready): remove "
+            "routing.policy none or set minReplicas to 1 or more",
+            reason="InvalidAutoscaling",
         )
-    return RoutingSpec(policy, explicit=True)
+    return out
+
+
+def resolve_routing(routing: RoutingSpec, replicas: int, autoscaling: AutoscalingSpec | None) -> RoutingSpec:
+    """An explicit policy (or `none`), else tierAware when more than one engine may run or the deployment may
+    scale to zero (the router holds requests while no engine is ready)."""
+    if routing.policy is None:
+        most = max(replicas, autoscaling.max_replicas) if autoscaling is not None else replicas
+        to_zero = autoscaling is not None and autoscaling.min_replicas == 0
+        return RoutingSpec(DEFAULT_POLICY if most > 1 or to_zero else None, explicit=False)
+    if routing.policy == NO_ROUTER:
+        return RoutingSpec(None, explicit=True)
+    return RoutingSpec(routing.policy, explicit=True)

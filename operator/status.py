@@ -106,6 +106,7 @@ def ready_status(
     name, namespace = meta["name"], meta.get("namespace", "default")
     status = {
         "observedGeneration": generation,
+        "phase": readiness[1],
         "conditions": _conditions(
             old.get("conditions"),
             {"Ready": readiness, "Progressing": progressing, "Degraded": degraded},
@@ -164,6 +165,7 @@ def failed_status(
         "Degraded": ("True", reason, message),
     }
     old["conditions"] = _conditions(old.get("conditions"), conds, generation)
+    old["phase"] = reason
     if generation is not None:
         old["observedGeneration"] = generation
     old.setdefault("selector", render.selector_string(body["metadata"]["name"]))

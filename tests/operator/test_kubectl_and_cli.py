@@ -65,9 +65,9 @@ async def test_kubectl_applies_the_crd_and_an_example_and_shows_printer_columns(
         await cluster.settle()
     assert rc == 0, out
     header, row = [line.split() for line in out.strip().splitlines() if not line.startswith("Warning")][:2]
-    assert header == ["NAME", "MODEL", "GPU", "REPLICAS", "READY", "MAXMODELLEN", "AGE"]
+    assert header == ["NAME", "MODEL", "GPU", "REPLICAS", "READY", "MAXMODELLEN", "STATUS", "AGE"]
     assert row[:4] == ["qwen2-5-7b", "hf://Qwen/Qwen2.5-7B-Instruct", "NVIDIA-L4", "1"]
-    assert row[5] == "16384"
+    assert row[5:7] == ["16384", "PodsNotReady"]
 
 
 def free_port() -> int:

@@ -51,7 +51,7 @@ async def test_reconcile_counters_move_by_exactly_what_happened(cluster: Cluster
         await cluster.create(example("cpu-default-model.yaml"))
         bad = example("cpu-default-model.yaml")
         bad["metadata"]["name"] = "bad"
-        bad["spec"]["model"]["source"] = "s3://bucket/model"
+        bad["spec"]["model"]["source"] = "ftp://host/model"
         await cluster.create(bad)
 
         before = counters()

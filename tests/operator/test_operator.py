@@ -227,7 +227,7 @@ async def test_an_l40s_node_joining_replans_a_deployment_waiting_for_one(cluster
 
 
 INVALID = {
-    "bad-source": ({"model": {"source": "s3://bucket/llama"}}, "InvalidModelSource"),
+    "bad-source": ({"model": {"source": "ftp://host/llama"}}, "InvalidModelSource"),
     "unknown-gpu": ({"gpu": {"product": "NVIDIA-Z9000", "count": 1}}, "UnknownGPUProduct"),
     "too-large": (
         {

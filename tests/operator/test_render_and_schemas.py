@@ -138,7 +138,7 @@ def test_nvme_offload_is_the_only_way_to_a_claim_template() -> None:
 
 def test_spec_errors_name_the_field() -> None:
     cases = {
-        "model.source": {"model": {"source": "s3://bucket/model"}},
+        "model.source": {"model": {"source": "ftp://host/model"}},
         "engine.gpuMemoryUtilization": {"engine": {"gpuMemoryUtilization": 1.5}},
         "engine.blockSize": {"engine": {"blockSize": 24}},
         "offload.nvme.size": {"offload": {"nvme": {"enabled": True, "size": "lots"}}},
