@@ -234,6 +234,7 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
             check_image(spec.image, self.allowed_images)  # before anything is created or changed
+            render.check_pod_fields(spec)
             decision = decide(spec, pools(nodes), refit)
             check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
             if spec.routing.policy is not None:

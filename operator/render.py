@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
-from pagoda.operator.spec import InferenceSpec
+from pagoda.operator.spec import InferenceSpec, SpecError
 
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
@@ -48,6 +48,8 @@ ADAPTER_METRICS = {
     "ttftP90": ("External", "pagoda_ttft_p90_seconds"),
 }
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+# Set for every engine container by the image or the engine's own start-up: never from spec.pod.env.
+RESERVED_ENV = frozenset({"PAGODA_API_KEY", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE"})
 SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
@@ -216,9 +218,49 @@ def _probe(path: str, period: int, failures: int, initial: int = 0) -> dict[str,
     return probe
 
 
+def _api_key_env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    if not spec.api_key_secret:
+        return []
+    secret, key = spec.api_key_secret
+    return [{"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+
+
+def engine_env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """The environment the operator gives the engine container (spec.pod.env comes after it)."""
+    env: list[dict[str, Any]] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    if spec.model.kind == "hf":
+        env.append({"name": "HF_HOME", "value": HF_CACHE_DIR})
+    return env + _api_key_env(spec)
+
+
+def check_pod_fields(spec: InferenceSpec) -> None:
+    """spec.pod.env may not set what the operator sets itself (the engine would see one or the other,
+    depending on the order): raises SpecError naming the variable."""
+    ours = {e["name"] for e in engine_env(spec)} | RESERVED_ENV
+    for i, item in enumerate(spec.pod.env):
+        if item["name"] in ours:
+            raise SpecError(
+                f"pod.env[{i}]",
+                f"{item['name']} is set by the operator ({', '.join(sorted(ours))} are): use the spec field "
+                "that controls it (apiKeySecretRef, model.source) instead",
+                reason="InvalidPodFields",
+            )
+
+
+def _pod_fields(spec: InferenceSpec, pod_spec: dict[str, Any]) -> None:
+    """spec.pod's pass-through fields, on an engine or router pod spec."""
+    pod = spec.pod
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s["name"]} for s in pod.image_pull_secrets]
+    if pod.affinity:
+        pod_spec["affinity"] = pod.affinity
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
+
+
 def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
     name = body["metadata"]["name"]
-    env: list[dict[str, Any]] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env = engine_env(spec) + list(spec.pod.env)
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -229,7 +271,6 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.model.kind == "hf":
-        env.append({"name": "HF_HOME", "value": HF_CACHE_DIR})
         mounts.append({"name": "model-cache", "mountPath": HF_CACHE_DIR, "readOnly": True})
         volumes.append(
             {
@@ -241,9 +282,6 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         claim = spec.model.source[len("pvc://") :].split("/", 1)[0]
         mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-    if spec.api_key_secret:
-        secret, key = spec.api_key_secret
-        env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
     claim_templates: list[dict[str, Any]] = []
     if decision.nvme_bytes:
         mounts.append({"name": "kv-offload", "mountPath": KV_DIR})
@@ -270,6 +308,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         "command": ["pagoda", "serve"],
         "args": args,
         "env": env,
+        **({"envFrom": list(spec.pod.env_from)} if spec.pod.env_from else {}),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec, decision),
         "startupProbe": _probe("/health", 10, 180),  # weights can take many minutes to load
@@ -313,6 +352,9 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         pod_spec["nodeSelector"] = node_selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    _pod_fields(spec, pod_spec)
+    if spec.pod.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.pod.runtime_class_name
     sts_spec: dict[str, Any] = {
         "replicas": spec.engine_replicas,
         "serviceName": headless_name(name),
@@ -400,10 +442,7 @@ def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
 def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     """The router: one pod from the engine image (`pagoda router`), in front of the engine pods."""
     name = body["metadata"]["name"]
-    env: list[dict[str, Any]] = []
-    if spec.api_key_secret:
-        secret, key = spec.api_key_secret
-        env.append({"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    env = _api_key_env(spec)
     container = {
         "name": "router",
         "image": engine_image(spec),
@@ -427,6 +466,20 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, An
     labels = {**common_labels(name), **router_selector_labels(name)}
     meta = _metadata(body, router_name(name))
     meta["labels"] = dict(labels)
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "terminationGracePeriodSeconds": 30,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # DNS finds the engines, not the API
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    _pod_fields(spec, pod_spec)  # the same image (pull secrets) and scheduling; no GPU runtime
     return with_hash(
         {
             "apiVersion": "apps/v1",
@@ -444,19 +497,7 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, An
                             "prometheus.io/path": "/metrics",
                         },
                     },
-                    "spec": {
-                        "containers": [container],
-                        "volumes": [{"name": "tmp", "emptyDir": {}}],
-                        "terminationGracePeriodSeconds": 30,
-                        "enableServiceLinks": False,
-                        "automountServiceAccountToken": False,  # DNS finds the engines, not the API
-                        "securityContext": {
-                            "runAsNonRoot": True,
-                            "runAsUser": 1000,
-                            "runAsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"},
-                        },
-                    },
+                    "spec": pod_spec,
                 },
             },
         }

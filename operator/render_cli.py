@@ -50,6 +50,7 @@ def render_document(
 ) -> tuple[Decision, list[dict]]:
     """Decision and children for one InferenceDeployment body; raises SpecError when unservable."""
     spec = parse_spec(body.get("spec"))
+    render.check_pod_fields(spec)
     decision = decide(spec, available)
     check_engine_args(decision, render.engine_args(spec, decision))  # what the operator refuses, refused here
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
