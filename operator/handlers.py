@@ -4,6 +4,8 @@
 - A managed StatefulSet changed (hand edit, deletion, pods becoming ready): reconcile its owner.
 - An engine pod ran out of memory (OOMKilled, or the engine's exit code 3): re-fit its owner (refit.py).
 - An engine pod of a new image became Ready: compare its measured memory with the plan (profile.py).
+- A model download Job changed (started, finished, failed): reconcile its owner; while a download runs, its
+  owner is reconciled again every 15 s to read the progress from the pod's log.
 - The GPU inventory on the nodes changed (a GPU node appears, goes away, changes product): reconcile all,
   so a deployment waiting for an L40S gets one as soon as an L40S node joins.
 
@@ -12,13 +14,14 @@ kopf indexes the nodes before any handler runs, so the first reconcile already s
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from pagoda.operator import render
+from pagoda.operator import model_cache, render
 from pagoda.operator.discovery import NodeGPUs, node_gpus
 from pagoda.operator.kube import ApiError, Kube
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
@@ -27,6 +30,7 @@ from pagoda.operator.refit import failure_of
 
 log = logging.getLogger("pagoda.operator")
 CR = (render.GROUP, render.VERSION, render.PLURAL)
+DOWNLOAD_POLL_SECONDS = 15.0  # how often a running download's progress is read into status.model
 
 
 @dataclass
@@ -40,6 +44,7 @@ class OperatorState:
     namespaces: list[str] = field(default_factory=list)  # empty = cluster-wide
     metrics: OperatorMetrics = DEFAULT
     allowed_images: tuple[str, ...] = ()  # spec.image allow-list; empty allows any
+    followers: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)  # downloads being followed
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -77,6 +82,9 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        for task in state.followers.values():
+            task.cancel()
+        state.followers.clear()
         if state.reconciler is not None:
             await state.reconciler.kube.close()
             state.reconciler = None
@@ -95,11 +103,30 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
 
     async def reconcile(namespace: str, name: str, index: Any, body: dict[str, Any] | None = None) -> None:
         try:
-            await reconciler().reconcile(namespace, name, _nodes(index), body)
+            outcome = await reconciler().reconcile(namespace, name, _nodes(index), body)
         except ApiError as exc:
             if exc.transient:
                 raise _retry(exc) from None
             raise
+        if outcome is not None and (outcome.status or {}).get("phase") == "Downloading":
+            follow_download(namespace, name, index)
+
+    def follow_download(namespace: str, name: str, index: Any) -> None:
+        """Reconcile again in a while (one pending call per object): the download's progress is in its
+        pod's log, which no watch event announces."""
+        key = (namespace, name)
+        if key in state.followers and not state.followers[key].done():
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(DOWNLOAD_POLL_SECONDS)
+            state.followers.pop(key, None)
+            try:
+                await reconcile(namespace, name, index)
+            except Exception as exc:  # the next event or follow-up tries again
+                log.warning("reading the download progress of %s/%s failed: %s", namespace, name, exc)
+
+        state.followers[key] = asyncio.get_running_loop().create_task(later())
 
     @kopf.on.resume(*CR, id="reconcile", backoff=10, registry=registry)
     @kopf.on.create(*CR, id="reconcile", backoff=10, registry=registry)
@@ -135,14 +162,24 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
             await reconcile(namespace, owner, gpu_nodes)
 
     @kopf.on.event(
+        "batch", "v1", "jobs", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="jobs", registry=registry
+    )
+    async def job(event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any) -> None:
+        # A model download started, progressed, finished or failed: its owner's status and children follow.
+        owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
+        if owner and event.get("type") is not None:
+            await reconcile(namespace, owner, gpu_nodes)
+
+    @kopf.on.event(
         "", "v1", "pods", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="pods", registry=registry
     )
     async def pod(body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any) -> None:
         # An engine that ran out of memory (OOMKilled, or exit code 3 at start-up): re-fit its deployment.
+        labels = body.get("metadata", {}).get("labels") or {}
+        owner = labels.get(render.LABEL_OWNER)
+        if not owner or labels.get(model_cache.COMPONENT_LABEL) == model_cache.COMPONENT:
+            return  # download pods report through their Job
         failure = failure_of(dict(body), render.PLAN_ANNOTATION)
-        owner = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_OWNER)
-        if not owner:
-            return
         try:
             if failure is not None:
                 await reconciler().reconcile(namespace, owner, _nodes(gpu_nodes), failure=failure)

@@ -24,6 +24,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("apis/apps/v1", "deployments"),
     "HorizontalPodAutoscaler": ("apis/autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("apis/keda.sh/v1alpha1", "scaledobjects"),
+    "Job": ("apis/batch/v1", "jobs"),
+    "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
 }
 
 
@@ -133,6 +135,16 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         """The object at `path`, or None when it does not exist."""
         return await self._call("GET", path)
+
+    async def text(self, path: str, params: dict[str, str] | None = None) -> str:
+        """A plain-text read (a pod's log); '' when it does not exist."""
+        async with self._session.get(self.server + path, params=params, headers={"Accept": "*/*"}) as resp:
+            if resp.status == 404:
+                return ""
+            body = await resp.text()
+            if resp.status >= 400:
+                raise ApiError(resp.status, body[:500])
+            return body
 
     async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
         """The items of a collection, optionally only those matching `label_selector`."""

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.operator import model_cache, render
 from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
-from pagoda.operator import render
 from pagoda.operator.contract import check_engine_args, check_router_args
 from pagoda.operator.discovery import NodeGPUs, pools
 from pagoda.operator.images import check_image
@@ -29,7 +29,14 @@ from pagoda.operator.metrics import DEFAULT, OperatorMetrics
 from pagoda.operator.planning import decide
 from pagoda.operator.refit import Failure
 from pagoda.operator.spec import SpecError, parse_spec
-from pagoda.operator.status import condition, error_status, failed_status, merge_patch, ready_status
+from pagoda.operator.status import (
+    condition,
+    error_status,
+    failed_status,
+    merge_patch,
+    model_waiting_status,
+    ready_status,
+)
 
 log = logging.getLogger("pagoda.operator")
 
@@ -249,6 +256,22 @@ class Reconciler:
                 await self.event(body, "Warning", err.reason, str(err), outcome)
             return outcome
 
+        model = None
+        if spec.model.downloads and not spec.model.cache.per_pod:
+            model = await self._model(body, spec, decision, outcome)
+            if model["phase"] != model_cache.READY_PHASE:  # no engine pods before the weights are there
+                status = model_waiting_status(body, spec, decision, model)
+                outcome.status = status
+                await self._write_status(body, status, outcome)
+                before = condition(old_status, "Ready")
+                now = condition(status, "Ready")
+                if model["phase"] == model_cache.FAILED_PHASE and (
+                    before.get("reason"),
+                    before.get("message"),
+                ) != (now["reason"], now["message"]):
+                    await self.event(body, "Warning", now["reason"], now["message"], outcome)
+                return outcome
+
         monitor = await self.monitoring_available()
         keda = await self.keda_available()  # also when autoscaling is off: its ScaledObject must go
         sts_live = None
@@ -261,7 +284,7 @@ class Reconciler:
             await self._delete_unwanted(body, spec, keda, outcome)
         # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
         image = plan_image or old_status.get("planImage") or render.engine_image(spec)
-        status = ready_status(body, spec, decision, sts_live, refit, plan_image=image)
+        status = ready_status(body, spec, decision, sts_live, refit, plan_image=image, model=model)
         outcome.status = status
         old_plan = old_status.get("plan")
         await self._write_status(body, status, outcome)
@@ -276,6 +299,41 @@ class Reconciler:
             )
             await self.event(body, "Normal", "Planned", message, outcome)
         return outcome
+
+    async def _model(
+        self, body: dict[str, Any], spec: Any, decision: Any, outcome: Outcome
+    ) -> dict[str, Any]:
+        """Make sure the cache claim and the download Job exist; what the download is doing (status.model)."""
+        meta = body["metadata"]
+        namespace, name = meta.get("namespace"), meta["name"]
+        claim = model_cache.claim_name(name, spec)
+        if (
+            not spec.model.cache.claim_name
+            and await self.kube.get(object_path("PersistentVolumeClaim", namespace, claim)) is None
+        ):
+            pvc = model_cache.cache_claim(body, spec, decision, spec.max_possible_replicas)
+            await self.kube.create(object_path("PersistentVolumeClaim", namespace), pvc)
+            outcome.writes.append(f"created PersistentVolumeClaim {namespace}/{claim}")
+        job_name = model_cache.job_name(name, spec)
+        job = await self.kube.get(object_path("Job", namespace, job_name))
+        if job is None:
+            job = await self.kube.create(object_path("Job", namespace), model_cache.download_job(body, spec))
+            outcome.writes.append(f"created Job {namespace}/{job_name}")
+        pods = [
+            p
+            for p in await self.kube.list(object_path("Pod", namespace), f"job-name={job_name}")
+            if ((p.get("metadata") or {}).get("labels") or {}).get("job-name") == job_name
+        ]
+        tail = ""
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        if running and not int((job.get("status") or {}).get("succeeded") or 0):
+            pod = running[-1]["metadata"]["name"]
+            params = {"container": model_cache.CONTAINER, "tailLines": str(model_cache.LOG_TAIL_LINES)}
+            try:
+                tail = await self.kube.text(object_path("Pod", namespace, pod, "log"), params)
+            except (ApiError, OSError) as exc:  # progress is a nicety: the Job's state still counts
+                log.debug("could not read the download log of %s: %s", pod, exc)
+        return model_cache.download_state(spec, job, pods, tail, claim)
 
     async def _refit(self, body: dict[str, Any], nodes: list[NodeGPUs], failure: Failure) -> Outcome | None:
         """Re-plan after an engine's memory failure, roll the pods onto the new plan, or stop trying.

@@ -22,7 +22,6 @@ PLURAL = "inferencedeployments"
 ENGINE_PORT = 8000
 KV_DIR = "/var/cache/pagoda/kv"
 MODELS_DIR = "/models"
-HF_CACHE_DIR = "/models/hf"
 MANAGED_BY = "pagoda-operator"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -153,10 +152,12 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     (operator/contract.py) before any pod exists. The device is explicit, so a GPU pod never falls back to
     the CPU and a CPU pod never probes for a GPU.
     """
+    from pagoda.operator import model_cache  # (it renders with this module's helpers)
+
     model = spec.model
     args: list[str] = []
-    if model.kind == "hf":
-        args.append(model.model_id)
+    if model.downloads:
+        args.append(model_cache.model_path(spec))
     elif model.kind == "pvc":
         claim, _, path = model.source[len("pvc://") :].partition("/")
         args.append(f"{MODELS_DIR}/{claim}/{path}")
@@ -176,11 +177,6 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         args += ["--kv-offload-disk-dir", KV_DIR]
     args += ["--shutdown-grace-seconds", str(spec.drain_seconds)]
     return args + list(spec.engine.extra_args)
-
-
-def model_cache_claim(name: str, spec: InferenceSpec) -> str:
-    """The claim downloaded weights live on: spec.model.cache.claimName, else the one the operator makes."""
-    return spec.model.cache.claim_name or f"{name}-model-cache"
 
 
 def termination_grace_seconds(spec: InferenceSpec) -> int:
@@ -229,7 +225,9 @@ def engine_env(spec: InferenceSpec) -> list[dict[str, Any]]:
     """The environment the operator gives the engine container (spec.pod.env comes after it)."""
     env: list[dict[str, Any]] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
     if spec.model.kind == "hf":
-        env.append({"name": "HF_HOME", "value": HF_CACHE_DIR})
+        from pagoda.operator.model_cache import HF_HOME
+
+        env.append({"name": "HF_HOME", "value": HF_HOME})
     return env + _api_key_env(spec)
 
 
@@ -270,19 +268,25 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
         {"name": "tmp", "emptyDir": {}},
     ]
-    if spec.model.kind == "hf":
-        mounts.append({"name": "model-cache", "mountPath": HF_CACHE_DIR, "readOnly": True})
-        volumes.append(
-            {
-                "name": "model-cache",
-                "persistentVolumeClaim": {"claimName": model_cache_claim(name, spec), "readOnly": True},
-            }
-        )
+    init_containers: list[dict[str, Any]] = []
+    claim_templates: list[dict[str, Any]] = []
+    if spec.model.downloads:
+        from pagoda.operator import model_cache
+
+        mounts.append({"name": "model-cache", "mountPath": model_cache.CACHE_DIR, "readOnly": True})
+        if spec.model.cache.per_pod:  # each pod downloads into its own claim before the engine starts
+            init_containers.append(model_cache.download_container(spec))
+            claim = model_cache.cache_claim(body, spec, decision, 1)
+            claim_templates.append(
+                {**claim, "metadata": {"name": "model-cache", "labels": selector_labels(name)}}
+            )
+        else:
+            claim = {"claimName": model_cache.claim_name(name, spec), "readOnly": True}
+            volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
     elif spec.model.kind == "pvc":
         claim = spec.model.source[len("pvc://") :].split("/", 1)[0]
         mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-    claim_templates: list[dict[str, Any]] = []
     if decision.nvme_bytes:
         mounts.append({"name": "kv-offload", "mountPath": KV_DIR})
         pvc_spec: dict[str, Any] = {
@@ -334,6 +338,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         node_selector[PRODUCT_LABEL] = decision.product_label
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     pod_spec: dict[str, Any] = {
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),

@@ -62,9 +62,11 @@ def ready_status(
     sts: dict[str, Any] | None,
     refit: dict[str, Any] | None = None,
     plan_image: str | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Status after a successful apply: the plan, the GPU choice, what the StatefulSet reports, the
-    re-fit (status.refit) the plan carries, if any, and the image the plan's memory figures are for."""
+    re-fit (status.refit) the plan carries, if any, the image the plan's memory figures are for, and the
+    model download (status.model) when there is one."""
     meta = body["metadata"]
     old = body.get("status") or {}
     generation = meta.get("generation")
@@ -125,6 +127,7 @@ def ready_status(
             "router": render.router_name(name) if spec.routing.policy else None,
         },
         "autoscaling": _autoscaling_status(spec),
+        "model": model,
     }
     if generation is None:
         del status["observedGeneration"]
@@ -172,6 +175,48 @@ def failed_status(
     old.setdefault("replicas", 0)
     old.setdefault("readyReplicas", 0)
     return _normal(old)
+
+
+def model_waiting_status(
+    body: dict[str, Any], spec: InferenceSpec, decision: Decision, model: dict[str, Any]
+) -> dict[str, Any]:
+    """While the weights download (or after the download failed): no engine pods yet; the plan is shown so
+    users see what will run, the conditions say what the download is doing, or why it failed."""
+    from pagoda.operator import model_cache
+
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    generation = meta.get("generation")
+    if model["phase"] == model_cache.FAILED_PHASE:
+        reason, message = model["reason"], f"the model download failed: {model['message']}"
+        conds = {
+            "Ready": ("False", reason, message),
+            "Progressing": ("False", reason, "waiting for the spec (or its Secret) to change"),
+            "Degraded": ("True", reason, message),
+        }
+    else:
+        reason, message = "Downloading", model_cache.progress_words(model)
+        if model.get("lastError"):
+            message += f"; retrying after {model['lastError']}"
+        conds = {
+            "Ready": ("False", reason, message),
+            "Progressing": ("True", reason, message),
+            "Degraded": ("False", "AsPlanned", "the engine pods start when the download is complete"),
+        }
+    status = {
+        "observedGeneration": generation,
+        "phase": reason,
+        "conditions": _conditions(old.get("conditions"), conds, generation),
+        "plan": decision.status_plan(),
+        "gpu": decision.status_gpu(spec.gpu.count),
+        "model": model,
+        "replicas": int(old.get("replicas") or 0),
+        "readyReplicas": int(old.get("readyReplicas") or 0),
+        "selector": render.selector_string(meta["name"]),
+    }
+    if generation is None:
+        del status["observedGeneration"]
+    return _normal(status)
 
 
 def merge_patch(old: Any, new: Any) -> Any:

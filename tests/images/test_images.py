@@ -113,9 +113,10 @@ def test_operator_image_has_no_torch():
     text = IMAGES["operator"].read_text()
     code = " ".join(rest for _, rest in _instructions(IMAGES["operator"]))  # comments dropped
     assert "python:3.11-slim" in text
-    assert '"./[operator]"' in code and "[engine]" not in code and "torch" not in code
+    assert '"./[operator,download]"' in code and "[engine]" not in code and "torch" not in code
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = extras["dependencies"] + extras["optional-dependencies"]["operator"]
+    deps += extras["optional-dependencies"]["download"]  # the model download Job runs this image
     assert not any(d.startswith(("torch", "triton", "transformers")) for d in deps), deps
     assert _exec_form(IMAGES["operator"], "ENTRYPOINT") == ["pagoda-operator"]
 

@@ -130,6 +130,16 @@ seccompProfile:
 - apiGroups: [""]
   resources: ["pods/proxy"]
   verbs: ["get"]
+# hf:// and s3:// models: the cache claim, the download Job and its progress (the log's JSON lines)
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 {{- end -}}
 {{- /* Cluster-scoped reads: GPU discovery from node labels, and whether the ServiceMonitor / KEDA CRDs exist. */}}
 {{- define "pagoda.clusterReadRules" -}}

@@ -8,6 +8,7 @@ subclass adds what a real API server does and kubectl or the operator can observ
 - a CustomResourceDefinition, once created, makes its resource discoverable (`/apis/<group>/<version>`);
 - `Accept: application/json;as=Table` (what `kubectl get` asks for) answers a `meta.k8s.io/v1` Table
   using the CRD's `additionalPrinterColumns`;
+- a Job is finished (succeeded) when it is created, unless `jobs_succeed` is turned off (no Job controller);
 - PUT (a full replace, which kmock does not serve): the stored object becomes the body, keeping what the
   server owns (uid, creation time, status), and a `metadata.resourceVersion` that is not the current one
   is refused with 409 Conflict, as a real API server does for an update.
@@ -32,7 +33,9 @@ import kmock
 from kmock._internal import enums, rendering
 from pagoda.operator.jsonpath import jsonpath_get
 
+POD_LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 POD_PROXY = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/:]+):(\d+)/proxy(/.*)$")
+JOBS = "batch/v1/jobs"
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"
 # The built-in resources every API server serves that Pagoda, kopf and kubectl touch.
@@ -49,6 +52,7 @@ BUILTINS = [
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+    ("batch/v1/jobs", "Job", True, {"status"}),
 ]
 
 
@@ -107,6 +111,12 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     # GET through the API server's pod proxy: (namespace, pod, port, path) -> the JSON the pod answers.
     pod_proxy: dict[tuple[str, str, int, str], Any] = attrs.field(factory=dict, init=False)
+    # GET .../pods/NAME/log: (namespace, pod) -> the log text the kubelet would return.
+    pod_logs: dict[tuple[str, str], str] = attrs.field(factory=dict, init=False)
+    # No Job controller runs here: a created Job is finished at once (succeeded), as a model download that
+    # found its files in the cache would be. Tests of the download itself turn this off and write the
+    # Job's status themselves.
+    jobs_succeed: bool = attrs.field(default=True, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -124,6 +134,15 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         # kmock 0.8 cannot parse the cluster-wide namespace list (GET /api/v1/namespaces: its path parser
         # fails and it answers 500, which kopf retries forever). Serve it here: the stored Namespaces, and a
         # watch that stays open (namespaces come and go rarely in a test).
+        logged = POD_LOG.match(raw_request.path)
+        if logged and raw_request.method == "GET":
+            await raw_request.read()
+            text = self.pod_logs.get(logged.groups())
+            if text is None:
+                return aiohttp.web.json_response({"message": "no such pod"}, status=404)
+            tail = raw_request.query.get("tailLines")
+            lines = text.splitlines()[-int(tail) :] if tail else text.splitlines()
+            return aiohttp.web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
         proxied = POD_PROXY.match(raw_request.path)
         if proxied and raw_request.method == "GET":
             await raw_request.read()
@@ -167,6 +186,8 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
                 meta.setdefault("creationTimestamp", _now())
                 meta["resourceVersion"] = str(next(self._rv))
                 meta.setdefault("generation", 1)
+                if self.jobs_succeed and request.resource == _resource(JOBS) and not data.get("status"):
+                    data["status"] = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
                 if request.resource == CRD_RESOURCE:
                     self._register_crd(data)
             elif request.action == enums.action.UPDATE and request.name is not None:

@@ -1,0 +1,265 @@
+"""Weights into the cluster: the model cache volume, the download Job that fills it once, and what the
+operator reads back (the Job's state, the progress lines in its pod's log, the result in its termination
+message). Rendering is pure like render.py; reading the result is `download_state`.
+
+hf:// and s3:// sources are downloaded by `pagoda-model-download` (operator/download/) from the operator's
+own image (small, no torch; the chart passes it as PAGODA_DOWNLOAD_IMAGE) into a PersistentVolumeClaim; the
+engine pods start only when the Job has succeeded, and mount the claim read-only. With
+`spec.model.cache.perPod` each pod has its own claim (a volumeClaimTemplate) filled by an init container.
+Credentials reach the download container only, as optional secretKeyRefs of spec.model.secretRef: the operator
+never reads the Secret, and no rendered object, log line or status holds a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from pagoda.operator import render
+from pagoda.operator.download.progress import parse_progress
+from pagoda.operator.download.result import (
+    ACCESS_DENIED,
+    EXIT_CODES,
+    FAILED,
+    FORMAT,
+    NOT_FOUND,
+    READY,
+    VOLUME_FULL,
+)
+from pagoda.operator.planning import Decision
+from pagoda.operator.quantity import format_quantity
+from pagoda.operator.spec import InferenceSpec
+
+GiB = 1 << 30
+CACHE_DIR = (
+    "/models/cache"  # where the cache claim is mounted (read-write in the download, read-only in the engine)
+)
+HF_HOME = f"{CACHE_DIR}/hf"
+S3_DIR = f"{CACHE_DIR}/s3"
+CONTAINER = "model-download"
+COMPONENT_LABEL = "pagoda.dev/component"
+COMPONENT = "model-download"
+DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-operator"
+SECRET_KEYS = {
+    "hf": ("HF_TOKEN",),
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_ENDPOINT_URL",
+    ),
+}
+BACKOFF_LIMIT = 4  # retries of a failed download pod (each resumes); none for the reasons below
+FINAL_EXIT_CODES = sorted(EXIT_CODES[r] for r in (ACCESS_DENIED, NOT_FOUND, VOLUME_FULL))
+LOG_TAIL_LINES = 40
+SIZE_FACTOR, SIZE_MARGIN = 1.2, 2 * GiB  # cache claim for `size: auto`: the weights x 1.2 + 2 GiB
+# status.model.phase
+PENDING, DOWNLOADING, READY_PHASE, FAILED_PHASE = "Pending", "Downloading", "Ready", "Failed"
+
+
+def download_image() -> str:
+    """$PAGODA_DOWNLOAD_IMAGE (the chart sets the operator's image), else ours at this package's version."""
+    override = os.environ.get("PAGODA_DOWNLOAD_IMAGE")
+    if override:
+        return override
+    return f"{DEFAULT_IMAGE_REPO}:{render.default_image().rsplit(':', 1)[-1]}"
+
+
+def claim_name(name: str, spec: InferenceSpec) -> str:
+    """The claim downloaded weights live on: spec.model.cache.claimName, else the one the operator makes."""
+    return spec.model.cache.claim_name or f"{name}-model-cache"
+
+
+def cache_bytes(spec: InferenceSpec, decision: Decision) -> int:
+    """spec.model.cache.size, else the weights' bytes x 1.2 + 2 GiB in whole GiB."""
+    if spec.model.cache.size:
+        return spec.model.cache.size
+    weights = decision.shape.weight_bytes if decision.shape is not None else 0
+    return -(-int(weights * SIZE_FACTOR + SIZE_MARGIN) // GiB) * GiB
+
+
+def model_path(spec: InferenceSpec) -> str:
+    """What `pagoda serve` gets as its model for a downloaded source: the hub id (found in HF_HOME) or the
+    directory the S3 objects were written to."""
+    if spec.model.kind == "s3":
+        return f"{S3_DIR}/{spec.model.location.rstrip('/')}"
+    return spec.model.model_id
+
+
+def download_key(spec: InferenceSpec) -> str:
+    """A short digest of what is downloaded: a new source or revision is a new Job."""
+    return hashlib.sha256(f"{spec.model.source}@{spec.model.revision or ''}".encode()).hexdigest()[:8]
+
+
+def job_name(name: str, spec: InferenceSpec) -> str:
+    return f"{name}-download-{download_key(spec)}"
+
+
+def download_container(spec: InferenceSpec) -> dict[str, Any]:
+    args = ["--source", spec.model.source.split("@", 1)[0] if spec.model.kind == "hf" else spec.model.source,
+            "--dest", CACHE_DIR, "--termination-log", render.TERMINATION_LOG]  # fmt: skip
+    if spec.model.kind == "hf":
+        args += ["--revision", spec.model.revision or "main"]
+    env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if spec.model.secret_ref is not None:
+        secret = spec.model.secret_ref.name
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+            for key in SECRET_KEYS[spec.model.kind]
+        ]
+    return {
+        "name": CONTAINER,
+        "image": download_image(),
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["pagoda-model-download"],
+        "args": args,
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "terminationMessagePath": render.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def cache_claim(
+    body: dict[str, Any], spec: InferenceSpec, decision: Decision, replicas: int
+) -> dict[str, Any]:
+    """The shared cache claim the operator creates (not with cache.claimName or perPod)."""
+    name = body["metadata"]["name"]
+    mode = spec.model.cache.access_mode
+    if mode == "auto":
+        mode = "ReadWriteOnce" if replicas <= 1 else "ReadWriteMany"
+    claim_spec: dict[str, Any] = {
+        "accessModes": [mode],
+        "resources": {"requests": {"storage": format_quantity(cache_bytes(spec, decision))}},
+    }
+    if spec.model.cache.storage_class:
+        claim_spec["storageClassName"] = spec.model.cache.storage_class
+    meta = render._metadata(body, claim_name(name, spec))
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
+
+
+def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """A Job that fills the cache claim once; retried (resuming) unless the failure is final."""
+    name = body["metadata"]["name"]
+    labels = {**render.common_labels(name), COMPONENT_LABEL: COMPONENT}
+    labels[render.LABEL_NAME] = "pagoda-model-download"  # not an engine pod: selectors and PDB skip it
+    meta = render._metadata(body, job_name(name, spec))
+    meta["labels"] = dict(labels)
+    pod_spec = {
+        "restartPolicy": "Never",
+        "containers": [download_container(spec)],
+        "volumes": [
+            {"name": "model-cache", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    render._pod_fields(spec, pod_spec)  # pull secrets (the operator image may be private), scheduling
+    return render.with_hash(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": meta,
+            "spec": {
+                "backoffLimit": BACKOFF_LIMIT,
+                "podFailurePolicy": {
+                    "rules": [
+                        {
+                            "action": "FailJob",
+                            "onExitCodes": {
+                                "containerName": CONTAINER,
+                                "operator": "In",
+                                "values": FINAL_EXIT_CODES,
+                            },
+                        }
+                    ]
+                },
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        }
+    )
+
+
+def _result(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The download's result line from the newest finished pod's termination message."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            message = ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
+            for line in reversed(message.strip().splitlines()):
+                try:
+                    data = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(data, dict) and data.get("format") == FORMAT:
+                    return data
+    return None
+
+
+def download_state(
+    spec: InferenceSpec, job: dict[str, Any] | None, pods: list[dict[str, Any]], log: str, claim: str
+) -> dict[str, Any]:
+    """status.model from the Job, its pods and the running pod's log tail."""
+    state: dict[str, Any] = {"source": spec.model.source, "claim": claim, "phase": PENDING}
+    if spec.model.revision:
+        state["revision"] = spec.model.revision
+    if job is None:
+        return state
+    state["job"] = job["metadata"]["name"]
+    status = job.get("status") or {}
+    progress = parse_progress(log) or {}
+    state.update({k: v for k, v in progress.items() if k in ("bytes", "totalBytes", "files", "totalFiles")})
+    result = _result(pods)
+    failed = any(
+        c.get("type") == "Failed" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    if int(status.get("succeeded") or 0) > 0:
+        state["phase"] = READY_PHASE
+        if result and result.get("reason") == READY:
+            state.update(bytes=result["bytes"], totalBytes=result["bytes"], files=result["files"],
+                         totalFiles=result["files"], message=result["message"])  # fmt: skip
+        return state
+    if failed:
+        state["phase"] = FAILED_PHASE
+        state["reason"] = (result or {}).get("reason") or FAILED
+        state["message"] = (result or {}).get("message") or next(
+            (c.get("message") for c in status.get("conditions") or [] if c.get("type") == "Failed"),
+            "the Job failed",
+        )
+        return state
+    if int(status.get("active") or 0) > 0:
+        state["phase"] = DOWNLOADING
+    if result and result.get("reason") != READY:  # a try that failed and will be retried
+        state["lastError"] = f"{result['reason']}: {result['message']}"
+    return state
+
+
+def progress_words(state: dict[str, Any]) -> str:
+    if not state.get("totalBytes"):
+        return f"downloading {state['source']} (job {state.get('job', '-')})"
+    done, total = state.get("bytes", 0), state["totalBytes"]
+    return (
+        f"downloading {state['source']}: {done / GiB:.2f} of {total / GiB:.2f} GiB ({100 * done / total:.0f}%), "
+        f"{state.get('files', 0)} of {state.get('totalFiles', 0)} files (job {state.get('job')})"
+    )
