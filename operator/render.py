@@ -49,6 +49,7 @@ ADAPTER_METRICS = {
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 # Set for every engine container by the image or the engine's own start-up: never from spec.pod.env.
 RESERVED_ENV = frozenset({"PAGODA_API_KEY", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE"})
+HELD_REQUESTS = "pagoda:router_held_requests"  # the router's gauge of requests waiting for a ready engine
 SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
@@ -572,7 +573,8 @@ def hpa(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
             "metadata": _metadata(body, name),
             "spec": {
                 "scaleTargetRef": _scale_target(name),
-                "minReplicas": auto.min_replicas,
+                # minReplicas 0 needs KEDA (an HPA scales to zero only behind a feature gate): at least 1 here
+                "minReplicas": max(1, auto.min_replicas),
                 "maxReplicas": auto.max_replicas,
                 "metrics": [hpa_metric(body, spec)],
                 "behavior": _behavior(spec),
@@ -585,8 +587,7 @@ def prometheus_query(body: dict[str, Any], spec: InferenceSpec) -> tuple[str, st
     """(PromQL, KEDA metricType) for spec.autoscaling: sums KEDA averages over the pods, or one value."""
     auto = spec.autoscaling
     assert auto is not None
-    meta = body["metadata"]
-    sel = f'namespace="{meta.get("namespace") or "default"}",app_kubernetes_io_instance="{meta["name"]}"'
+    sel = _selector(body)
     if auto.metric == "kvCacheUsage":
         return f"sum(vllm:kv_cache_usage_perc{{{sel}}})", "AverageValue"
     if auto.metric == "waitingRequests":
@@ -597,12 +598,49 @@ def prometheus_query(body: dict[str, Any], spec: InferenceSpec) -> tuple[str, st
     return query, "Value"
 
 
+def _selector(body: dict[str, Any]) -> str:
+    meta = body["metadata"]
+    return f'namespace="{meta.get("namespace") or "default"}",app_kubernetes_io_instance="{meta["name"]}"'
+
+
+def held_requests_query(body: dict[str, Any]) -> str:
+    """Requests the deployment's router holds for want of a ready engine (router/hold.py)."""
+    return f"sum({HELD_REQUESTS}{{{_selector(body)}}}) or vector(0)"
+
+
 def scaled_object(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     """A KEDA ScaledObject (when KEDA is installed) on the scale subresource, querying Prometheus."""
     auto = spec.autoscaling
     assert auto is not None
     name = body["metadata"]["name"]
     query, metric_type = prometheus_query(body, spec)
+    triggers: list[dict[str, Any]] = [
+        {
+            "type": "prometheus",
+            "metricType": metric_type,
+            "metadata": {
+                "serverAddress": prometheus_url(),
+                "query": query,
+                "threshold": f"{auto.target:.15g}",
+                "activationThreshold": "0",  # active (no scale to zero) while the metric is above 0
+            },
+        }
+    ]
+    if spec.scales_to_zero:
+        # From zero: requests the router holds while no engine is ready start one (one engine per held
+        # request, up to maxReplicas); the deployment goes back to zero after idleSeconds with none.
+        triggers.append(
+            {
+                "type": "prometheus",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": prometheus_url(),
+                    "query": held_requests_query(body),
+                    "threshold": "1",
+                    "activationThreshold": "0",
+                },
+            }
+        )
     return with_hash(
         {
             "apiVersion": "keda.sh/v1alpha1",
@@ -613,19 +651,10 @@ def scaled_object(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
                 "minReplicaCount": auto.min_replicas,
                 "maxReplicaCount": auto.max_replicas,
                 "pollingInterval": 15,
-                "cooldownPeriod": 300,
+                # how long every trigger must be inactive before the last engine goes (minReplicas 0 only)
+                "cooldownPeriod": auto.idle_seconds if spec.scales_to_zero else 300,
                 "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
-                "triggers": [
-                    {
-                        "type": "prometheus",
-                        "metricType": metric_type,
-                        "metadata": {
-                            "serverAddress": prometheus_url(),
-                            "query": query,
-                            "threshold": f"{auto.target:.15g}",
-                        },
-                    }
-                ],
+                "triggers": triggers,
             },
         }
     )

@@ -24,6 +24,7 @@ from aiohttp import web
 from pagoda.router.backends import Backend, BackendPool, reported_number
 from pagoda.router.chain import ChainHasher, chain_of, load_local_tokenizer
 from pagoda.router.config import RouterConfig
+from pagoda.router.hold import Hold
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import Decision, Router
 
@@ -53,7 +54,8 @@ class RouterApp:
     def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.pool = BackendPool(config, on_change=self.metrics.refresh)
+        self.hold = Hold(config.hold_seconds, self.metrics.registry)
+        self.pool = BackendPool(config, on_change=self._pool_changed)
         self.router = Router(config.policy, config.load_slack)
         self.hasher = ChainHasher(tokenizer)
         if tokenizer is not None:  # compile the chat template now, not on the first request
@@ -125,10 +127,18 @@ class RouterApp:
                 return web.json_response(body, status=401)
         return await handler(request)
 
+    def _pool_changed(self, pool: BackendPool) -> None:
+        self.metrics.refresh(pool)
+        self.hold.notify()
+
     # -- own routes ---------------------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
+        """200 with a routable replica; also without one while requests are held for one (scale to zero:
+        the router must stay in the Service to take the requests that wake the deployment)."""
         if self.pool.routable():
             return web.Response(status=200)
+        if self.hold.seconds > 0:
+            return web.json_response({"status": "holding", "held": self.hold.waiting})
         return _error(503, "no healthy replica", "no_backend")
 
     async def prom(self, _: web.Request) -> web.Response:
@@ -204,6 +214,8 @@ class RouterApp:
                 body = {}
         except ValueError:
             body = {}
+        if not await self.hold.until_routable(self.pool.routable):
+            return self.hold.too_long()
         t0, c0 = time.perf_counter(), time.thread_time()
         ids = await self._token_ids(request.path, body) if self.needs_chain else None
         overhead = time.perf_counter() - t0
@@ -355,7 +367,9 @@ class RouterApp:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Anything else (/v1/models, /tokenize, ...) goes to the least loaded replica, as is."""
-        backends = self.pool.routable()
+        backends = await self.hold.until_routable(self.pool.routable)
+        if not backends:
+            return self.hold.too_long()
         assert self.pool.session is not None
         raw = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.max_index_blocks,
         help="block hashes remembered per replica, all tiers together (oldest forgotten first)",
     )
+    p.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=d.hold_seconds,
+        help="how long a request waits for a ready replica (scale to zero) before 503 + Retry-After; 0: no wait",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--dry-run", action="store_true", help="validate, print the config as JSON, exit")
     return p
@@ -95,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         read_timeout=args.read_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         max_index_blocks=args.max_index_blocks,
+        hold_seconds=args.hold_seconds,
     ).validate()
 
 

@@ -40,6 +40,8 @@ class RouterConfig:
     # replica would take.
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_index_blocks: int = 262_144  # per replica, all tiers together (docs/router.md)
+    # How long a request waits for a routable replica (scale to zero: router/hold.py); 0: 503 at once.
+    hold_seconds: float = 300.0
 
     def validate(self) -> RouterConfig:
         if self.policy not in POLICIES:
@@ -58,6 +60,8 @@ class RouterConfig:
         for name in ("dns_interval", "health_interval", "events_interval", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.hold_seconds <= 3600:
+            raise ConfigError(f"--hold-seconds must be in [0, 3600], got {self.hold_seconds}")
         if self.load_slack < 0 or self.max_retries < 0:
             raise ConfigError("--load-slack and --max-retries must not be negative")
         for name in ("max_request_body_bytes", "max_index_blocks"):

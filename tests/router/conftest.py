@@ -132,6 +132,7 @@ def kit():
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        PAGODA=PAGODA,
         FAST=FAST,
         free_port=free_port,
         start=start,
