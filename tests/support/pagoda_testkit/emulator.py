@@ -19,10 +19,12 @@ Test and benchmark helper only (it imports kmock, a dev dependency, and its priv
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
 import functools
 import itertools
+import json
 import re
 import uuid
 from typing import Any
@@ -134,6 +136,17 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         # kmock 0.8 cannot parse the cluster-wide namespace list (GET /api/v1/namespaces: its path parser
         # fails and it answers 500, which kopf retries forever). Serve it here: the stored Namespaces, and a
         # watch that stays open (namespaces come and go rarely in a test).
+        if "protobuf" in raw_request.headers.get("Content-Type", ""):
+            # kubectl sends built-in objects as protobuf (`kubectl create secret`): read the one kind the
+            # tests create that way, answer in JSON (kubectl accepts both).
+            headers = {**raw_request.headers, "Content-Type": "application/json"}
+            raw_request = raw_request.clone(headers=headers)
+            secret = _secret_from_protobuf(await raw_request.read())
+            if secret is None:
+                return aiohttp.web.json_response(
+                    {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "UnsupportedMediaType",
+                     "code": 415, "message": "this emulator reads protobuf Secrets only"}, status=415)  # fmt: skip
+            raw_request._read_bytes = json.dumps(secret).encode()
         logged = POD_LOG.match(raw_request.path)
         if logged and raw_request.method == "GET":
             await raw_request.read()
@@ -339,6 +352,62 @@ class PagodaEmulator(kmock.KubernetesEmulator, _FastDispatch):
         if key not in self.objects or self.objects[key].deleted:
             return None
         return self.objects[key].raw
+
+
+def _fields(data: bytes) -> dict[int, list[Any]]:
+    """Protocol buffers' wire format: field number -> values (ints for varints, bytes otherwise)."""
+    out: dict[int, list[Any]] = {}
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            byte = data[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value: Any = varint()
+        elif wire == 2:
+            size = varint()
+            value, i = data[i : i + size], i + size
+        elif wire == 1:
+            value, i = data[i : i + 8], i + 8
+        elif wire == 5:
+            value, i = data[i : i + 4], i + 4
+        else:
+            raise ValueError(f"wire type {wire}")
+        out.setdefault(number, []).append(value)
+    return out
+
+
+def _secret_from_protobuf(body: bytes) -> dict[str, Any] | None:
+    """A v1 Secret in Kubernetes' protobuf envelope (`k8s\\0` + runtime.Unknown) as JSON; None otherwise."""
+    if not body.startswith(b"k8s\x00"):
+        return None
+    unknown = _fields(body[4:])
+    type_meta = _fields(unknown.get(1, [b""])[0])
+    if type_meta.get(2, [b""])[0] != b"Secret":
+        return None
+    raw = _fields(unknown.get(2, [b""])[0])
+    meta = _fields(raw.get(1, [b""])[0])
+    text = {1: "name", 2: "generateName", 3: "namespace"}
+    metadata = {k: meta[n][0].decode() for n, k in text.items() if n in meta}
+    data = {}
+    for entry in raw.get(2, []):
+        kv = _fields(entry)
+        data[kv[1][0].decode()] = base64.b64encode(kv.get(2, [b""])[0]).decode()
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": data}
+    if 3 in raw:
+        secret["type"] = raw[3][0].decode()
+    return secret
 
 
 @functools.lru_cache(maxsize=64)
