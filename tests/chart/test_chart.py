@@ -205,6 +205,11 @@ def _assert_namespaced_rules(rules: dict) -> None:
     assert rules[("events.k8s.io", "events")] == {"create", "patch"}
     assert rules[("", "pods")] == {"get", "list", "watch", "delete"}  # re-fit: read terminations, roll
     assert rules[("", "pods/proxy")] == {"get"}  # an upgraded image's measured memory (GET /pagoda/memory)
+    # issue 26: model downloads (the cache claim, the Job, its progress in the pod's log); never Secrets
+    assert rules[("", "persistentvolumeclaims")] == {"get", "list", "watch", "create"}
+    assert rules[("batch", "jobs")] == {"get", "list", "watch", "create", "delete"}
+    assert rules[("", "pods/log")] == {"get"}
+    assert ("", "secrets") not in rules
 
 
 def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
@@ -225,6 +230,9 @@ def test_cluster_rbac_grants_only_what_the_operator_uses(helm):
         ("events.k8s.io", "events"),
         ("", "pods"),
         ("", "pods/proxy"),
+        ("", "persistentvolumeclaims"),
+        ("batch", "jobs"),
+        ("", "pods/log"),
         ("", "nodes"),
         ("apiextensions.k8s.io", "customresourcedefinitions"),
         ("", "namespaces"),
