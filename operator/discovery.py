@@ -1,4 +1,7 @@
-"""GPU discovery: which GPU products the schedulable nodes carry, read from GPU Feature Discovery labels."""
+"""GPU discovery: which GPU products the schedulable nodes carry, read from GPU Feature Discovery labels, else
+from GKE's accelerator label or a well-known instance type (node_gpus.py). A node that has GPUs (the device
+plugin's `nvidia.com/gpu`, or `nvidia.com/gpu.present`) but none of these is kept as unidentified, so a
+deployment that finds no GPU can say which nodes need a label."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu, parse_gfd_labels
+from pagoda.operator import node_gpus as fallback
 
 LABEL_PRODUCT = "nvidia.com/gpu.product"
+UNIDENTIFIED = ""  # product_label of a node with GPUs the operator cannot name
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,11 @@ class NodeGPUs:
     compute_major: int
     compute_minor: int
     labels: tuple[tuple[str, str], ...] = ()
+    source: str = "GPU Feature Discovery"  # where the product came from (a label and its value otherwise)
+
+    @property
+    def identified(self) -> bool:
+        return self.product_label != UNIDENTIFIED
 
     def info(self) -> GPUInfo:
         return parse_gfd_labels(dict(self.labels))
@@ -35,50 +45,108 @@ class GPUPool:
     info: GPUInfo
     nodes: list[str] = field(default_factory=list)
     gpus_per_node: int = 0  # the most any one node has
+    selector: dict[str, str] = field(default_factory=dict)  # the node label engine pods are placed by
+    source: str = "GPU Feature Discovery"
+
+
+def _selector(gpus: NodeGPUs) -> dict[str, str]:
+    """GFD's product label, or the label the GPU was identified by (GKE's accelerator, the instance type)."""
+    if "=" in gpus.source:
+        key, _, value = gpus.source.partition("=")
+        return {key: value}
+    return {LABEL_PRODUCT: gpus.product_label}
+
+
+def _allocatable(node: dict[str, Any]) -> int | None:
+    value = ((node.get("status") or {}).get("allocatable") or {}).get("nvidia.com/gpu")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _gfd_like(name: str, count: int) -> dict[str, str]:
+    """The labels GFD would write for a catalogue GPU (so one parser reads every node)."""
+    spec = lookup_gpu(name)
+    major, minor = spec.compute_capability
+    return {
+        LABEL_PRODUCT: spec.labels[0],
+        "nvidia.com/gpu.memory": str(spec.memory_mib),
+        "nvidia.com/gpu.count": str(count),
+        "nvidia.com/gpu.compute.major": str(major),
+        "nvidia.com/gpu.compute.minor": str(minor),
+    }
 
 
 def node_gpus(node: dict[str, Any]) -> NodeGPUs | None:
-    """The GPUs of a schedulable, Ready node with GFD labels; None for anything else."""
+    """The GPUs of a schedulable, Ready node: from GFD labels, else GKE's accelerator label or the instance
+    type; an unidentified NodeGPUs for a node with GPUs none of these name; None for anything else."""
     meta = node.get("metadata") or {}
     labels = meta.get("labels") or {}
-    if LABEL_PRODUCT not in labels:
-        return None
     if (node.get("spec") or {}).get("unschedulable"):
         return None
     for cond in (node.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Ready" and cond.get("status") != "True":
             return None
-    gfd = {k: str(v) for k, v in labels.items() if k.startswith("nvidia.com/gpu.")}
+    allocatable = _allocatable(node)
+    source = "GPU Feature Discovery"
+    if LABEL_PRODUCT in labels:
+        gfd = {k: str(v) for k, v in labels.items() if k.startswith("nvidia.com/gpu.")}
+    else:
+        found = fallback.from_labels({k: str(v) for k, v in labels.items()})
+        if found is None:
+            has_gpus = (allocatable or 0) > 0 or str(
+                labels.get("nvidia.com/gpu.present", "")
+            ).lower() == "true"
+            if not has_gpus:
+                return None
+            return NodeGPUs(meta.get("name", ""), UNIDENTIFIED, 0, allocatable or 0, 0, 0, source="")
+        name, count, source = found
+        gfd = _gfd_like(name, allocatable if allocatable is not None else count or 1)
     try:
         info = parse_gfd_labels(gfd)
     except SizingError:
         return None
-    allocatable = ((node.get("status") or {}).get("allocatable") or {}).get("nvidia.com/gpu")
-    count = info.count
-    if allocatable is not None:
-        try:
-            count = int(allocatable)
-        except ValueError:
-            pass
     major, minor = info.compute_capability
     return NodeGPUs(
         node=meta.get("name", ""),
-        product_label=labels[LABEL_PRODUCT],
+        product_label=gfd[LABEL_PRODUCT],
         memory_mib=info.memory_mib,
-        count=count,
+        count=allocatable if allocatable is not None else info.count,
         compute_major=major,
         compute_minor=minor,
         labels=tuple(sorted(gfd.items())),
+        source=source,
+    )
+
+
+def unidentified(nodes: Iterable[NodeGPUs]) -> list[str]:
+    """Names of the nodes with GPUs the operator cannot name."""
+    return sorted(n.node for n in nodes if not n.identified)
+
+
+def unidentified_message(names: list[str]) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"node(s) {shown} have NVIDIA GPUs the operator cannot identify: no GPU Feature Discovery labels "
+        f"(nvidia.com/gpu.product), no {fallback.GKE_ACCELERATOR} it knows, no instance type it knows. Install "
+        "GPU Feature Discovery (the NVIDIA GPU Operator does), or label the node, e.g. `kubectl label node "
+        f"{names[0]} nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 nvidia.com/gpu.memory=81559 "
+        "nvidia.com/gpu.compute.major=9 nvidia.com/gpu.compute.minor=0`; the operator re-plans when it changes"
     )
 
 
 def pools(nodes: Iterable[NodeGPUs]) -> dict[str, GPUPool]:
     """Group nodes by product label, sorted by label so every choice made from them is deterministic."""
     out: dict[str, GPUPool] = {}
-    for gpus in sorted(nodes, key=lambda n: (n.product_label, n.node)):
-        pool = out.get(gpus.product_label)
+    for gpus in sorted((n for n in nodes if n.identified), key=lambda n: (n.product_label, n.node)):
+        # Nodes identified another way than by GFD form pools of their own: pods are placed by that label.
+        key = gpus.product_label if "=" not in gpus.source else f"{gpus.product_label} ({gpus.source})"
+        pool = out.get(key)
         if pool is None:
-            pool = out[gpus.product_label] = GPUPool(gpus.product_label, gpus.info())
+            pool = out[key] = GPUPool(
+                gpus.product_label, gpus.info(), selector=_selector(gpus), source=gpus.source
+            )
         pool.nodes.append(gpus.node)
         pool.gpus_per_node = max(pool.gpus_per_node, gpus.count)
     return out

@@ -20,15 +20,36 @@ from pagoda.engine.sizing import (
     shape_from_config,
     well_known_shape,
 )
+from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE
 from pagoda.operator import refit as refitting
-from pagoda.operator.discovery import GPUPool, matching_pools
+from pagoda.operator.discovery import (
+    GPUPool,
+    NodeGPUs,
+    matching_pools,
+    pools,
+    unidentified,
+    unidentified_message,
+)
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import InferenceSpec, SpecError
 
 KiB = 1 << 10
 GiB = 1 << 30
 CPU_DEFAULT_MEMORY = 4 * GiB  # a CPU pod with no memory limit gets this much (the KV cache lives in it)
-GPU_POD_BASE_MEMORY = 16 * GiB  # a GPU pod with no memory limit: this for the engine, plus the host KV tier
+# Engine pod CPU and memory where spec.resources leaves them out, one rule for every GPU pod (docs/operator.md,
+# "Pod resources"): a front end (API server, tokenizer, scheduler) plus one process per tensor-parallel rank.
+#   cpu    = 2 + 2 x TP
+#   memory = 6 GiB + TP x (3 GiB + max(1 GiB, 10% of the rank's weights)) + /dev/shm + the host KV tier
+#   /dev/shm = 2 GiB x TP (NCCL's buffers between ranks; a memory-backed emptyDir, so it counts against
+#              the pod's memory limit and is part of the request)
+FRONT_END_CPU, RANK_CPU = 2, 2
+FRONT_END_MEMORY = 6 * GiB  # the API server, tokenizer and scheduler process and the Python runtime
+RANK_MEMORY = 3 * GiB  # per rank: torch and the CUDA runtime's host allocations, pinned staging buffers
+LOAD_SHARE, LOAD_MIN = 0.10, 1 * GiB  # per rank: host buffers while its share of the weights loads
+SHM_PER_RANK = 2 * GiB
+CPU_SHM = (
+    256 << 20
+)  # CPU pods: one process, /dev/shm is only what libraries ask for; inside CPU_DEFAULT_MEMORY
 DISK_FS_SHARE = 0.95
 # --max-num-queued-reqs (docs/operator.md): requests waiting beyond two full batches only add latency a client
 # cannot see, where a 503 + Retry-After lets it go to another replica; and each waiting request holds its
@@ -46,12 +67,15 @@ class Decision:
     plan: Plan
     gpu: GPUInfo | None  # None: CPU pods
     product_label: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)  # places the engine pods on the chosen GPUs
     nodes: list[str] = field(default_factory=list)
     gpu_reason: str = ""
     nvme_bytes: int | None = None  # the per-pod PVC size when NVMe offload is on
     disk_tier_bytes: int = 0
     memory_limit_bytes: int | None = None  # the user's (spec.resources), or the CPU default
     pod_memory_bytes: int = 0  # what the pod may use: the user's limit, else what the operator requests
+    pod_cpu: int = 1  # cores the engine pod requests unless spec.resources says
+    shm_bytes: int = 0  # /dev/shm (memory-backed: part of pod_memory_bytes)
     max_num_queued_reqs: int = 1
     queue_reason: str = ""
     shape: ModelShape | None = None  # what the plan was sized for (the engine's dry run checks it)
@@ -104,6 +128,8 @@ def hints(spec: InferenceSpec, gpu_count: int | None) -> Hints:
     memory = spec.memory_limit_bytes
     if memory is None and gpu_count is None:
         memory = CPU_DEFAULT_MEMORY
+    if memory is not None and gpu_count is None:
+        memory = max(memory - CPU_SHM, 0)  # /dev/shm is memory the KV cache cannot have
     return Hints(
         target_context=spec.engine.max_model_len or w.target_context,
         min_concurrency=w.min_concurrency or 1,
@@ -197,6 +223,16 @@ def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
         )
         return new, None, 0
     host = p.kv_offload_host_bytes
+    limit = spec.memory_limit_bytes
+    if spec.offload.host_bytes is None and p.device != "cpu" and limit is not None:
+        # The host tier gets what the pod's limit leaves after the engine's own memory (the rule above).
+        runtime = runtime_memory_bytes(p)
+        host = max(0, int(limit * HOST_LIMIT_SHARE) - runtime) // GiB * GiB
+        reasons["kv_offload_host_bytes"] = (
+            f"{HOST_LIMIT_SHARE:.0%} of the pod memory limit {format_quantity(limit)} minus "
+            f"{format_quantity(runtime)} for the engine's processes, loading buffers and /dev/shm, whole GiB"
+            + ("; too small for a host tier" if host == 0 else "")
+        )
     if spec.offload.host_bytes is not None:
         host = 0 if p.device == "cpu" else spec.offload.host_bytes
         reasons["kv_offload_host_bytes"] = (
@@ -234,13 +270,37 @@ def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
     return new, pvc, disk
 
 
+def shm_bytes(p: Plan, gpu: GPUInfo | None) -> int:
+    """/dev/shm of an engine pod (a memory-backed emptyDir's sizeLimit)."""
+    return CPU_SHM if gpu is None else SHM_PER_RANK * p.tensor_parallel_size
+
+
+def pod_cpu(p: Plan, gpu: GPUInfo | None) -> int:
+    """Cores an engine pod requests: one front end, one process per rank (CPU pods: the cores it computes on
+    are the user's resources.requests.cpu, else 1)."""
+    return 1 if gpu is None else FRONT_END_CPU + RANK_CPU * p.tensor_parallel_size
+
+
+def runtime_memory_bytes(p: Plan) -> int:
+    """A GPU pod's memory besides the host KV tier: front end, ranks with their loading buffers, /dev/shm."""
+    tp = p.tensor_parallel_size
+    per_rank = RANK_MEMORY + max(LOAD_MIN, int(LOAD_SHARE * p.weights_bytes_per_gpu))
+    return FRONT_END_MEMORY + tp * (per_rank + SHM_PER_RANK)
+
+
+def needed_memory_bytes(p: Plan, gpu: GPUInfo | None) -> int:
+    """What the rule above gives a GPU pod (CPU pods: the default, which the KV cache is sized into)."""
+    if gpu is None:
+        return CPU_DEFAULT_MEMORY
+    total = runtime_memory_bytes(p) + (p.kv_offload_host_bytes or 0)
+    return -(-total // GiB) * GiB
+
+
 def pod_memory_bytes(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> int:
     """The engine pod's memory: the user's limit (or request), else what the operator will request."""
     if spec.memory_limit_bytes is not None:
         return spec.memory_limit_bytes
-    if gpu is None:
-        return CPU_DEFAULT_MEMORY
-    return GPU_POD_BASE_MEMORY + (p.kv_offload_host_bytes or 0)
+    return needed_memory_bytes(p, gpu)
 
 
 def queue_limit(p: Plan, pod_memory: int) -> tuple[int, str]:
@@ -265,6 +325,16 @@ def queue_limit(p: Plan, pod_memory: int) -> tuple[int, str]:
 def _finish(decision: Decision, spec: InferenceSpec, shape: ModelShape) -> Decision:
     decision.shape = shape
     decision.pod_memory_bytes = pod_memory_bytes(spec, decision.plan, decision.gpu)
+    decision.pod_cpu = pod_cpu(decision.plan, decision.gpu)
+    decision.shm_bytes = shm_bytes(decision.plan, decision.gpu)
+    need = needed_memory_bytes(decision.plan, decision.gpu)
+    if decision.gpu is not None and decision.pod_memory_bytes < need:
+        decision.plan.warnings.append(
+            f"spec.resources gives the pod {format_quantity(decision.pod_memory_bytes)} of memory; the operator's "
+            f"rule asks {format_quantity(need)} for {decision.plan.tensor_parallel_size} rank(s), their weights' "
+            f"loading, {format_quantity(decision.shm_bytes)} of /dev/shm (which counts against the limit) and the "
+            "host KV tier: the pod may be OOM-killed"
+        )
     decision.max_num_queued_reqs, decision.queue_reason = queue_limit(
         decision.plan, decision.pod_memory_bytes
     )
@@ -359,9 +429,23 @@ def decide(
     p = _apply_overrides(spec, p, pool.info)
     p, nvme, disk = _offload(spec, p)
     p = _refitted(p, refit, pool.info)
+    if pool.source != "GPU Feature Discovery":
+        reason += f"; the GPU was identified from {pool.source} (no GPU Feature Discovery labels)"
     info = dataclasses.replace(pool.info, count=spec.gpu.count)
-    return _finish(
-        Decision(p, info, pool.product_label, list(pool.nodes), reason, nvme, disk, spec.memory_limit_bytes),
-        spec,
-        shape,
-    )
+    decision = Decision(p, info, pool.product_label, dict(pool.selector), list(pool.nodes), reason, nvme, disk,
+                        spec.memory_limit_bytes)  # fmt: skip
+    return _finish(decision, spec, shape)
+
+
+def decide_on_nodes(
+    spec: InferenceSpec, nodes: list[NodeGPUs], refit: dict[str, Any] | None = None
+) -> Decision:
+    """`decide` on the nodes' GPUs; where no GPU fits and some nodes have GPUs nobody could name, the spec
+    gets a condition that names those nodes and the label to add (reason GPUUnidentified)."""
+    try:
+        return decide(spec, pools(nodes), refit)
+    except SpecError as err:
+        unknown = unidentified(nodes)
+        if unknown and err.reason in ("NoGPUNodes", "NoMatchingNodes"):
+            raise SpecError("gpu.product", unidentified_message(unknown), reason="GPUUnidentified") from None
+        raise

@@ -26,7 +26,7 @@ from pagoda.operator.discovery import NodeGPUs, pools
 from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
-from pagoda.operator.planning import decide
+from pagoda.operator.planning import decide, decide_on_nodes
 from pagoda.operator.refit import Failure
 from pagoda.operator.spec import SpecError, parse_spec
 from pagoda.operator.status import (
@@ -242,7 +242,7 @@ class Reconciler:
             spec = parse_spec(body.get("spec"))
             check_image(spec.image, self.allowed_images)  # before anything is created or changed
             render.check_pod_fields(spec)
-            decision = decide(spec, pools(nodes), refit)
+            decision = decide_on_nodes(spec, nodes, refit)
             check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
             if spec.routing.policy is not None:
                 check_router_args(render.router_args(body, spec))  # nor a router pod

@@ -197,7 +197,7 @@ def _resources(spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
     if "memory" not in requests and "memory" not in limits:
         # The engine itself plus the KV it keeps in RAM (planning.pod_memory_bytes).
         requests["memory"] = limits["memory"] = format_quantity(decision.pod_memory_bytes)
-    requests.setdefault("cpu", "1" if decision.gpu is None else "4")
+    requests.setdefault("cpu", str(decision.pod_cpu))
     if decision.gpu is not None:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpu.count)
     return {"requests": requests, "limits": limits}
@@ -225,6 +225,8 @@ def _api_key_env(spec: InferenceSpec) -> list[dict[str, Any]]:
 def engine_env(spec: InferenceSpec) -> list[dict[str, Any]]:
     """The environment the operator gives the engine container (spec.pod.env comes after it)."""
     env: list[dict[str, Any]] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    if spec.gpu.count > 0:  # a GPU pod never builds nor loads the CPU path's C kernels
+        env.append({"name": "PAGODA_NATIVE_KERNELS", "value": "0"})
     if spec.model.kind == "hf":
         from pagoda.operator.model_cache import HF_HOME
 
@@ -264,7 +266,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    shm = "1Gi" if decision.gpu is None else f"{8 * spec.gpu.count}Gi"
+    shm = format_quantity(decision.shm_bytes)  # counted in the pod's memory (planning.needed_memory_bytes)
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
         {"name": "tmp", "emptyDir": {}},
@@ -336,7 +338,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     node_selector = dict(spec.gpu.node_selector)
     tolerations = list(spec.gpu.tolerations)
     if decision.gpu is not None:
-        node_selector[PRODUCT_LABEL] = decision.product_label
+        node_selector.update(decision.node_selector or {PRODUCT_LABEL: decision.product_label})
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),
