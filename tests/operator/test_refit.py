@@ -78,10 +78,10 @@ async def test_oom_killed_gives_a_lower_utilization_an_event_and_a_rolled_statef
         await cluster.settle()
         assert flag(new, "--gpu-memory-utilization") == "0.87"
         assert cluster.get("v1/pods", "default", f"{NAME}-1") is None  # rolled: the StatefulSet recreates it
-        assert flag(new, "--kv-offload-host-bytes") == str(12 << 30)  # OOMKilled: the pod's RAM ran out too
+        assert flag(new, "--kv-offload-host-bytes") == str(8 << 30)  # OOMKilled: the pod's RAM ran out too (half of 16 GiB)
         state = refit_status(cluster)
         assert state["attempts"] == 1
-        assert state["settings"] == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 12 << 30}
+        assert state["settings"] == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 8 << 30}
         assert state["lastFailure"]["reason"] == "OOMKilled" and state["lastFailure"]["pod"] == f"{NAME}-1"
         plan = cluster.get(INFD, "default", NAME)["status"]["plan"]
         assert (
@@ -218,7 +218,7 @@ def test_the_order_is_utilization_then_length_then_sequences() -> None:
     settings, change = refit.next_settings(spec, p, memory, CUDA_OOM, {})
     assert settings == {"gpuMemoryUtilization": 0.87} and "0.92 -> 0.87" in change
     settings, change = refit.next_settings(spec, p, memory, FAILURE, {})  # OOMKilled: the host tier too
-    assert settings == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 12 << 30}
+    assert settings == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 8 << 30}
     # utilization set by the spec: it is a bound, the context goes next
     spec, p, memory = _plan(engine={"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.92}, workload={})
     settings, change = refit.next_settings(spec, p, memory, CUDA_OOM, {})
