@@ -54,7 +54,14 @@ def test_pod_fields_reach_engine_and_router_pods() -> None:
     # The operator's GPU placement stays: the affinity adds to it.
     assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L40S"
     names = [e["name"] for e in engine["env"]]
-    assert names == ["HF_HUB_OFFLINE", "PAGODA_NATIVE_KERNELS", "HF_HOME", "PAGODA_API_KEY", "NCCL_DEBUG", "FROM_SECRET"]
+    assert names == [
+        "HF_HUB_OFFLINE",
+        "PAGODA_NATIVE_KERNELS",
+        "HF_HOME",
+        "PAGODA_API_KEY",
+        "NCCL_DEBUG",
+        "FROM_SECRET",
+    ]
     assert engine["envFrom"] == [{"configMapRef": {"name": "engine-env"}}]
     rpod = router["spec"]["template"]["spec"]
     assert rpod["imagePullSecrets"] == [{"name": "registry-creds"}]  # the same image

@@ -78,7 +78,9 @@ async def test_oom_killed_gives_a_lower_utilization_an_event_and_a_rolled_statef
         await cluster.settle()
         assert flag(new, "--gpu-memory-utilization") == "0.87"
         assert cluster.get("v1/pods", "default", f"{NAME}-1") is None  # rolled: the StatefulSet recreates it
-        assert flag(new, "--kv-offload-host-bytes") == str(8 << 30)  # OOMKilled: the pod's RAM ran out too (half of 16 GiB)
+        assert flag(new, "--kv-offload-host-bytes") == str(
+            8 << 30
+        )  # OOMKilled: the pod's RAM ran out too (half of 16 GiB)
         state = refit_status(cluster)
         assert state["attempts"] == 1
         assert state["settings"] == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 8 << 30}
