@@ -17,6 +17,7 @@ output alive.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -33,6 +34,27 @@ Capture = Callable[[Callable[[], None]], Replay]
 """Turns a forward closure into its replay: on CUDA it records a graph; tests pass the closure through."""
 
 LARGEST_CAPTURE = 256
+
+
+class RerunCapture:
+    """A recording emulated on any device: the replay calls the recorded forward again, with the metadata
+    and buffers it was recorded with, and counts itself by batch size. What the CPU tests record with (it
+    pickles, so tensor-parallel ranks get it too); shapes and host-side values are frozen as a graph
+    freezes them, launches that only a GPU would refuse while recording are not checked."""
+
+    def __init__(self) -> None:
+        self.recorded: list[int] = []
+        self.replays: Counter[int] = Counter()
+
+    def __call__(self, forward: Callable[[], None]) -> Replay:
+        size = forward.args[0]
+        self.recorded.append(size)
+
+        def replay() -> None:
+            self.replays[size] += 1
+            forward()
+
+        return replay
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -81,13 +103,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         top = self.sizes[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(top, dtype=torch.int32, device=device)
+        self.staging = StagingBuffer(top, self.max_blocks, device)
+        self.input_ids, self.positions, self.slot_mapping = (self.staging.device[k] for k in _INT64_INPUTS)
+        self.seq_lens, self.context_lens = (
+            self.staging.device["seq_lens"],
+            self.staging.device["context_lens"],
+        )
+        self.block_tables = self.staging.device["block_tables"]
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((top, self.max_blocks), dtype=torch.int32, device=device)
         self.hidden = torch.zeros((top, hidden_size), dtype=dtype, device=device)
         self._replays: dict[int, Replay] = {}
         from tqdm.auto import tqdm
@@ -131,25 +154,84 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
-        """Copy the step into the buffers, pad, replay; the hidden rows of the real sequences (a view of a
-        buffer the next replay overwrites)."""
+        """Write the step into the staging buffer, padded, copy it to the device in one transfer, replay;
+        the hidden rows of the real sequences (a view of a buffer the next replay overwrites)."""
         tables, positions, context_lens = step.block_tables, step.positions, step.context_lens
         n = len(step.input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         bs = self.block_size
-        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        self.input_ids[:n].copy_(torch.from_numpy(step.input_ids))
-        self.positions[:n].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:n].copy_(torch.from_numpy(slots))
-        self.seq_lens[:n].copy_(torch.from_numpy((context_lens + 1).astype(np.int32)))
-        self.context_lens[:n].copy_(torch.from_numpy(context_lens.astype(np.int32)))
-        self.block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
+        host = self.staging.writable()
+        host["input_ids"][:n] = step.input_ids
+        host["positions"][:n] = positions
+        host["slot_mapping"][:n] = (
+            tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        )
+        host["seq_lens"][:n] = context_lens + 1
+        host["context_lens"][:n] = context_lens
+        host["block_tables"][:n, : tables.shape[1]] = tables
         if size > n:  # padding rows: no KV write, one token of block 0
-            self.input_ids[n:size] = 0
-            self.positions[n:size] = 0
-            self.slot_mapping[n:size] = -1
-            self.seq_lens[n:size] = 1
-            self.context_lens[n:size] = 0
-            self.block_tables[n:size, 0] = 0
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1),
+                                ("context_lens", 0)):  # fmt: skip
+                host[name][n:size] = value
+            host["block_tables"][n:size, 0] = 0
+        self.staging.upload(size)
         self._replays[size]()
         return self.hidden[:n]
+
+
+_INT64_INPUTS = ("input_ids", "positions", "slot_mapping")
+_LAYOUT = (  # name, dtype, columns (None: one value per row); the block tables last, so rows 0..size of
+    # every input end the buffer's first bytes and a step copies only those
+    ("input_ids", torch.int64, None),
+    ("positions", torch.int64, None),
+    ("slot_mapping", torch.int64, None),
+    ("seq_lens", torch.int32, None),
+    ("context_lens", torch.int32, None),
+    ("block_tables", torch.int32, "max_blocks"),
+)
+_ALIGN = 256  # each input starts where the CUDA allocator would put a tensor of its own
+
+
+class StagingBuffer:
+    """A decode step's inputs in one host buffer (pinned on CUDA) and one device buffer of the same layout:
+    the step is written on the host with NumPy and reaches the recorded forward's static inputs in one
+    asynchronous copy, instead of six pageable ones. The host side is rewritten only once the previous
+    copy has finished (an event), since the engine does not wait for the device between steps on every
+    rank."""
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        offsets, end = {}, 0
+        for name, dtype, columns in _LAYOUT:
+            shape = (rows, max_blocks) if columns else (rows,)
+            offsets[name] = (end, dtype, shape)
+            end += -(-(int(np.prod(shape)) * dtype.itemsize) // _ALIGN) * _ALIGN
+        self.table_offset = offsets["block_tables"][0]
+        self.row_bytes = max_blocks * torch.int32.itemsize
+        self.host_bytes = torch.zeros(end, dtype=torch.uint8, pin_memory=self.cuda)
+        self.device_bytes = torch.zeros(end, dtype=torch.uint8, device=device)
+        self.device = {k: _view(self.device_bytes, *spec) for k, spec in offsets.items()}
+        self.host = {k: _view(self.host_bytes, *spec).numpy() for k, spec in offsets.items()}
+        self.device["seq_lens"].fill_(1)  # rows never written read one token of block 0, like padding rows
+        self.host["seq_lens"][:] = 1
+        self.device["slot_mapping"].fill_(-1)
+        self.host["slot_mapping"][:] = -1
+        self._copied = torch.cuda.Event() if self.cuda else None
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host views, once the last upload has read them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def upload(self, rows: int) -> None:
+        """One copy of every input's first ``rows`` rows (the small inputs whole, then the block tables)."""
+        end = self.table_offset + rows * self.row_bytes
+        self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=self.cuda)
+        if self._copied is not None:
+            self._copied.record()
+
+
+def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    count = int(np.prod(shape))
+    return buffer[offset : offset + count * dtype.itemsize].view(dtype).view(shape)

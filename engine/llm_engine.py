@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.decode_graphs import capture_sizes
 from pagoda.engine.detokenizer import Detokenizer, check_stop_strings, visible_text
 from pagoda.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
@@ -46,6 +47,7 @@ from pagoda.engine.sizing.engine_plan import (
     profile_tokens,
     resolve_dtype_name,
 )
+from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 
 log = logging.getLogger("pagoda.engine")
@@ -63,7 +65,15 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     """The torch dtype of ``--dtype name`` (the sizing module's rule, so dry runs size what runs)."""
-    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype)]
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype, cc)]
+
+
+def check_device(device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    """Refuse at start-up what this GPU cannot run (UnsupportedOnGPU, exit code 2), before anything else."""
+    if device.type == "cuda":
+        name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        check_dtypes(name, cc, str(dtype).removeprefix("torch."), kv_cache_dtype)
 
 
 class LLMEngine:
@@ -76,6 +86,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path)
         mc = self.model_config
         self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
+        check_device(self.device, self.dtype, config.kv_cache_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -119,7 +130,10 @@ class LLMEngine:
         self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, most_heads, mc.head_dim, kv_dtype)
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
-        kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype)
+        # CUDA graphs: recorded after the cache is allocated, so their memory is measured first and left out
+        recordable = self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+        graph_sizes = tuple(capture_sizes(config.max_num_seqs)) if recordable else ()
+        kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype, graph_sizes)
         # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.
         self.plan = engine_plan(
             config,
@@ -136,11 +150,10 @@ class LLMEngine:
         self.max_model_len_fitted = self.plan.max_model_len_fitted
         config.max_num_batched_tokens = self.plan.max_num_batched_tokens
         self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
-        recordable = self.device.type == "cuda" and backend.name == "triton" and self.workers is None
-        if recordable and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         if self.workers is not None:
             self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
+        if graph_sizes:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         identity = cache_identity(self.fingerprint, self.dtype, kv_dtype, block_size)
         offload = (
             None
@@ -235,7 +248,7 @@ class LLMEngine:
         return self.runner.model
 
     # ---- memory -------------------------------------------------------------------------------------
-    def _kv_memory_bytes(self, kv_dtype: torch.dtype) -> tuple[int, int, dict]:
+    def _kv_memory_bytes(self, kv_dtype: torch.dtype, graph_sizes: tuple[int, ...]) -> tuple[int, int, dict]:
         """KV bytes to allocate, the activation reserve that was measured (CUDA) or assumed (CPU), and the
         device's memory as measured (for the start-up memory profile): every rank profiles, the least
         budget wins."""
@@ -243,7 +256,18 @@ class LLMEngine:
         if cfg.kv_cache_memory_bytes is not None:
             return int(cfg.kv_cache_memory_bytes), 0, {"source": "--kv-cache-memory-bytes"}
         tokens = profile_tokens(cfg.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        request = Profile(tokens, cfg.block_size, kv_dtype, cfg.gpu_memory_utilization, cfg.profile_on_cpu)
+        max_len = self.model_config.max_position_embeddings  # the plan's length is not known yet: at most
+        if isinstance(cfg.max_model_len, int):
+            max_len = min(max_len, cfg.max_model_len)
+        request = Profile(
+            tokens,
+            cfg.block_size,
+            kv_dtype,
+            cfg.gpu_memory_utilization,
+            cfg.profile_on_cpu,
+            graph_sizes,
+            max_len,
+        )
         budget = self.runner.measure_kv_budget(request)
         ranks = {"rank_kv_cache_bytes": budget.rank_kv_bytes} if self.workers is not None else {}
         return budget.kv_bytes, budget.activation_bytes, {**budget.device_memory, **ranks}

@@ -17,7 +17,7 @@ from pagoda.engine import host_allocator
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 from pagoda.engine.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagoda.engine.distributed.parallel_state import gather_ints, tp_size
-from pagoda.engine.distributed.workers import Profile, Step
+from pagoda.engine.distributed.workers import CaptureGraphs, Profile, Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.memory import cpu_kv_cache_bytes
@@ -173,18 +173,54 @@ class ModelRunner:
         activation = self.profile_activation_peak(
             request.num_tokens, request.block_size, request.kv_dtype, request.forward_on_cpu
         )
+        graphs = self.profile_graph_bytes(request)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
             own, others = gpu_kv_budget(
-                total, free, reserved, request.gpu_memory_utilization, self.weights_bytes(), activation
+                total,
+                free,
+                reserved,
+                request.gpu_memory_utilization,
+                self.weights_bytes(),
+                activation,
+                graphs,
             )
             measured = {"device_total_bytes": total, "device_free_bytes": free, "other_bytes": others}
             source = str(self.device)
         else:
             own, measured, source = cpu_kv_cache_bytes(tp_size()), {}, "host"
         ranks = gather_ints(own, self.device)
-        return KVBudget(min(ranks), activation, ranks, {**measured, "source": source})
+        return KVBudget(
+            min(ranks), activation, ranks, {**measured, "cuda_graph_bytes": graphs, "source": source}
+        )
+
+    def profile_graph_bytes(self, request: Profile) -> int:
+        """Device memory the decode graphs will take (0 without graphs, or off CUDA): record the largest
+        batch size and then the smallest into one pool over a two-block scratch cache, measuring the
+        device's free memory around each; the pool the largest needs plus every other recording's own
+        cost (the smallest's) bound what `capture_decode_graphs` takes later. Every rank records at once."""
+        if not request.graph_sizes:
+            return 0
+        saved = self.kv_caches, self.block_size
+        self.allocate_kv_cache(2, request.block_size, request.kv_dtype)
+        capture = request.capture or cuda_capture()
+        recordings, costs = [], []  # the recordings stay alive: the smallest records into the largest's pool
+        for size in dict.fromkeys((request.graph_sizes[-1], request.graph_sizes[0])):
+            free = self._free_device_bytes()
+            recordings.append(self._record([size], request.max_model_len, capture))
+            costs.append(max(free - self._free_device_bytes(), 0))
+        del recordings
+        self.kv_caches, self.block_size = saved
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return costs[0] + (len(request.graph_sizes) - 1) * costs[-1]
+
+    def _free_device_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------
     def capture_decode_graphs(
@@ -192,23 +228,20 @@ class ModelRunner:
     ) -> str | None:
         """Record the decode forward per batch size (after the KV cache is allocated), then check one
         replay against the eager forward. Returns None when graphs are on, else why they stay off: a
-        recording that fails or disagrees leaves the engine eager, it never stops it."""
+        recording that fails or disagrees leaves the engine eager, it never stops it. Under tensor
+        parallelism every rank records (rank 0 sends the others the same request first) and the ranks
+        agree: graphs stay off on every rank if one rank's failed."""
+        if self.peers is not None:
+            self.peers.send(CaptureGraphs(max_num_seqs, max_model_len, capture))
         self.decode_graphs = None
         try:
-            graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                sizes=capture_sizes(max_num_seqs),
-                max_model_len=max_model_len,
-                block_size=self.block_size,
-                hidden_size=self.model.config.hidden_size,
-                dtype=self.model.dtype,
-                device=self.device,
-                capture=capture or cuda_capture(),
-            )
+            graphs = self._record(capture_sizes(max_num_seqs), max_model_len, capture or cuda_capture())
             why = self._check_decode_graphs(graphs)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             why = f"capture failed: {type(exc).__name__}: {exc}"
+        failed = gather_ints(int(why is not None), self.device)
+        if why is None and any(failed):
+            why = f"tensor-parallel rank {failed.index(1)} could not record them"
         if why is None:
             self.decode_graphs = graphs
             log.info("CUDA graphs: decode batches of %s sequences", ", ".join(map(str, graphs.sizes)))
@@ -217,6 +250,19 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return why
+
+    def _record(self, sizes: list[int], max_model_len: int, capture: Capture) -> DecodeGraphs:
+        return DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            sizes=sizes,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            hidden_size=self.model.config.hidden_size,
+            dtype=self.model.dtype,
+            device=self.device,
+            capture=capture,
+        )
 
     def _check_decode_graphs(self, graphs: DecodeGraphs) -> str | None:
         """One padded decode batch over random KV in free blocks (start-up: every block is free), replayed

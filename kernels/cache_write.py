@@ -9,8 +9,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from pagoda.kernels.launch_config import cache_write_config
 from pagoda.kernels.reference import is_fp8, is_int8
-from pagoda.kernels.runtime import check_int8_scales, check_launchable, next_power_of_2
+from pagoda.kernels.runtime import (
+    check_int8_scales,
+    check_launchable,
+    device_limits,
+    heads_layout,
+    launch,
+    next_power_of_2,
+)
+
+# Integers kept out of Triton's specialization, as in paged_decode.
+DYNAMIC_ARGS = ["k_row_heads", "v_row_heads", "num_slots", "num_kv_heads"]
 
 
 @triton.jit
@@ -27,7 +38,7 @@ def _quantize_rows_int8(x):
     return y.to(tl.int8), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _reshape_and_cache_kernel(
     k_ptr,
     v_ptr,
@@ -36,12 +47,9 @@ def _reshape_and_cache_kernel(
     slot_ptr,
     inv_k_scale,
     inv_v_scale,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    v_offset,  # elements from the K half of the cache to the V half
-    scales_v_offset,  # elements from the K half of the scales to the V half
+    k_row_heads,  # k.stride(0) / HEAD_DIM: rows are whole heads apart, heads HEAD_DIM apart
+    v_row_heads,
+    num_slots,  # num_blocks * block_size: the K half of the cache holds num_slots x num_kv_heads rows
     num_kv_heads,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -57,9 +65,11 @@ def _reshape_and_cache_kernel(
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM)
     mask = (h < num_kv_heads)[:, None]
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = kv_ptr + slot * num_kv_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + (t * k_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask)
+    v = tl.load(v_ptr + (t * v_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask)
+    dst = kv_ptr + (slot * num_kv_heads + h[:, None]) * HEAD_DIM + d[None, :]
+    scales_v_offset = num_slots.to(tl.int64) * num_kv_heads  # K half of the scales to its V half
+    v_offset = scales_v_offset * HEAD_DIM
     if INT8:
         s_dst = scales_ptr + slot * num_kv_heads + h
         k_q, k_s = _quantize_rows_int8(k.to(tl.float32))
@@ -99,15 +109,15 @@ def reshape_and_cache(
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     if num_tokens == 0:
         return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    k, v = heads_layout(k, head_dim), heads_layout(v, head_dim)
+    config = cache_write_config(device_limits(k.device))
     quantize = is_fp8(kv_cache.dtype)
     int8 = is_int8(kv_cache.dtype)
     if int8:
         check_int8_scales(kv_cache, kv_scales)
-    _reshape_and_cache_kernel[(num_tokens,)](
+    launch(
+        _reshape_and_cache_kernel,
+        (num_tokens,),
         k,
         v,
         kv_cache,
@@ -115,17 +125,15 @@ def reshape_and_cache(
         slot_mapping,
         1.0 / k_scale,
         1.0 / v_scale,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_cache[1].storage_offset() - kv_cache[0].storage_offset(),
-        kv_scales[1].storage_offset() - kv_scales[0].storage_offset() if int8 else 0,
+        k.stride(0) // head_dim,
+        v.stride(0) // head_dim,
+        kv_cache.shape[1] * kv_cache.shape[2],
         num_kv_heads,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         QUANTIZE=quantize,
         FP8_MAX=torch.finfo(kv_cache.dtype).max if quantize else 0.0,
         INT8=int8,
-        num_warps=4,
+        num_warps=config.num_warps,
+        shared_memory_bound=config.shared_memory,
     )

@@ -15,10 +15,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.runtime import check_int8_scales, interpreting, prepare_attention
+from pagoda.kernels.convert import widen
+from pagoda.kernels.launch_config import prefill_config
+from pagoda.kernels.runtime import check_int8_scales, device_limits, dtype_name, launch, prepare_attention
+
+# Integers kept out of Triton's specialization, as in paged_decode.
+DYNAMIC_ARGS = ["window", "q_row_heads", "out_row_heads", "stride_bt", "num_blocks", "num_kv_heads"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _paged_prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -31,16 +36,10 @@ def _paged_prefill_kernel(
     qk_scale_log2,  # softmax scale * k_scale * log2(e)
     v_scale,
     window,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
+    q_row_heads,  # q.stride(0) / HEAD_DIM: rows are whole heads apart, heads HEAD_DIM apart
+    out_row_heads,
     stride_bt,
-    v_offset,
-    stride_block,
-    stride_tok,
-    stride_head,
-    scales_v_offset,  # INT8: elements from the K half of the scales to the V half
+    num_blocks,
     num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -66,14 +65,18 @@ def _paged_prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     row_mask = m < q_len
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_mask[:, None])
+    q = tl.load(q_ptr + (rows[:, None] * q_row_heads + head) * HEAD_DIM + d[None, :], mask=row_mask[:, None])
     q_pos = context_len + m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_base = kv_ptr + (head // GROUP).to(tl.int64) * stride_head
+    # The cache is contiguous [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]: its strides follow.
+    stride_tok = num_kv_heads * HEAD_DIM
+    stride_block = stride_tok * BLOCK_SIZE
+    v_offset = num_blocks.to(tl.int64) * stride_block
+    kv_base = kv_ptr + (head // GROUP).to(tl.int64) * HEAD_DIM
 
     first_q = context_len + m_tile * BLOCK_M  # smallest query position of this tile
     kv_hi = tl.minimum(seq_len, first_q + BLOCK_M)  # one past the largest key any row may see
@@ -88,7 +91,9 @@ def _paged_prefill_kernel(
         n = start + tl.arange(0, BLOCK_N)
         block = tl.load(table + n // BLOCK_SIZE, mask=n < seq_len, other=0).to(tl.int64)
         offs = block * stride_block + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
-        k = tl.load(kv_base + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0).to(q.dtype)
+        k = widen(
+            tl.load(kv_base + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0), q.dtype
+        )
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -96,7 +101,7 @@ def _paged_prefill_kernel(
         if INT8:  # per-token scales, as in the decode kernel
             s_offs = (block * BLOCK_SIZE + (n % BLOCK_SIZE).to(tl.int64)) * num_kv_heads + head // GROUP
             k_s = tl.load(scales_ptr + s_offs, mask=n < seq_len, other=0.0)
-            v_s = tl.load(scales_ptr + scales_v_offset + s_offs, mask=n < seq_len, other=0.0)
+            v_s = tl.load(scales_ptr + v_offset // HEAD_DIM + s_offs, mask=n < seq_len, other=0.0)
             s = s * k_s[None, :]
         s = s * qk_scale_log2
         if start >= unmasked_hi:
@@ -110,7 +115,7 @@ def _paged_prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0)
-        v = v.to(q.dtype)
+        v = widen(v, q.dtype)
         if INT8:
             p = p * v_s[None, :]
         if IEEE_DOT:
@@ -121,7 +126,7 @@ def _paged_prefill_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
-    dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+    dst = out_ptr + (rows[:, None] * out_row_heads + head) * HEAD_DIM + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -150,18 +155,17 @@ def paged_prefill_attention(
     n = seq_ids.shape[0]
     if n == 0 or max_query_len == 0:
         return out
-    if interpreting():
-        block_m, block_n = block_m or 16, block_n or 16
-    elif head_dim <= 128:
-        block_m, block_n = block_m or 128, block_n or 64
-    else:
-        block_m, block_n = block_m or 64, block_n or 32
-    kv_k = kv_cache[0]
+    group = num_heads // num_kv_heads
+    config = prefill_config(
+        device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_dim, group
+    )
+    block_m, block_n = block_m or config.block_m, block_n or config.block_n
     int8 = kv_cache.dtype == torch.int8
     if int8:
         check_int8_scales(kv_cache, kv_scales)
-    grid = (n, triton.cdiv(max_query_len, block_m), num_heads)
-    _paged_prefill_kernel[grid](
+    launch(
+        _paged_prefill_kernel,
+        (n, triton.cdiv(max_query_len, block_m), num_heads),
         q,
         kv_cache,
         kv_scales if int8 else kv_cache,
@@ -173,18 +177,12 @@ def paged_prefill_attention(
         scale * k_scale * math.log2(math.e),
         v_scale,
         sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q.stride(0) // head_dim,
+        out.stride(0) // head_dim,
         block_tables.stride(0),
-        kv_cache[1].storage_offset() - kv_k.storage_offset(),
-        kv_k.stride(0),
-        kv_k.stride(1),
-        kv_k.stride(2),
-        kv_scales[1].storage_offset() - kv_scales[0].storage_offset() if int8 else 0,
+        kv_cache.shape[1],
         num_kv_heads,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
@@ -192,7 +190,8 @@ def paged_prefill_attention(
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=q.dtype == torch.float32,
         INT8=int8,
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        shared_memory_bound=config.shared_memory,
     )
     return out

@@ -1,10 +1,22 @@
-"""Where Triton kernels may run, and the checks that make a wrong place a clear error."""
+"""Where Triton kernels may run, the checks that make a wrong place a clear error, and their launch.
+
+Every launcher goes through `launch`: normally it launches, inside `compiling_for` (pagoda.kernels.aot) it
+compiles the same kernel with the same arguments for a GPU that need not be here. The kernels keep every
+integer that varies from step to step or with the cache's size out of Triton's specialization and compute
+the cache's strides from its constexpr shape, so the variants a launch compiles are fixed by the
+constexprs, dtypes and launch configuration alone: what `pagoda kernels warm` compiles is what runs.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from pagoda.kernels.launch_config import INTERPRETER, DeviceLimits
 
 
 def interpreting() -> bool:
@@ -12,9 +24,62 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@dataclass(frozen=True)
+class Compiler:
+    """What `launch` hands a kernel to while compiling ahead (pagoda.kernels.aot), with the target's limits."""
+
+    limits: DeviceLimits
+    compile: Callable[[Any, tuple, dict, int], None]  # (kernel, args, kwargs, shared memory bound)
+
+
+COMPILING: ContextVar[Compiler | None] = ContextVar("pagoda_kernels_compiling", default=None)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, shared_memory_bound: int, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``, or its compilation for the target being compiled for (which
+    checks the compiled kernel against ``shared_memory_bound``, the launch configuration's estimate)."""
+    compiler = COMPILING.get()
+    if compiler is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        compiler.compile(kernel, args, kwargs, shared_memory_bound)
+
+
+_LIMITS: dict[int, DeviceLimits] = {}
+
+
+def device_limits(device: torch.device) -> DeviceLimits:
+    """Compute capability and shared memory per block (opt-in maximum) of the device a launch runs on."""
+    compiler = COMPILING.get()
+    if compiler is not None:
+        return compiler.limits
+    if device.type != "cuda":
+        return INTERPRETER
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LIMITS:
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+        _LIMITS[index] = DeviceLimits((props.major, props.minor), int(smem))
+    return _LIMITS[index]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16', 'float8_e4m3fn', 'int8': how the launch configurations name dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+def heads_layout(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``t`` [rows, heads, head_dim] as the kernels address it (heads ``head_dim`` apart, rows a whole number
+    of heads apart, elements adjacent): itself when it already is, else a contiguous copy."""
+    if t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) % head_dim == 0:
+        return t
+    return t.contiguous()
+
+
 def check_launchable(t: torch.Tensor, name: str) -> None:
-    """Triton needs a CUDA tensor, or a CPU tensor with the interpreter switched on before Triton's import."""
-    if t.device.type == "cuda":
+    """Triton needs a CUDA tensor, or a CPU tensor with the interpreter switched on before Triton's import
+    (or, compiling ahead, a tensor on the meta device: shapes and dtypes without memory)."""
+    if t.device.type == "cuda" or (t.device.type == "meta" and COMPILING.get() is not None):
         return
     if t.device.type == "cpu" and interpreting():
         import triton.language.standard as tl_standard
@@ -68,10 +133,11 @@ def prepare_attention(
         raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q = heads_layout(q, head_dim)
     if out is None:
         out = torch.empty_like(q)
+    elif heads_layout(out, head_dim) is not out:
+        raise ValueError(f"out {tuple(out.shape)} with strides {out.stride()} is not laid out by whole heads")
     return q, out, num_heads, head_dim, block_size, num_kv_heads
 
 

@@ -51,9 +51,14 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         # Imported here, not at module import: Triton decides interpreter vs compiler when the kernels are
         # defined, so the kernel modules must load after the caller has chosen (see tests/kernels/conftest).
+        from pagoda.kernels.cache import link_seed_cache
         from pagoda.kernels.cache_write import reshape_and_cache
         from pagoda.kernels.paged_decode import paged_decode_attention
         from pagoda.kernels.paged_prefill import paged_prefill_attention
+        from pagoda.kernels.runtime import interpreting
+
+        if not interpreting():
+            link_seed_cache()  # the kernels the image compiled ahead (pagoda kernels warm)
 
         self._write = reshape_and_cache
         self._decode = paged_decode_attention

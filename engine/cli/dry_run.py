@@ -41,6 +41,8 @@ from pagoda.engine.sizing.engine_plan import (
     profile_tokens,
     resolve_dtype_name,
 )
+from pagoda.engine.sizing.errors import UnsupportedOnGPU
+from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
 from pagoda.engine.sizing.shapes import dtype_bytes
 
@@ -311,7 +313,10 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
     cuda = None if gpu is not None or config.device == "cpu" else _cuda()
     device = "cuda" if gpu is not None or cuda is not None or config.device.startswith("cuda") else "cpu"
 
-    dtype = resolve_dtype_name(config.dtype, device, facts.checkpoint_dtype)
+    cc = (
+        gpu.compute_capability if gpu is not None and gpu.compute_capability != (0, 0) else None
+    )  # (0, 0): unknown
+    dtype = resolve_dtype_name(config.dtype, device, facts.checkpoint_dtype, cc)
     kv_bpt = kv_bytes_per_token(
         facts.num_layers,
         facts.num_heads,
@@ -333,10 +338,11 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
     }
     if gpu is not None:
         info["gpu"] = gpu.name
-        if config.kv_cache_dtype.startswith("fp8") and not gpu.fp8:
-            warnings.append(
-                f"{gpu.name} has no FP8 (compute capability below 8.9): --kv-cache-dtype fp8 will fail"
-            )
+        try:
+            if cc is not None:
+                check_dtypes(gpu.name, cc, dtype, config.kv_cache_dtype)
+        except UnsupportedOnGPU as exc:
+            raise DryRunError(f"cannot start the engine: {exc}") from None
 
     kv_memory, act, total, free, others, source = 0, 0, None, None, None, "none"
     if config.kv_cache_memory_bytes is not None:

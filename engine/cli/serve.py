@@ -224,6 +224,7 @@ def main(argv: list[str]) -> int:
         return 2
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.sizing.engine_plan import forget_last_profile
+    from pagoda.engine.sizing.errors import UnsupportedOnGPU
 
     forget_last_profile()
     try:
@@ -234,6 +235,9 @@ def main(argv: list[str]) -> int:
             print(f"pagoda serve: out of memory at start-up: {exc}", file=sys.stderr)
             write_termination_message(failure)
             return EXIT_OUT_OF_MEMORY
+        if isinstance(exc, UnsupportedOnGPU):
+            print(f"pagoda serve: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         if isinstance(exc, ValueError | FileNotFoundError | OSError):
             print(f"pagoda serve: cannot start the engine: {exc}", file=sys.stderr)
             return EXIT_START_FAILED

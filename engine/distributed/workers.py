@@ -32,6 +32,18 @@ class Profile:
     kv_dtype: Any  # torch.dtype
     gpu_memory_utilization: float
     forward_on_cpu: bool = False
+    graph_sizes: tuple[int, ...] = ()  # decode batch sizes CUDA graphs will be recorded for (their memory)
+    max_model_len: int = 0  # the longest the recordings may have to cover
+    capture: Any = None  # how graphs are recorded (None: CUDA graphs; tests pass an emulation)
+
+
+@dataclass
+class CaptureGraphs:
+    """Record the decode graphs (every rank at once: the recordings meet in their all-reduces)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    capture: Any = None  # None: CUDA graphs
 
 
 @dataclass
@@ -89,7 +101,7 @@ class TPWorkers:
                     return
             threading.Event().wait(0.5)
 
-    def send(self, msg: Profile | Allocate | Step | Stop) -> None:
+    def send(self, msg: Profile | Allocate | CaptureGraphs | Step | Stop) -> None:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
         for q in self.queues:
@@ -132,6 +144,8 @@ def worker_main(rank: int, size: int, init_method: str, config: Any, inbox: Any,
                 runner.measure_kv_budget(msg)
             elif isinstance(msg, Allocate):
                 runner.allocate_kv_cache(msg.num_blocks, msg.block_size, msg.kv_dtype)
+            elif isinstance(msg, CaptureGraphs):
+                runner.capture_decode_graphs(msg.max_num_seqs, msg.max_model_len, msg.capture)
             elif isinstance(msg, Step):
                 if msg.kv_ops:
                     runner.apply_kv_ops(msg.kv_ops)

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagoda.engine.sizing.errors import StartupFitError
 from pagoda.engine.sizing.fit import fit_max_model_len
+from pagoda.engine.sizing.gpus import BF16_MIN_COMPUTE
 from pagoda.engine.sizing.shapes import dtype_bytes, kv_scale_bytes
 
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's server default with chunked prefill
@@ -45,6 +46,7 @@ class MemoryProfile:
     measured: bool = True
     source: str = ""  # where the device figures came from: cuda, host, catalogue:<GPU>, flag, none
     rank_kv_cache_bytes: list[int] | None = None  # tensor parallel: each rank's budget; all take the least
+    cuda_graph_bytes: int = 0  # what the decode CUDA graphs were measured to take (left out of the KV cache)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,15 +109,20 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return False
 
 
-def resolve_dtype_name(name: str, device: str, checkpoint_dtype: str | None) -> str:
+def resolve_dtype_name(
+    name: str, device: str, checkpoint_dtype: str | None, compute_capability: tuple[int, int] | None = None
+) -> str:
     """The compute dtype the engine uses for ``--dtype name``. ``auto``: on CUDA the checkpoint's (bfloat16 for
-    float32); on a CPU with native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks
-    (measured on the default model: 1.53x the float32 throughput, perplexity -0.10%, `make bench-peers`,
-    `make bench-kv-accuracy`); on other CPUs float32, their fastest and most exact choice."""
+    float32), float16 below compute capability 8.0 (no bfloat16 there, see gpus.check_dtypes); on a CPU with
+    native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks (measured on the default
+    model: 1.53x the float32 throughput, perplexity -0.10%, `make bench-peers`, `make bench-kv-accuracy`); on
+    other CPUs float32, their fastest and most exact choice."""
     if name != "auto":
         return _DTYPE_NAMES[name]
     if device == "cpu":
         return "bfloat16" if cpu_has_native_bf16() else "float32"
+    if compute_capability is not None and tuple(compute_capability) < BF16_MIN_COMPUTE:
+        return "float16"
     checkpoint = _DTYPE_NAMES.get(str(checkpoint_dtype or "").removeprefix("torch."))
     return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
 
@@ -203,13 +210,13 @@ def profile_tokens(max_num_batched_tokens: int | None, model_max_len: int) -> in
 
 
 def gpu_kv_budget(
-    total: int, free: int, reserved: int, utilization: float, weights: int, activation: int
+    total: int, free: int, reserved: int, utilization: float, weights: int, activation: int, graphs: int = 0
 ) -> tuple[int, int]:
     """(KV cache bytes, bytes others hold) on a GPU: `utilization` of the card, less what other processes
-    and the CUDA context hold (total - free - what this process's allocator reserved), the weights and the
-    activation peak."""
+    and the CUDA context hold (total - free - what this process's allocator reserved), the weights, the
+    activation peak and the decode CUDA graphs (recorded after the cache is allocated)."""
     others = total - free - reserved
-    return max(int(total * utilization - others - weights - activation), 0), others
+    return max(int(total * utilization - others - weights - activation - graphs), 0), others
 
 
 def engine_plan(
@@ -227,6 +234,7 @@ def engine_plan(
     measured: bool = True,
     source: str = "",
     rank_kv_cache_bytes: list[int] | None = None,
+    cuda_graph_bytes: int = 0,
 ) -> EnginePlan:
     """max_model_len, KV blocks and the token budget for `config` (an EngineConfig, read only) in
     `kv_memory_bytes` of KV cache; raises StartupFitError (a SizingError) saying what fits otherwise,
@@ -247,6 +255,7 @@ def engine_plan(
         measured=measured,
         source=source,
         rank_kv_cache_bytes=rank_kv_cache_bytes,
+        cuda_graph_bytes=int(cuda_graph_bytes),
     )
     _last_profile = profile
     try:

@@ -19,3 +19,8 @@ class StartupFitError(SizingError):
     def __init__(self, message: str, profile: Any = None) -> None:
         super().__init__(message)
         self.profile = profile
+
+
+class UnsupportedOnGPU(SizingError):
+    """A dtype or KV dtype this GPU cannot run (FP8 below compute capability 8.9): a configuration error
+    (`pagoda serve` and `pagoda kernels warm` exit with code 2), never something memory would fix."""

@@ -10,9 +10,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.errors import SizingError, UnsupportedOnGPU
 
 FP8_MIN_COMPUTE = (8, 9)  # Ada, Hopper, Blackwell have FP8 tensor cores; vLLM refuses FP8 KV on A100
+BF16_MIN_COMPUTE = (8, 0)  # Ampere and newer have bfloat16 tensor cores; vLLM refuses bfloat16 on a T4
+
+# Shared memory one thread block may opt in to, by compute capability (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability": 96, 64, 163, 99, 163, 99, 227, 227, 99 KB): the
+# budget the Triton kernels' tiles must fit (pagoda.kernels.launch_config).
+SHARED_MEMORY_PER_BLOCK = {
+    (7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
+    (9, 0): 232_448, (10, 0): 232_448, (12, 0): 101_376,
+}  # fmt: skip
 
 # How far a reported memory may stray from the catalogue value and still be the same card.
 MEMORY_TOLERANCE = 0.06
@@ -39,6 +48,10 @@ class GPUSpec:
     @property
     def fp8(self) -> bool:
         return self.compute_capability >= FP8_MIN_COMPUTE
+
+    @property
+    def shared_memory_per_block(self) -> int:
+        return SHARED_MEMORY_PER_BLOCK[self.compute_capability]
 
     @property
     def product_labels(self) -> tuple[str, ...]:
@@ -135,6 +148,26 @@ def _find(product: str, memory_mib: int | None = None) -> GPUSpec | None:
     if len(found) == 1:
         return found.pop()
     return None
+
+
+def check_dtypes(gpu: str, compute_capability: tuple[int, int], dtype: str, kv_cache_dtype: str) -> None:
+    """Refuse what this GPU cannot run, naming the GPU, its compute capability and what to use instead: an
+    FP8 KV cache below compute capability 8.9 (Triton has no e4m3 there; the planner never picks FP8
+    there) and bfloat16 below 8.0 (no bfloat16 tensor cores; `--dtype auto` picks float16 there)."""
+    major, minor = compute_capability
+    where = f"{gpu} (compute capability {major}.{minor})"
+    if kv_cache_dtype.startswith("fp8") and tuple(compute_capability) < FP8_MIN_COMPUTE:
+        raise UnsupportedOnGPU(
+            f"--kv-cache-dtype {kv_cache_dtype} needs FP8, which {where} lacks: FP8 KV caches need compute "
+            f"capability {FP8_MIN_COMPUTE[0]}.{FP8_MIN_COMPUTE[1]} or newer (L4, L40S, H100, H200, B200). Use "
+            "--kv-cache-dtype int8 (about half the KV bytes, with a scale per token and head) or auto (the "
+            "model's dtype)"
+        )
+    if dtype == "bfloat16" and tuple(compute_capability) < BF16_MIN_COMPUTE:
+        raise UnsupportedOnGPU(
+            f"--dtype bfloat16 needs compute capability {BF16_MIN_COMPUTE[0]}.{BF16_MIN_COMPUTE[1]} or newer; "
+            f"{where} has no bfloat16 tensor cores. Use --dtype float16 (or auto, which picks it there)"
+        )
 
 
 def lookup_gpu(name_or_label: str) -> GPUSpec:

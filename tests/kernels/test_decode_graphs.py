@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps, checked on the CPU through the Triton interpreter.
 
-A recording is emulated by a replay that calls the recorded closure again: what a real graph freezes at
-capture (shapes, the metadata's Python lists and bounds, the padded batch size) is frozen the same way,
-because the closure keeps the capture-time metadata and the static buffers. What only a GPU can show
+A recording is emulated (decode_graphs.RerunCapture) by a replay that calls the recorded closure again:
+what a real graph freezes at capture (shapes, the metadata's Python lists and bounds, the padded batch
+size) is frozen the same way, because the closure keeps the capture-time metadata and the static buffers. What only a GPU can show
 (launches that are illegal while recording) is the GPU test's job at the end.
 """
 
@@ -13,30 +13,15 @@ import numpy as np
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.decode_graphs import capture_sizes
+from pagoda.engine.decode_graphs import DecodeGraphs, RerunCapture, capture_sizes
 from pagoda.engine.model_runner import StepInput
 
 
-def counting_capture(replays: Counter):
-    """Emulated recording: the replay runs the forward closure and counts itself by batch size."""
-
-    def capture(forward):
-        size = forward.args[0]
-
-        def replay():
-            replays[size] += 1
-            forward()
-
-        return replay
-
-    return capture
-
-
-def _llm(model_dir, kv_cache_dtype="auto", max_num_seqs=6):
+def _llm(model_dir, kv_cache_dtype="auto", max_num_seqs=6, tensor_parallel_size=1):
     return LLM(
         model=str(model_dir), attention_backend="triton", device="cpu", dtype="float32", block_size=16,
         kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=64, max_model_len=128, max_num_seqs=max_num_seqs,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -78,11 +63,9 @@ def test_replayed_decodes_give_the_eager_tokens(tiny_llama, sliding_window, kv_c
 
     graphed = _llm(model_dir, kv_cache_dtype)
     engine = graphed.engine
-    replays: Counter = Counter()
-    assert (
-        engine.runner.capture_decode_graphs(6, engine.max_model_len, capture=counting_capture(replays))
-        is None
-    )
+    capture = RerunCapture()
+    replays = capture.replays
+    assert engine.runner.capture_decode_graphs(6, engine.max_model_len, capture=capture) is None
     replays.clear()  # the start-up check replayed once
     got = [list(o.outputs[0].token_ids) for o in graphed.generate(prompts, params, use_tqdm=False)]
     assert got == expected
@@ -95,8 +78,9 @@ def test_replayed_decodes_give_the_eager_tokens(tiny_llama, sliding_window, kv_c
 def test_padding_rows_write_no_kv_and_the_rows_match_the_eager_forward(tiny_llama):
     llm = _llm(tiny_llama(), max_num_seqs=4)
     runner = llm.engine.runner
-    replays: Counter = Counter()
-    assert runner.capture_decode_graphs(4, 128, capture=counting_capture(replays)) is None
+    capture = RerunCapture()
+    replays = capture.replays
+    assert runner.capture_decode_graphs(4, 128, capture=capture) is None
     runner.run(_decode_step([[20], [21], [22], [23]], [3, 3, 3, 3]))  # four rows: the buffers hold real slots
     step = _decode_step([[7, 3], [9], [11, 12, 4]], [20, 5, 40])  # three sequences: padded to 4
     before = [c.kv.clone() for c in runner.kv_caches]
@@ -117,8 +101,9 @@ def test_padding_rows_write_no_kv_and_the_rows_match_the_eager_forward(tiny_llam
 def test_steps_no_recording_covers_run_eagerly(tiny_llama):
     llm = _llm(tiny_llama(), max_num_seqs=2)
     runner = llm.engine.runner
-    replays: Counter = Counter()
-    assert runner.capture_decode_graphs(2, 128, capture=counting_capture(replays)) is None
+    capture = RerunCapture()
+    replays = capture.replays
+    assert runner.capture_decode_graphs(2, 128, capture=capture) is None
     replays.clear()
     too_many = _decode_step([[1], [2], [3]], [4, 5, 6])  # three decodes, largest recording is 2
     prefill = StepInput(
@@ -180,3 +165,84 @@ def test_cuda_graphs_on_a_gpu_give_the_eager_tokens(tiny_llama):
         tokens[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert tokens[False] == tokens[True]
+
+
+def test_a_replayed_step_reaches_the_device_in_one_copy(tiny_llama):
+    """The step's six inputs are written on the host and copied once (a pinned staging buffer on CUDA),
+    padding rows included; the recorded forward reads them from the device side."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    runner = _llm(tiny_llama(), max_num_seqs=4).engine.runner
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, sizes=[1, 2, 4], max_model_len=128, block_size=16, hidden_size=128,
+        dtype=torch.float32, device=torch.device("cpu"), capture=lambda forward: lambda: None,
+    )  # fmt: skip
+
+    class Writes(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    step = _decode_step([[7, 3], [9], [11, 12, 4]], [20, 5, 40])  # three sequences, padded to four
+    with Writes() as writes:
+        graphs.run(step)
+    assert writes.ops == ["copy_.default"]
+    assert graphs.input_ids[:4].tolist() == [5, 6, 7, 0] and graphs.positions[:4].tolist() == [19, 4, 39, 0]
+    assert graphs.slot_mapping[:4].tolist() == [3 * 16 + 3, 9 * 16 + 4, 4 * 16 + 7, -1]
+    assert graphs.seq_lens[:4].tolist() == [20, 5, 40, 1] and graphs.context_lens[:4].tolist() == [
+        19,
+        4,
+        39,
+        0,
+    ]
+    assert graphs.block_tables[:4, :3].tolist() == [[7, 3, 0], [9, 0, 0], [11, 12, 4], [0, 0, 0]]
+
+
+def test_graph_memory_is_measured_before_the_cache_and_left_out_of_it(tiny_llama):
+    """Start-up records the largest and the smallest batch size over a scratch cache (every rank does, in
+    its Profile step) and the budget leaves their memory out: the pool the largest needs plus each other
+    recording's own cost (the smallest's)."""
+    from pagoda.engine.distributed.workers import Profile
+    from pagoda.engine.sizing.engine_plan import gpu_kv_budget
+
+    runner = _llm(tiny_llama(), max_num_seqs=8).engine.runner
+    caches = runner.kv_caches
+    capture = RerunCapture()
+    request = Profile(
+        64, 16, torch.float32, 0.9, graph_sizes=(1, 2, 4, 8), max_model_len=128, capture=capture
+    )
+    assert runner.profile_graph_bytes(request) == 0  # nothing to measure on the CPU
+    assert capture.recorded == [8, 1] and runner.kv_caches is caches
+    gib = 1 << 30
+    assert gpu_kv_budget(80 * gib, 70 * gib, gib, 0.9, 16 * gib, 2 * gib) == (
+        int(72 * gib - 9 * gib - 18 * gib),
+        9 * gib,
+    )
+    with_graphs, _ = gpu_kv_budget(80 * gib, 70 * gib, gib, 0.9, 16 * gib, 2 * gib, graphs=gib // 2)
+    assert with_graphs == int(72 * gib - 9 * gib - 18 * gib) - gib // 2
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_ranks_record_and_replay_together(tiny_llama):
+    """Every rank records (rank 0 sends the others the request: alone, its recording would wait in its first
+    all-reduce for ranks that never record) and replays the same batches: TP=2 replays give the eager
+    tokens of one rank."""
+    model_dir = tiny_llama()
+    prompts = [[5, 6, 7], [9] * 20, [300, 4, 17, 8, 2, 99]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    eager = _llm(model_dir, max_num_seqs=4)
+    expected = [list(o.outputs[0].token_ids) for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    llm = _llm(model_dir, max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        capture = RerunCapture()
+        assert llm.engine.runner.capture_decode_graphs(4, 128, capture=capture) is None
+        capture.replays.clear()
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+        assert capture.replays[4] >= 4  # the decode steps of three sequences replayed (padded to 4)
+    finally:
+        llm.engine.close()

@@ -82,6 +82,8 @@ def test_dtype_and_kv_bytes(monkeypatch, tmp_path) -> None:
     assert resolve_dtype_name("auto", "cuda", "float16") == "float16"
     assert resolve_dtype_name("auto", "cuda", "float32") == "bfloat16"
     assert resolve_dtype_name("auto", "cuda", None) == "bfloat16"
+    assert resolve_dtype_name("auto", "cuda", "bfloat16", (7, 5)) == "float16"  # a T4 has no bfloat16
+    assert resolve_dtype_name("auto", "cuda", "bfloat16", (8, 0)) == "bfloat16"
     assert resolve_dtype_name("half", "cpu", None) == "float16"
     # Llama-3.1-70B (REFERENCE.md): 327,680 B/token in bf16; each of two ranks holds half the KV heads
     assert kv_bytes_per_token(80, 64, 8, 128, 2) == 327_680

@@ -201,3 +201,30 @@ def test_fp8_offered_on_new_gpus_unless_quality_first(gpu):
     assert q.kv_cache_dtype == "auto" and q.kv_bytes_per_token == 131_072
     assert "quality first" in q.reasons["kv_cache_dtype"]
     assert q.num_gpu_blocks < p.num_gpu_blocks
+
+
+def test_shared_memory_per_block_of_the_catalogue():
+    """The opt-in shared memory per block by compute capability (CUDA C++ Programming Guide): what the
+    Triton kernels' tiles must fit."""
+    want = {"T4": 65_536, "A10": 101_376, "A10G": 101_376, "L4": 101_376, "L40S": 101_376, "RTX-4090": 101_376,
+            "A100-40GB-SXM": 166_912, "A100-80GB-PCIe": 166_912, "H100-SXM": 232_448, "H200": 232_448,
+            "GH200": 232_448, "B200": 232_448, "V100-16GB": 98_304}  # fmt: skip
+    for name, smem in want.items():
+        assert lookup_gpu(name).shared_memory_per_block == smem, name
+    assert all(spec.shared_memory_per_block >= 65_536 for spec in GPU_CATALOGUE)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_is_refused_below_compute_capability_8_9_naming_gpu_and_alternatives(kv):
+    from pagoda.engine.sizing.errors import UnsupportedOnGPU
+    from pagoda.engine.sizing.gpus import check_dtypes
+
+    with pytest.raises(UnsupportedOnGPU) as e:
+        check_dtypes("A100-80GB-SXM", (8, 0), "bfloat16", kv)
+    msg = str(e.value)
+    assert "A100-80GB-SXM" in msg and "compute capability 8.0" in msg and f"--kv-cache-dtype {kv}" in msg
+    assert "--kv-cache-dtype int8" in msg and "auto" in msg
+    check_dtypes("L4", (8, 9), "bfloat16", kv)  # Ada has FP8
+    with pytest.raises(UnsupportedOnGPU, match=r"T4 \(compute capability 7\.5\).*--dtype float16"):
+        check_dtypes("T4", (7, 5), "bfloat16", "auto")
+    check_dtypes("T4", (7, 5), "float16", "int8")

@@ -1,0 +1,36 @@
+"""The Triton cache a GPU pod starts with: kernels compiled into the image, linked into a writable cache.
+
+The engine image compiles its kernels at build time (`pagoda kernels warm --cache-dir $PAGODA_KERNEL_CACHE`)
+into a directory of the read-only image. Triton must still write at run time (the small C launcher it
+builds per kernel signature, anything not warmed), so the engine's cache (`TRITON_CACHE_DIR`, on the pod's
+writable /tmp) gets a link to every entry of the image's cache. An entry is a directory named by its
+compilation key, which Triton only reads once it exists; what Triton builds later goes into new entries.
+"""
+
+from __future__ import annotations
+
+import os
+
+SEED_ENV = "PAGODA_KERNEL_CACHE"
+
+
+def link_seed_cache(seed: str | None = None, cache: str | None = None) -> int:
+    """Link each entry of the warmed cache (``seed``, default $PAGODA_KERNEL_CACHE) into Triton's cache
+    (``cache``, default Triton's own directory) unless it is there already; returns how many were linked."""
+    seed = seed or os.environ.get(SEED_ENV)
+    if not seed or not os.path.isdir(seed):
+        return 0
+    if cache is None:
+        from triton import knobs
+
+        cache = knobs.cache.dir
+    os.makedirs(cache, exist_ok=True)
+    if os.path.samefile(seed, cache):
+        return 0
+    linked = 0
+    for entry in os.scandir(seed):
+        target = os.path.join(cache, entry.name)
+        if entry.is_dir() and not os.path.lexists(target):
+            os.symlink(entry.path, target)
+            linked += 1
+    return linked

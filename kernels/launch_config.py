@@ -1,0 +1,120 @@
+"""Launch configurations of the Triton kernels: tiles, warps and stages from what the device allows.
+
+One pure function per kernel of (compute capability, shared memory per block, dtypes, head dim, GQA
+group): no torch, no Triton, no GPU, so every catalogue GPU's choice is tested without one (and compiled
+for it by `pagoda kernels warm`, which checks the compiled kernels against these numbers). A kernel takes
+the first tile of its preference list whose shared memory fits the device's opt-in limit per block.
+
+Shared memory of an attention tile, counted as Triton lays it out (measured on the compiled kernels, see
+docs/engine.md): the query tile Q [M, D], the key and value tiles K, V [N, D] and the probabilities
+P [M, N] staged for the second product, in the compute dtype (an FP8 or INT8 cache is widened to it).
+Ampere and Ada (8.x) stage Q once; Turing, Hopper and Blackwell stage it twice in 16-bit dtypes. M is
+the prefill's query tile, or the decode's query heads of one KV head (padded to 16, tl.dot's least M).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCRATCH_SHARED_MEMORY = 1024  # reductions and barriers on top of the tiles; all a tile-less kernel takes
+DOT_MIN = 16  # tl.dot's smallest M, N and K
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    compute_capability: tuple[int, int]
+    shared_memory_per_block: int  # bytes a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+    interpreter: bool = False  # Triton's CPU interpreter: smallest tiles (speed), no memory to fit
+
+
+INTERPRETER = DeviceLimits((0, 0), 0, interpreter=True)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query tokens per program
+    block_n: int  # keys per step of the walk
+    num_warps: int
+    num_stages: int
+    shared_memory: int = 0  # bytes per block, as counted above
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per step of the walk
+    num_warps: int
+    num_stages: int
+    merge_warps: int  # the split-KV merge kernel
+    shared_memory: int = 0
+
+
+@dataclass(frozen=True)
+class CacheWriteConfig:
+    num_warps: int
+    shared_memory: int = SCRATCH_SHARED_MEMORY
+
+
+# Preference lists, largest tile first: (M or None, N, warps). Heads of 256 halve the tiles.
+PREFILL_TILES = ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4), (32, 16, 4), (16, 16, 4))
+DECODE_TILES = (64, 32, 16)
+LARGE_HEAD_DIM = 128  # above it, start from half the tile
+NUM_STAGES = 2  # the K/V loads go through the block table, so deeper pipelines buy nothing
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of a compute dtype ('float32', 'bfloat16', 'float16')."""
+    return 4 if dtype == "float32" else 2
+
+
+def group_pad(group: int) -> int:
+    """Query heads of one KV head, padded to a power of two of at least 16 (tl.dot's smallest M)."""
+    return max(DOT_MIN, 1 << max(group - 1, 0).bit_length())
+
+
+def tile_shared_memory(m: int, n: int, head_dim: int, dtype: str, compute_capability: tuple[int, int]) -> int:
+    """Bytes of shared memory an attention tile of M queries over N keys takes (an upper bound, see above)."""
+    elem = element_bytes(dtype)
+    q_copies = 1 if compute_capability[0] == 8 or elem == 4 else 2
+    return (q_copies * m * head_dim + 2 * n * head_dim + m * n) * elem + SCRATCH_SHARED_MEMORY
+
+
+def prefill_config(
+    limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int, group: int
+) -> PrefillConfig:
+    """Tiles of the prefill kernel: the largest of PREFILL_TILES that fits the device."""
+    if limits.interpreter:
+        return PrefillConfig(DOT_MIN, DOT_MIN, 4, 1)
+    tiles = PREFILL_TILES if head_dim <= LARGE_HEAD_DIM else PREFILL_TILES[2:]
+    for m, n, warps in tiles:
+        smem = tile_shared_memory(m, n, head_dim, dtype, limits.compute_capability)
+        if smem <= limits.shared_memory_per_block:
+            return PrefillConfig(m, n, warps, NUM_STAGES, smem)
+    raise _no_fit("prefill", limits, dtype, kv_dtype, head_dim, group)
+
+
+def decode_config(limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int, group: int) -> DecodeConfig:
+    """Key tile of the decode kernel (its query tile is the group's heads): the largest that fits."""
+    if limits.interpreter:
+        return DecodeConfig(DOT_MIN, 4, 1, 4)
+    tiles = DECODE_TILES if head_dim <= LARGE_HEAD_DIM else DECODE_TILES[1:]
+    for n in tiles:
+        smem = tile_shared_memory(group_pad(group), n, head_dim, dtype, limits.compute_capability)
+        if smem <= limits.shared_memory_per_block:
+            return DecodeConfig(n, 4, NUM_STAGES, 4, smem)
+    raise _no_fit("decode", limits, dtype, kv_dtype, head_dim, group)
+
+
+def cache_write_config(limits: DeviceLimits) -> CacheWriteConfig:
+    """One program per token: four warps cover every KV head of a token's row."""
+    return CacheWriteConfig(4)
+
+
+def _no_fit(
+    kernel: str, limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int, group: int
+) -> ValueError:
+    major, minor = limits.compute_capability
+    return ValueError(
+        f"no {kernel} tile fits {limits.shared_memory_per_block} B of shared memory per block (compute "
+        f"capability {major}.{minor}) for head_dim {head_dim}, {group} query heads per KV head, {dtype} "
+        f"activations over a {kv_dtype} cache"
+    )

@@ -1,0 +1,161 @@
+"""`pagoda kernels warm`: the kernels compiled ahead for every catalogue GPU, with no GPU here.
+
+The command runs as users run it (a subprocess: this test session keeps Triton in interpreter mode). The
+catalogue run compiles every variant the engine launches for the default model and Llama-3.1-8B / 70B
+shapes on every catalogue GPU the engine's torch build supports; then Triton's own launch path (a JIT
+launch that compiles without running, for the same GPU) must find each of them in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pagoda.engine.sizing import GPU_CATALOGUE
+
+MODELS = ["default", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-70B-Instruct"]
+PAGODA = str(Path(sys.executable).parent / "pagoda")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, **extra}
+
+
+def _warm(*args: str, cache: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PAGODA, "kernels", "warm", *args, "--cache-dir", str(cache), "--json"],
+        capture_output=True, text=True, env=_env(), timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory):
+    """One compilation of the whole catalogue (about 100 variants; minutes on two cores), shared."""
+    cache = tmp_path_factory.mktemp("triton-cache")
+    models = [arg for model in MODELS for arg in ("--model", model)]
+    done = _warm("--gpu", "all", *models, "--jobs", "2", cache=cache, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache, json.loads(done.stdout)
+
+
+def test_every_supported_catalogue_gpu_compiles_every_variant_within_its_shared_memory(catalogue):
+    _, result = catalogue
+    supported = {s.name for s in GPU_CATALOGUE if s.compute_capability >= (7, 5)}  # torch 2.13's CUDA wheels
+    assert {g for r in result["rows"] for g in r["gpus"]} == supported
+    assert sorted(s.split(":")[0] for s in result["skipped"]) == ["V100-16GB", "V100-32GB"]
+    assert result["errors"] == []
+    for gpu in supported:
+        for model in MODELS:
+            kernels = sorted(
+                r["variant"].split("[")[0]
+                for r in result["rows"]
+                if gpu in r["gpus"] and r["model"].startswith(model)
+            )
+            # cache write, prefill, decode unsplit and split, the splits' merge: on every rank's shape
+            assert set(kernels) == {"merge_splits_kernel", "paged_decode_kernel", "paged_prefill_kernel",
+                                    "reshape_and_cache_kernel"}, (gpu, model)  # fmt: skip
+    for r in result["rows"]:
+        assert r["fits"] and 0 <= r["shared_memory"] <= r["shared_memory_per_block"], r
+        # the launch configuration's count is an upper bound of what Triton allocated
+        assert r["shared_memory"] <= r["shared_memory_bound"], r
+    t4 = [r for r in result["rows"] if "T4" in r["gpus"] and "prefill" in r["variant"]]
+    assert t4 and all("BLOCK_M=64" in r["variant"] for r in t4)  # 128 x 64 would need 98,304 B of 65,536
+
+
+def test_the_engines_launch_path_finds_every_warmed_variant(catalogue, tmp_path):
+    """As in a pod: the warmed cache (read-only in the image) is linked into an empty writable one, then
+    Triton's JIT launch (what the engine's first step runs) for an H100 and an L4 finds every kernel there:
+    no compilation, so no new cache entry."""
+    seed, _ = catalogue
+    cache = tmp_path / "pod-cache"
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import torch
+        from pagoda.kernels.cache import link_seed_cache
+        assert link_seed_cache() > 0
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+        from pagoda.engine.cli.kernels import plan_unit, _parser
+        from pagoda.engine.cli.plan import resolve_shape
+        from pagoda.engine.sizing import lookup_gpu
+        from pagoda.kernels import runtime
+        from pagoda.kernels.launch_config import DeviceLimits
+        from pagoda.kernels.warm import AttentionShape, launch_all
+
+        class Device:  # what Triton asks of the driver before a launch: the GPU being compiled for
+            def __init__(self, cc): self.cc = cc
+            def get_current_target(self): return GPUTarget("cuda", self.cc[0] * 10 + self.cc[1], 32)
+            def get_current_device(self): return 0
+            def get_current_stream(self, device=None): return 0
+
+        def jit_launch(kernel, args, kwargs, bound):
+            kernel.run(*args, grid=(1,), warmup=True, **kwargs)  # JITFunction.run: compile or find, no launch
+
+        from pagoda.kernels import cache_write, paged_decode, paged_prefill
+        KERNELS = [cache_write._reshape_and_cache_kernel, paged_decode._paged_decode_kernel,
+                   paged_decode._merge_splits_kernel, paged_prefill._paged_prefill_kernel]
+        args = _parser().parse_args(["warm", "--gpu", "x"])
+        for gpu, model in (("H100", "meta-llama/Llama-3.1-8B-Instruct"), ("L4", "meta-llama/Llama-3.1-70B-Instruct")):
+            spec = lookup_gpu(gpu)
+            unit = plan_unit(spec, model, resolve_shape(model), args)
+            driver.set_active(Device(spec.compute_capability))
+            for kernel in KERNELS:
+                kernel.device_caches.clear()  # Triton keeps one target per device index
+            limits = DeviceLimits(spec.compute_capability, spec.shared_memory_per_block)
+            token = runtime.COMPILING.set(runtime.Compiler(limits, jit_launch))
+            for heads, kv_heads in unit.ranks:
+                launch_all(AttentionShape(heads, kv_heads, unit.head_dim, unit.block_size,
+                                          getattr(torch, unit.dtype), getattr(torch, unit.kv_cache_dtype)))
+            runtime.COMPILING.reset(token)
+        """
+    )
+    seeded = sorted(p.name for p in seed.iterdir())
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+        env=_env(TRITON_CACHE_DIR=str(cache), PAGODA_KERNEL_CACHE=str(seed)),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    entries = sorted(cache.iterdir())
+    assert [p.name for p in entries] == seeded and all(p.is_symlink() for p in entries)
+    assert sorted(p.name for p in seed.iterdir()) == seeded, "the launch path compiled what the warm had not"
+
+
+def test_fp8_below_compute_capability_8_9_is_refused_with_what_to_use_instead(tmp_path):
+    done = _warm("--gpu", "A100-80GB", "--kv-cache-dtype", "fp8", cache=tmp_path)
+    assert done.returncode == 2
+    assert "A100-80GB-SXM (compute capability 8.0)" in done.stderr and "--kv-cache-dtype int8" in done.stderr
+    done = _warm("--gpu", "V100", cache=tmp_path)
+    assert done.returncode == 2 and "compute capability 7.0" in done.stderr
+    assert not any(tmp_path.iterdir()), "a refusal compiles nothing"
+
+
+def test_a_variant_that_does_not_fit_is_named(tmp_path):
+    """A launch configuration that miscounted (here: every tile counted as free) shows as an error naming the
+    variant, its shared memory and the GPU's limit: the T4's prefill at 128 x 64 tiles needs 98,304 B."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from pagoda.kernels import launch_config
+        launch_config.tile_shared_memory = lambda *args: 0
+        from pagoda.engine.cli.kernels import main
+        sys.exit(main(["warm", "--gpu", "T4", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--cache-dir",
+                       sys.argv[1], "--jobs", "1"]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600, env=_env()
+    )
+    assert done.returncode == 1
+    assert "T4 / meta-llama/Llama-3.1-8B-Instruct: paged_prefill_kernel[" in done.stderr
+    assert (
+        "BLOCK_M=128, BLOCK_N=64" in done.stderr
+        and "98304 B" in done.stderr
+        and "allows 65536" in done.stderr
+    )
