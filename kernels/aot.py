@@ -32,21 +32,15 @@ class Variant:
 
     @property
     def label(self) -> str:
-        keep = (
-            "GROUP",
-            "HEAD_DIM",
-            "BLOCK_SIZE",
-            "BLOCK_M",
-            "BLOCK_N",
-            "HEADS_PAD",
-            "SPLIT",
-            "INT8",
-            "QUANTIZE",
-        )
-        parts = [f"{k}={v}" for k, v in self.constexprs.items() if k in keep]
-        return (
-            f"{self.kernel.strip('_')}[{', '.join(parts)}, warps={self.num_warps}, stages={self.num_stages}]"
-        )
+        """kernel[sizes and flags that are set, warps, stages]: what tells one variant from another."""
+        sizes = [f"{k}={v}" for k, v in self.constexprs.items() if k in LABEL_SIZES]
+        flags = [k for k in LABEL_FLAGS if self.constexprs.get(k)]
+        parts = [*sizes, *flags, f"warps={self.num_warps}", f"stages={self.num_stages}"]
+        return f"{self.kernel.strip('_')}[{', '.join(parts)}]"
+
+
+LABEL_SIZES = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEADS_PAD")
+LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "IEEE_DOT", "INT8", "QUANTIZE")
 
 
 @dataclass

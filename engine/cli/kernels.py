@@ -32,11 +32,16 @@ from pagoda.engine.sizing import (
     GPUSpec,
     Hints,
     ModelShape,
-    SizingError,
     lookup_gpu,
     plan,
 )
-from pagoda.engine.sizing.engine_plan import kv_dtype_name, kv_heads_per_rank, resolve_dtype_name, shard_range
+from pagoda.engine.sizing.engine_plan import (
+    check_tensor_parallel,
+    kv_dtype_name,
+    kv_heads_per_rank,
+    resolve_dtype_name,
+    shard_range,
+)
 from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import check_dtypes
 
@@ -85,6 +90,8 @@ class Row:
     gpus: list[str]
     compute_capability: str
     model: str
+    dtype: str
+    kv_cache_dtype: str
     variant: str
     shared_memory: int
     shared_memory_bound: int
@@ -159,10 +166,7 @@ def plan_unit(spec: GPUSpec, model: str, shape: ModelShape, args: argparse.Names
     cc = spec.compute_capability
     chosen = plan(shape, GPUInfo.from_spec(spec, MAX_GPUS), Hints())
     tp = args.tensor_parallel_size or chosen.tensor_parallel_size
-    if shape.num_attention_heads < tp:
-        raise SizingError(
-            f"tensor_parallel_size {tp} exceeds {shape.name}'s {shape.num_attention_heads} heads"
-        )
+    check_tensor_parallel(shape.num_attention_heads, tp)
     dtype = resolve_dtype_name(args.dtype, "cuda", shape.dtype, cc)
     kv = args.kv_cache_dtype or chosen.kv_cache_dtype
     check_dtypes(spec.name, cc, dtype, kv)
@@ -197,17 +201,20 @@ def compile_unit(unit: Unit, cache_dir: str | None) -> list[Row]:
     from pagoda.kernels.warm import AttentionShape, compile_shapes
 
     limits = DeviceLimits(unit.compute_capability, unit.shared_memory_per_block)
+    # a model with a sliding window may also have full-attention layers (Qwen2's max_window_layers)
+    windows = (unit.sliding_window, None) if unit.sliding_window else (None,)
     shapes = [
         AttentionShape(heads, kv_heads, unit.head_dim, unit.block_size, getattr(torch, unit.dtype),
-                       getattr(torch, unit.kv_cache_dtype), unit.sliding_window)
+                       getattr(torch, unit.kv_cache_dtype), window)
         for heads, kv_heads in unit.ranks
+        for window in windows
     ]  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # Triton prints ptxas' complaints; stdout carries --json
         compilation = compile_shapes(limits, shapes)
     cc = f"{unit.compute_capability[0]}.{unit.compute_capability[1]}"
     return [
-        Row(list(unit.gpus), cc, unit.model, v.label, v.shared_memory, v.shared_memory_bound,
-            unit.shared_memory_per_block, v.shared_memory <= unit.shared_memory_per_block)
+        Row(list(unit.gpus), cc, unit.model, unit.dtype, unit.kv_cache_dtype, v.label, v.shared_memory,
+            v.shared_memory_bound, unit.shared_memory_per_block, v.shared_memory <= unit.shared_memory_per_block)
         for v in compilation.variants
     ]  # fmt: skip
 
@@ -288,7 +295,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         result = warm(args)
-    except SizingError as exc:  # UnsupportedOnGPU included: a configuration the GPU cannot run
+    except ValueError as exc:  # SizingError and UnsupportedOnGPU included: what the flags ask cannot run
         print(f"pagoda kernels warm: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
