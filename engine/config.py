@@ -125,7 +125,6 @@ class EngineConfig:
         False,
         "run the start-up profiling forward on CPU too (every rank, as on CUDA); nothing is measured there "
         "(the KV cache is sized from host memory), so this only walks the GPU's start-up path (tests)",
-        cli=False,
     )
     skip_tokenizer_init: bool = _opt(
         False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"
