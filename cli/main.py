@@ -1,9 +1,9 @@
 """The `pagoda` command: a thin dispatcher that imports only the subcommand it runs.
 
-It sits above both halves: serve, generate and plan are the engine's (pagoda.engine.cli), render is the
-operator's (pagoda.operator.render_cli), and neither package imports the other's command line. `pagoda
-render` and `pagoda plan` must work where only `pagoda[operator]` is installed (no torch), so nothing heavy
-is imported here.
+It sits above both halves: serve, generate, plan and kernels are the engine's (pagoda.engine.cli), render
+is the operator's (pagoda.operator.render_cli), and neither package imports the other's command line.
+`pagoda render` and `pagoda plan` must work where only `pagoda[operator]` is installed (no torch), so
+nothing heavy is imported here.
 """
 
 from __future__ import annotations
