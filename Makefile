@@ -10,7 +10,13 @@ export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy clean
 
-install: $(STAMP)
+CPU_KERNELS := kernels/cpu/lib/build.json
+
+install: $(STAMP) $(CPU_KERNELS)
+
+# The C kernels of the CPU path, every variant (setup.py builds them too; this rebuilds after a source edit).
+$(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu/build.py
+	$(PY) kernels/cpu/build.py && touch $@
 
 $(STAMP): pyproject.toml setup.py scripts/install_tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -49,6 +49,7 @@ from pagoda.engine.sizing.engine_plan import (
 )
 from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
+from pagoda.kernels.cpu import loader as cpu_kernels
 
 log = logging.getLogger("pagoda.engine")
 
@@ -103,6 +104,8 @@ class LLMEngine:
         """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
+        # The CPU kernels this engine runs, loaded (and logged) at start-up rather than in its first step.
+        self.cpu_kernels = cpu_kernels.current() if self.device.type == "cpu" else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         model, _ = load_model(path, self.dtype, self.device, backend)

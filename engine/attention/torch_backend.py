@@ -3,15 +3,18 @@
 Per step (not per layer) the backend plans once: which sequences are single-token decodes and which are
 prefill chunks. The plan is reused by every layer of the step.
 
-- Decodes: on the CPU with float32 caches, one call of the native kernel of `cpu_decode` that reads K/V in
-  place (no gather, no padding to the longest sequence); otherwise (other devices or dtypes, no compiler, or
-  ``native=False``) one gathered SDPA call with a padding mask, the reference formulation.
+- bfloat16 models on the CPU: attention computes in float32 over the cache's bfloat16 values (queries
+  widened), on the native and the torch paths alike, so every kernel variant computes the same thing.
+- Decodes: on the CPU with float32 or bfloat16 caches, one call of the native kernel of `cpu_decode` that
+  reads K/V in place (no gather, no padding to the longest sequence); otherwise (other devices or dtypes, no
+  kernels library, or ``native=False``) one gathered SDPA call with a padding mask, the reference formulation.
 - INT8 caches: written through `quantize_int8` (per token and KV head); decodes read them in place with the
   native kernel's INT8 variant (values widened in registers, each token's K scale on its score and V scale
   on its weight), prefill chunks and the gathered fallback multiply the gathered values by their scales.
-- Prefill chunks: one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA
-  only takes its fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which
-  materialises the scores and ran ~5x slower).
+- Prefill chunks: the native kernel of `cpu_prefill` where the loaded variant has it (AVX-512); otherwise
+  one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA only takes its
+  fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which materialises the
+  scores and ran ~5x slower).
 
 Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p (itself included), the
 Mistral / Hugging Face convention.
@@ -226,15 +229,17 @@ class TorchAttentionBackend:
         gqa = q.shape[1] != cache.kv.shape[3]
         dtype = q.dtype
         native = self.native is not False
-        # The native kernels take float32 queries: a bfloat16 model's are widened (T x H x D values, little next
-        # to the cache rows a step reads) and the output narrowed back at the end.
-        qn = q.float() if native and q.dtype == torch.bfloat16 and q.device.type == "cpu" else q
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            # A bfloat16 model's attention computes in float32 over the cache's bfloat16 values on every path:
+            # the native kernels take float32 queries, and the torch paths beside them (a prefill where the
+            # loaded variant has no prefill kernel, a decode it does not cover) then compute the same thing
+            # and share the step's float32 output. T x H x D values, little next to the cache rows a step
+            # reads; the output is narrowed back at the end.
+            q = q.float()
         native_decode = (
-            plan.decode_blocks is not None and native and cpu_decode.supports(qn, cache.kv, cache.scales)
+            plan.decode_blocks is not None and native and cpu_decode.supports(q, cache.kv, cache.scales)
         )
-        native_prefill = bool(plan.prefills) and native and cpu_prefill.supports(qn, cache.kv, cache.scales)
-        if native_decode or native_prefill:
-            q = qn
+        native_prefill = bool(plan.prefills) and native and cpu_prefill.supports(q, cache.kv, cache.scales)
         out = torch.empty_like(q) if plan.prefills or plan.decode_rows is not None else None
 
         if plan.decode_blocks is not None:
@@ -268,7 +273,7 @@ class TorchAttentionBackend:
         for i, p in enumerate(plan.prefills):
             if p.context_len == 0 and cache.kv.dtype == k.dtype:
                 # Nothing cached before this chunk and the cache holds exactly what was written: skip the gather.
-                kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
+                kp, vp = (x[p.start : p.end].to(q.dtype).transpose(0, 1) for x in (k, v))
             else:
                 kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
                 kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)

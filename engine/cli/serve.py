@@ -324,4 +324,12 @@ def build_exporter(engine: Any, settings: ServerSettings) -> Any:
         cache_config=cache_config,
         max_model_len_fitted=getattr(engine, "max_model_len_fitted", None),
         block_size=cfg.block_size,
+        cpu_kernels=_cpu_kernels_labels(getattr(engine, "cpu_kernels", None)),
     )
+
+
+def _cpu_kernels_labels(kernels: Any) -> dict[str, str] | None:
+    """The info series' labels for a CPU engine's kernels (None on a GPU: no series)."""
+    if kernels is None:
+        return None
+    return {"variant": kernels.variant, "origin": kernels.origin or "none"}

@@ -55,6 +55,7 @@ class PrometheusStatLogger:
         cache_config: dict[str, Any] | None = None,
         max_model_len_fitted: int | None = None,
         block_size: int | None = None,
+        cpu_kernels: dict[str, str] | None = None,
         engine_index: int = 0,
         hit_ratio_window: int = 100,
         registry: CollectorRegistry | None = None,
@@ -97,6 +98,14 @@ class PrometheusStatLogger:
             registry=reg,
         )
         info_gauge.labels(**lb, **info).set(1)
+        if cpu_kernels is not None:
+            Gauge(
+                "pagoda:cpu_kernels_info",
+                "The native CPU kernels this engine runs: variant (torch = none loaded) and origin (prebuilt at "
+                "install, or compiled at run time).",
+                names + sorted(cpu_kernels),
+                registry=reg,
+            ).labels(**lb, **cpu_kernels).set(1)
         # -- vLLM counters
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."

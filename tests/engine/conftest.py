@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagoda_testkit.native import cpu_variant  # noqa: F401 (a fixture: each CPU kernel variant)
 
 torch.set_num_threads(2)
 

@@ -7,12 +7,11 @@ import torch
 from pagoda.engine import cpu_sampling
 from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda_testkit.native import require_native
 
 
 @pytest.fixture(autouse=True)
-def _native_kernels() -> None:
-    require_native(cpu_sampling._library() is not None)
+def _every_variant(cpu_variant) -> None:
+    """Every test on each kernel variant this CPU runs."""
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 17), (64, 49152), (7, 1000), (5, 31)])

@@ -45,8 +45,14 @@ def test_serving_leaves_a_core_to_the_event_loop_for_small_steps(threads_per_ste
     async def serve() -> None:
         engine.start()
         try:
+            # Lengths 2, 4 and 6: however the engine thread happens to batch the three (all together, or
+            # each alone), the longest stream's last decodes run without the others.
             streams = [
-                await engine.add_request(f"r{i}", [101 + i] * 40, SamplingParams(temperature=0, max_tokens=6))
+                await engine.add_request(
+                    f"r{i}",
+                    [101 + i] * 40,
+                    SamplingParams(temperature=0, max_tokens=2 * (i + 1), ignore_eos=True),
+                )
                 for i in range(3)
             ]
             for stream in streams:
@@ -60,4 +66,4 @@ def test_serving_leaves_a_core_to_the_event_loop_for_small_steps(threads_per_ste
     prefill = [threads for tokens, threads in seen if tokens > 2]
     small = [threads for tokens, threads in seen if 0 < tokens <= 2]
     assert prefill and all(t == every for t in prefill)  # prefills and batches of 3 decodes: every core
-    assert small and all(t == every - 1 for t in small)  # the last streams' decodes: a core for the front end
+    assert small and all(t == every - 1 for t in small)  # the last stream's decodes: a core for the front end

@@ -25,7 +25,8 @@ def _reload_triton_in_interpreter_mode() -> None:
         return
     for name in list(sys.modules):
         stale_triton = (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
-        if stale_triton or name.startswith(("pagoda.kernels.", "pagoda.engine.attention.triton_backend")):
+        ours = name.startswith(("pagoda.kernels.", "pagoda.engine.attention.triton_backend"))
+        if stale_triton or (ours and not name.startswith("pagoda.kernels.cpu")):  # (the C kernels: no Triton)
             del sys.modules[name]
 
 

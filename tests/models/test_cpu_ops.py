@@ -6,12 +6,11 @@ import pytest
 import torch
 from pagoda.engine.models import cpu_ops
 from pagoda.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from pagoda_testkit.native import require_native
 
 
 @pytest.fixture(autouse=True)
-def _native_kernels() -> None:
-    require_native(cpu_ops._library() is not None)
+def _every_variant(cpu_variant) -> None:
+    """Every test on each kernel variant this CPU runs."""
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 64), (300, 576), (33, 100)])

@@ -136,7 +136,9 @@ def test_writes_every_new_token_to_its_slot(paged):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype, paged):
+def test_half_precision(dtype, paged, cpu_variant):
+    """A prefill next to a decode in one step (a bfloat16 cache: the decode kernel widens the queries while
+    the prefill runs elsewhere), on every kernel variant."""
     torch.manual_seed(0)
     batches = paged(num_blocks=16, block_size=16)
     q, k, v = torch.randn(21, 4, 16), torch.randn(21, 2, 16), torch.randn(21, 2, 16)
@@ -187,16 +189,6 @@ def run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, 
 # ---- the native CPU decode kernel ------------------------------------------------------------------------
 
 
-def test_native_decode_kernel_builds_where_a_compiler_exists():
-    """The serving path must not silently fall back to the gathered formulation on a machine that can build
-    the kernel (that fallback is ~10x slower per layer at 64 decodes)."""
-    from pagoda.engine.attention import cpu_decode
-    from pagoda_testkit.native import require_native
-
-    require_native(cpu_decode.available())
-    assert cpu_decode.available()
-
-
 @pytest.mark.parametrize(
     "heads,kv_heads,d,block_size,window",
     [
@@ -208,13 +200,11 @@ def test_native_decode_kernel_builds_where_a_compiler_exists():
         (2, 1, 40, 8, 3),
     ],
 )
-def test_native_decode_matches_the_gathered_reference(heads, kv_heads, d, block_size, window, paged):
+def test_native_decode_matches_the_gathered_reference(
+    heads, kv_heads, d, block_size, window, paged, cpu_variant
+):
     """Mixed steps (decodes between prefill chunks) through the native kernel and through the gathered
     reference formulation give the same outputs, and both match the dense per-token reference."""
-    from pagoda.engine.attention import cpu_decode
-    from pagoda_testkit.native import require_native
-
-    require_native(cpu_decode.available())
     torch.manual_seed(0)
     batches = paged(num_blocks=128, block_size=block_size, seed=1)
     caches = {n: LayerKVCache(torch.zeros(2, 128, block_size, kv_heads, d)) for n in ("native", "ref")}
@@ -233,11 +223,13 @@ def test_native_decode_matches_the_gathered_reference(heads, kv_heads, d, block_
 
 def _require_native_prefill():
     from pagoda.engine.attention import cpu_prefill
+    from pagoda.kernels.cpu import loader
     from pagoda_testkit.native import require_native
 
-    if not cpu_prefill._avx512():
+    require_native(loader.library() is not None)
+    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= loader.cpu_flags():
         pytest.skip("the native prefill kernel needs an AVX-512 CPU")
-    require_native(cpu_prefill.available())
+    assert cpu_prefill.available(), loader.current().describe()
 
 
 @pytest.mark.parametrize(

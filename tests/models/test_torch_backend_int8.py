@@ -10,7 +10,6 @@ import torch
 from pagoda.engine.attention.base import LayerKVCache
 from pagoda.engine.attention.torch_backend import TorchAttentionBackend
 from pagoda.kernels.reference import quantize_int8
-from pagoda_testkit.native import require_native
 
 
 def dense(q_all, k_all, v_all, ctx, ql, window):
@@ -45,10 +44,11 @@ def int8_cache(num_blocks, block_size, kv_heads, d):
         (6, 3, 24, 16, None),  # head size not a multiple of 16: the portable loop
     ],
 )
-def test_native_int8_decode_matches_gathered_and_dense(heads, kv_heads, d, block_size, window, paged):
+def test_native_int8_decode_matches_gathered_and_dense(
+    heads, kv_heads, d, block_size, window, paged, cpu_variant
+):
     from pagoda.engine.attention import cpu_decode
 
-    require_native(cpu_decode.available())
     torch.manual_seed(0)
     batches = paged(num_blocks=128, block_size=block_size, seed=1)
     caches = {n: int8_cache(128, block_size, kv_heads, d) for n in ("native", "ref")}
@@ -92,12 +92,10 @@ def test_native_int8_decode_matches_gathered_and_dense(heads, kv_heads, d, block
     assert 1e-4 < worst_vs_fp32 < 0.1, worst_vs_fp32
 
 
-def test_int8_decode_reads_only_the_sequences_own_slots(paged):
+def test_int8_decode_reads_only_the_sequences_own_slots(paged, cpu_variant):
     """Slots no sequence owns hold garbage that quantization never writes (-128, huge scales): the native
     decode must not read them (a read would show as a large error)."""
-    from pagoda.engine.attention import cpu_decode
 
-    require_native(cpu_decode.available())
     torch.manual_seed(3)
     batches = paged(num_blocks=32, block_size=16, seed=2)
     cache = int8_cache(32, 16, 3, 64)

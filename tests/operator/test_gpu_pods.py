@@ -159,11 +159,12 @@ def test_gpu_pods_never_build_or_load_the_cpu_kernels(tmp_path) -> None:
     assert all(e["name"] != "PAGODA_NATIVE_KERNELS" for e in render.engine_env(cpu))
     # ...and with it the engine builds and loads nothing: no compiler run, no library, no cache file.
     code = (
-        "import subprocess\n"
-        "from pagoda.engine.attention import native\n"
-        "def refuse(*a, **k): raise AssertionError('the C compiler was run')\n"
-        "subprocess.run = refuse\n"
-        "assert native.load_library('probe', 'int f(void){return 1;}') is None\n"
+        "import ctypes, subprocess\n"
+        "from pagoda.kernels.cpu import loader\n"
+        "def refuse(what): raise AssertionError(what)\n"
+        "subprocess.run = lambda *a, **k: refuse('the C compiler was run')\n"
+        "ctypes.CDLL = lambda *a, **k: refuse('a library was loaded')\n"
+        "assert loader.library() is None and loader.current().variant == 'torch'\n"
     )
     env = {**os.environ, "PAGODA_NATIVE_KERNELS": "0", "PAGODA_CACHE": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -71,3 +71,34 @@ def test_operator_imports_without_torch():
     code = "import sys, pagoda.operator, pagoda.engine.sizing; assert 'torch' not in sys.modules; print('ok')"
     proc = run(code, safe_path=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_bare_operator_imports_nothing_else_so_it_works_mid_start_up():
+    """The repository's `operator/` hands back the standard library's module without importing anything:
+    it may run while the interpreter is half-way through importing threading or functools (a spawned child
+    started in the repository root on Python 3.12 died there when it imported sysconfig)."""
+    code = (
+        "import sys; sys.path.insert(0, '')\n"
+        "before = set(sys.modules)\n"
+        "import operator\n"
+        f"assert operator.__file__ == {STDLIB_OPERATOR!r}, operator.__file__\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['_operator', 'operator']"
+
+
+def test_multiprocessing_spawn_from_the_repository_root():
+    """A program run in the repository root whose children multiprocessing spawns (they start with the root
+    first on sys.path and import operator early) runs."""
+    code = (
+        "import multiprocessing, operator\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "        print(pool.map(operator.neg, [1, 2]))\n"
+    )
+    proc = run(code, safe_path=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[-1, -2]", proc.stderr

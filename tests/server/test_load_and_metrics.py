@@ -80,6 +80,12 @@ def test_every_series_is_exported_with_vllm_names_and_labels(server) -> None:
         )
         assert "DEPRECATED" in help_line.upper()
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"' in text
+    # the CPU kernels: this CPU's best variant, built at install (the server runs on the same CPU as the test)
+    from pagoda.kernels.cpu import loader
+
+    best = loader.load()
+    assert best.origin == loader.PREBUILT, best.describe()
+    assert server.metric("pagoda:cpu_kernels_info", variant=best.variant, origin="prebuilt") == 1
     assert 'le="0.001"' in text and 'vllm:request_success_total{engine="0",finished_reason="abort"' in text
 
 

@@ -1,4 +1,4 @@
-"""The native CPU kernels in tests: skipped only where they cannot be built, never because a build failed."""
+"""The native CPU kernels in tests: skipped only where they cannot exist, never because a build failed."""
 
 from __future__ import annotations
 
@@ -6,13 +6,37 @@ import pytest
 
 
 def require_native(built: bool) -> None:
-    """Skip, naming what is missing, where native kernels cannot exist here (switched off, not Linux, no C
-    compiler); otherwise fail unless the kernel built: a broken build must not pass as a skip, because serving
-    would then silently run the ~10x slower torch fallbacks."""
-    from pagoda.engine.attention.native import _compiler, native_enabled
+    """Skip, naming what is missing, where native kernels cannot exist here (switched off, not Linux);
+    otherwise fail unless the kernel loaded: a broken build must not pass as a skip, because serving would
+    then silently run the ~10x slower torch fallbacks."""
+    import sys
 
-    if not native_enabled():
+    from pagoda.kernels.cpu import loader
+
+    if loader.setting() == "off" or not sys.platform.startswith("linux"):
         pytest.skip("native kernels are switched off (PAGODA_NATIVE_KERNELS=0) or this is not Linux")
-    if _compiler() is None:
-        pytest.skip("no C compiler (cc, gcc or clang) on PATH to build the native kernels")
-    assert built, "a C compiler is here but the native kernel did not build (see the engine's log)"
+    assert built, f"the native CPU kernels did not load: {loader.current().describe()}"
+
+
+def _variant_names() -> list[str]:
+    from pagoda.kernels.cpu import build
+
+    return [v.name for v in build.variants()]
+
+
+@pytest.fixture(params=_variant_names())
+def cpu_variant(request):
+    """Each build variant of the CPU kernels in turn as the process's library (every variant this CPU runs:
+    the portable baseline everywhere, so CI on an AVX-512 host tests it too); skipped, naming the missing
+    CPU features, where this CPU cannot run it."""
+    from pagoda.kernels.cpu import build, loader
+
+    require_native(True)
+    variant = next(v for v in build.variants() if v.name == request.param)
+    missing = sorted(variant.needs - loader.cpu_flags())
+    if missing:
+        pytest.skip(f"the {variant.name} kernels need a CPU with {', '.join(missing)}")
+    kernels = loader.load(variant.name)
+    assert kernels.lib is not None, kernels.reason
+    with loader.using(kernels):
+        yield kernels

@@ -1,0 +1,202 @@
+/* Causal prefill attention over the paged cache, flash-attention style, AVX-512 only (engine/attention/cpu_prefill.py binds it). */
+#include "pagoda_cpu.h"
+
+#define PF_R 12        /* query rows per tile: positions x query heads of one KV head */
+#define PF_MAXD 256
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void pf_tile(
+    const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
+    int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
+    float *m, float *l, const int D, const int BF)
+{
+    const int DV = D / 16;
+    const int RB = 24 / DV > PF_R ? PF_R : 24 / DV; /* rows per P.V pass: accumulators stay in registers */
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int minpos = pos[0], maxws = ws[0];
+    for (int r = 1; r < R; r++) { minpos = pos[r] < minpos ? pos[r] : minpos; maxws = ws[r] > maxws ? ws[r] : maxws; }
+    int maxpos = pos[0], minws = ws[0];
+    for (int r = 1; r < R; r++) { maxpos = pos[r] > maxpos ? pos[r] : maxpos; minws = ws[r] < minws ? ws[r] : minws; }
+    float ps[PF_R][16] __attribute__((aligned(64)));
+    float corr[PF_R];
+    const int cl = minws / 16, ch = maxpos / 16 + 1; /* chunks any row of this tile sees */
+    for (int c = cl > c0 ? cl : c0; c < ch && c < c1; c++) {
+        const float *ktc = kt + (int64_t)(c - c0) * D * 16;
+        __m512 S[PF_R];
+        for (int r = 0; r < PF_R; r++) S[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 kv = _mm512_load_ps(ktc + d * 16);
+            for (int r = 0; r < PF_R; r++) S[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), kv, S[r]);
+        }
+        const int full = c * 16 + 15 <= minpos && c * 16 >= maxws;
+        const __m512i kidx = _mm512_add_epi32(_mm512_set1_epi32(c * 16), iota);
+        for (int r = 0; r < PF_R; r++) {
+            __mmask16 mk = 0xFFFF;
+            if (!full)
+                mk = _mm512_cmp_epi32_mask(kidx, _mm512_set1_epi32(pos[r]), _MM_CMPINT_LE) &
+                     _mm512_cmp_epi32_mask(kidx, _mm512_set1_epi32(ws[r]), _MM_CMPINT_NLT);
+            const float mx = mk ? _mm512_mask_reduce_max_ps(mk, S[r]) : -INFINITY;
+            const float mnew = mx > m[r] ? mx : m[r];
+            if (mnew == -INFINITY) {
+                _mm512_store_ps(ps[r], _mm512_setzero_ps());
+                corr[r] = 1.0f;
+                continue;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(S[r], _mm512_set1_ps(mnew))));
+            _mm512_store_ps(ps[r], e);
+            corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(e);
+            m[r] = mnew;
+        }
+        const int j0 = 0, j1 = kend - c * 16 < 16 ? kend - c * 16 : 16;
+        int64_t vrow[16]; /* element offsets of the chunk's V rows */
+        for (int j = j0; j < j1; j++) {
+            const int key = c * 16 + j;
+            vrow[j] = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
+        }
+        for (int rb = 0; rb < PF_R; rb += RB) {
+            const int nr = PF_R - rb < RB ? PF_R - rb : RB;
+            __m512 acc[24];
+            for (int rr = 0; rr < nr; rr++) {
+                const __m512 cv = _mm512_set1_ps(corr[rb + rr]);
+                for (int i = 0; i < DV; i++)
+                    acc[rr * DV + i] = _mm512_mul_ps(_mm512_load_ps(O + (rb + rr) * D + 16 * i), cv);
+            }
+            for (int j = j0; j < j1; j++) {
+                __m512 vv[PF_MAXD / 16];
+                if (BF)
+                    for (int i = 0; i < DV; i++) vv[i] = bf16x16((const uint16_t *)vc + vrow[j] + 16 * i);
+                else
+                    for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps((const float *)vc + vrow[j] + 16 * i);
+                for (int rr = 0; rr < nr; rr++) {
+                    const __m512 p = _mm512_set1_ps(ps[rb + rr][j]);
+                    for (int i = 0; i < DV; i++) acc[rr * DV + i] = _mm512_fmadd_ps(p, vv[i], acc[rr * DV + i]);
+                }
+            }
+            for (int rr = 0; rr < nr; rr++)
+                for (int i = 0; i < DV; i++) _mm512_store_ps(O + (rb + rr) * D + 16 * i, acc[rr * DV + i]);
+        }
+    }
+}
+
+/* KV head h of one prefill chunk, query positions [i0, i1) of the chunk (absolute ctx + i). */
+static inline __attribute__((always_inline)) void pf_task(
+    const float *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *bt_row, int ctx,
+    int i0, int i1, float *out, int64_t out_stride, int h, int Hkv, const int D, int G, int bs, float scale,
+    int window, float *kt, const int BF)
+{
+    const int64_t tok_stride = (int64_t)Hkv * D;
+    const int kend = ctx + i1;
+    const int first = ctx + i0;
+    const int kstart = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+    const int c0 = kstart / 16, c1 = (kend + 15) / 16;
+    for (int c = c0; c < c1; c++) { /* K of the chunks this task reads, transposed: kt[c][d][16 keys] */
+        float *dst = kt + (int64_t)(c - c0) * D * 16;
+        for (int j = 0; j < 16; j++) {
+            const int key = c * 16 + j;
+            if (key >= kstart && key < kend) {
+                const int64_t at = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
+                if (BF) {
+                    const uint16_t *src = (const uint16_t *)kc + at;
+                    for (int d = 0; d < D; d++) dst[d * 16 + j] = bf16_to_f32(src[d]);
+                } else {
+                    const float *src = (const float *)kc + at;
+                    for (int d = 0; d < D; d++) dst[d * 16 + j] = src[d];
+                }
+            } else {
+                for (int d = 0; d < D; d++) dst[d * 16 + j] = 0.0f;
+            }
+        }
+    }
+    const int P = PF_R / G; /* positions per tile */
+    float qs[PF_R * PF_MAXD] __attribute__((aligned(64)));
+    float O[PF_R * PF_MAXD] __attribute__((aligned(64)));
+    float m[PF_R], l[PF_R];
+    int pos[PF_R], ws[PF_R];
+    const float *qrow[PF_R];
+    float *orow[PF_R];
+    for (int i = i0; i < i1; i += P) {
+        const int np = i1 - i < P ? i1 - i : P;
+        const int R = np * G;
+        for (int r = 0; r < PF_R; r++) {
+            const int rr = r < R ? r : R - 1; /* padding rows repeat the last real row, never stored */
+            const int p = rr / G, g = rr % G;
+            qrow[r] = q + (int64_t)(i + p) * q_stride + (int64_t)(h * G + g) * D;
+            orow[r] = r < R ? out + (int64_t)(i + p) * out_stride + (int64_t)(h * G + g) * D : 0;
+            pos[r] = ctx + i + p;
+            ws[r] = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+            for (int d = 0; d < D; d++) { qs[r * D + d] = qrow[r][d] * scale; O[r * D + d] = 0.0f; }
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        pf_tile(qs, pos, ws, PF_R, kt, c0, c1, vc, bt_row, bs, tok_stride, h, kend, O, m, l, D, BF);
+        for (int r = 0; r < R; r++) {
+            const float inv = 1.0f / l[r];
+            for (int d = 0; d < D; d++) orow[r][d] = O[r * D + d] * inv;
+        }
+    }
+}
+#endif
+
+/* Prefill chunks of one step: chunk i has rows [starts[i], starts[i] + qlens[i]) of q/out, ctx_lens[i] tokens
+   cached before it, and block table row seq_idx[i]. Tasks: (chunk, KV head, range of pr positions). */
+static inline __attribute__((always_inline)) int paged_prefill(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, const int64_t *qlens,
+    const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale,
+    int window, float *scratch, int64_t scratch_per_thread, int nthreads, const int BF)
+{
+#if defined(__AVX512F__)
+    const int G = H / Hkv;
+    if (G * Hkv != H || G > PF_R || D > PF_MAXD || D % 16) return 1;
+    const int P = PF_R / G;
+    const int pr = P * 8;
+    int64_t ntask = 0;
+    for (int i = 0; i < n; i++) ntask += (int64_t)Hkv * ((qlens[i] + pr - 1) / pr);
+    #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        float *kt = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread;
+#else
+        float *kt = scratch;
+#endif
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntask; task++) {
+            /* later ranges first: they see more keys */
+            int64_t t = ntask - 1 - task;
+            int i = 0;
+            for (; i < n; i++) {
+                const int64_t c = (int64_t)Hkv * ((qlens[i] + pr - 1) / pr);
+                if (t < c) break;
+                t -= c;
+            }
+            const int h = (int)(t % Hkv);
+            const int r = (int)(t / Hkv);
+            const int i0 = r * pr, i1 = (r + 1) * pr < qlens[i] ? (r + 1) * pr : (int)qlens[i];
+            const float *qi = q + starts[i] * q_stride;
+            float *oi = out + starts[i] * out_stride;
+            const int32_t *bt = block_tables + seq_idx[i] * bt_stride;
+            if (D == 64)
+                pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, 64, G,
+                        bs, scale, window, kt, BF);
+            else
+                pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, D, G,
+                        bs, scale, window, kt, BF);
+        }
+    }
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+#define PF_ARGS_DECL const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
+    const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, \
+    const int64_t *qlens, const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, \
+    int bs, float scale, int window, float *scratch, int64_t scratch_per_thread, int nthreads
+#define PF_ARGS q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_idx, starts, qlens, ctx_lens, n, out, \
+    out_stride, H, Hkv, D, bs, scale, window, scratch, scratch_per_thread, nthreads
+
+int pagoda_paged_prefill_f32(PF_ARGS_DECL) { return paged_prefill(PF_ARGS, 0); }
+/* bfloat16 cache (a bfloat16 model's): keys widened into the transposed scratch, values in registers. */
+int pagoda_paged_prefill_bf16(PF_ARGS_DECL) { return paged_prefill(PF_ARGS, 1); }

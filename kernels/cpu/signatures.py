@@ -1,0 +1,46 @@
+"""The C signatures of every exported kernel, as ctypes types: the one table the loader types a library with.
+
+Keep in step with the definitions in the .c files (tests/kernels/test_cpu_library.py compares each entry
+with the C prototype). Pointers are passed as ``data_ptr()`` integers, so they are plain ``c_void_p``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float  # noqa: E741
+
+# q, q_stride, k_cache, v_cache, [k_scales, v_scales,] block_tables, bt_stride, seq_lens, seq_idx, tok_rows,
+# n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads
+_DECODE = [P, I64, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, I]
+_DECODE_I8 = [P, I64, P, P, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, I]
+# q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_idx, starts, qlens, ctx_lens, n, out, out_stride,
+# H, Hkv, D, bs, scale, window, scratch, scratch_per_thread, nthreads
+_PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I, P, I64, I, I, I, I, F, I, P, I64, I]
+# out, residual, x, w, T, n, x_stride, out_stride, res_stride, eps, nthreads
+_RMS_NORM = [P, P, P, P, I64, I64, I64, I64, I64, F, I]
+# x, T, x_stride, nheads, D, cos, sin, nthreads
+_ROTARY = [P, I64, I64, I, I, P, P, I]
+# out, gate_up, T, I, gu_stride, out_stride, nthreads
+_SILU_MUL = [P, P, I64, I64, I64, I64, I]
+
+# name -> (restype, argtypes)
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "pagoda_cpu_variant": (ctypes.c_char_p, []),
+    "pagoda_cpu_features": (I, []),
+    "pagoda_paged_decode_f32": (I, _DECODE),
+    "pagoda_paged_decode_bf16": (I, _DECODE),
+    "pagoda_paged_decode_i8": (I, _DECODE_I8),
+    "pagoda_paged_prefill_f32": (I, _PREFILL),
+    "pagoda_paged_prefill_bf16": (I, _PREFILL),
+    "pagoda_add_rms_norm": (None, _RMS_NORM),
+    "pagoda_add_rms_norm_bf16": (None, _RMS_NORM),
+    "pagoda_rotary": (None, _ROTARY),
+    "pagoda_rotary_bf16": (None, _ROTARY),
+    "pagoda_silu_mul": (None, _SILU_MUL),
+    "pagoda_silu_mul_bf16": (None, _SILU_MUL),
+    # x, N, V, ld, want, ids, lp, nthreads
+    "pagoda_greedy": (None, [P, I64, I64, I64, P, P, P, I]),
+}
+
+FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the AVX-512 prefill kernel is compiled in
