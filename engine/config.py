@@ -119,7 +119,7 @@ class EngineConfig:
     enforce_eager: bool = _opt(
         False,
         "never record CUDA graphs: run every decode step eagerly (graphs are recorded on CUDA with the triton "
-        "attention backend and tensor_parallel_size 1)",
+        "attention backend, on every tensor-parallel rank)",
     )
     profile_on_cpu: bool = _opt(
         False,
