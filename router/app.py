@@ -7,7 +7,8 @@ draining) is skipped and the request goes to another one, up to ``--max-retries`
 client gets 503 with ``Retry-After``. Other answers (4xx, 5xx) are passed through as they are. Streams are
 passed on in whole events; a replica that fails after the first one ends the client's stream with an
 OpenAI-style ``error`` event. Waits on a replica are bounded per read (``--read-timeout``), never as a
-whole. A client that goes away closes the upstream connection, which aborts the request on the replica.
+whole; one silent that long before the client had anything gets it a 504 (not retried). A client that goes
+away closes the upstream connection, which aborts the request on the replica.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ class RouterApp:
             except aiohttp.ClientConnectorError as exc:  # nothing listens: the replica is down
                 raise _Refused(exc, "connect", down=True) from exc
             except aiohttp.SocketTimeoutError:  # accepted, then silent: it may still be working on it
-                return _error(504, "the replica did not answer in time", "upstream_timeout")
+                return _timed_out()
             except aiohttp.ClientConnectionError as exc:  # dropped (e.g. a stale pooled connection)
                 raise _Refused(exc, "disconnect") from exc
             async with upstream:
@@ -286,7 +287,9 @@ class RouterApp:
                     return await self._relay(request, upstream, b)
                 try:
                     data = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:  # the client has nothing yet
+                except TimeoutError:  # silent, not gone (aiohttp's timeouts are ClientErrors too)
+                    return _timed_out()
+                except aiohttp.ClientError as exc:  # the client has nothing yet
                     raise _Refused(exc, "disconnect") from exc
                 self._observe_usage(b, data)
                 return web.Response(body=data, status=upstream.status, headers=_answer_headers(upstream))
@@ -297,8 +300,9 @@ class RouterApp:
         self, request: web.Request, upstream: aiohttp.ClientResponse, b: Backend
     ) -> web.StreamResponse:
         """Pass a stream through event by event. Until the first whole event the client has nothing, so a
-        replica that fails before it is refused (another replica gets the request); one that fails later
-        ends the client's stream with an error event and ``data: [DONE]``."""
+        replica that drops the stream before it is refused (another replica gets the request) and one that
+        stays silent for ``read_timeout`` gets the client a 504, as a silent non-streamed answer does; one
+        that fails later ends the client's stream with an error event and ``data: [DONE]``."""
         events = SSEBuffer()
         out: web.StreamResponse | None = None
         try:
@@ -317,9 +321,11 @@ class RouterApp:
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                     return out
         except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+            if out is None and reason == "timeout":  # it may still be working on it: not retried
+                return _timed_out()
             if out is None:
                 raise _Refused(exc, "disconnect") from exc
-            reason = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
             log.warning("replica %s failed mid-stream (%s): %s", b.url, reason, exc)
             self.metrics.stream_errors.labels(b.url, reason).inc()
             message = f"the replica serving this stream failed ({reason}); the answer is incomplete"
@@ -387,7 +393,7 @@ class RouterApp:
             except aiohttp.ClientConnectorError as exc:
                 b.mark_failed(str(exc))
             except aiohttp.SocketTimeoutError:
-                return _error(504, "the replica did not answer in time", "upstream_timeout")
+                return _timed_out()
             except aiohttp.ClientError:
                 continue  # dropped before a whole answer: the next replica
         return _unavailable(DEFAULT_RETRY_AFTER_S)
@@ -459,6 +465,12 @@ def _unavailable(retry_after: int) -> web.Response:
     resp = _error(503, "no replica could take the request now; retry later", "no_backend")
     resp.headers["Retry-After"] = str(retry_after)
     return resp
+
+
+def _timed_out() -> web.Response:
+    """A replica silent for ``read_timeout`` before the client had anything (not retried: a replica that is
+    slow, not gone, may still be working on the request)."""
+    return _error(504, "the replica did not answer in time", "upstream_timeout")
 
 
 def _sse_error(message: str, code: str) -> bytes:

@@ -103,7 +103,7 @@ def start_router(log_dir: Path, backends: list[str], *extra: str, env: dict[str,
     return wait_healthy(start(log_dir, [*argv, *extra], port, "router", env), timeout=60)
 
 
-def wait_synced(router: Proc, timeout: float = 30, api_key: str | None = None) -> list[dict]:
+def wait_synced(router: Proc, timeout: float = 120, api_key: str | None = None) -> list[dict]:
     """The router's replicas once all are healthy and followed (KV snapshot loaded), or as they are at the
     deadline."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

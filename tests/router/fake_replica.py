@@ -1,13 +1,15 @@
 """A small stand-in for `pagoda serve` in the router's fault tests, run as its own process:
 
-    python fake_replica.py PORT MODE REQUEST_LOG
+    python fake_replica.py PORT MODE REQUEST_LOG [GAP_S]
 
 MODE is one of
-- ``ok``: streams ``WORDS`` chat chunks, ``GAP_S`` apart, then a finishing chunk and ``[DONE]``; a
-  non-streamed request gets one chat completion (any body size up to 64 MiB);
+- ``ok``: streams ``WORDS`` chat chunks, ``GAP_S`` seconds apart (default 0.05), then a finishing chunk
+  and ``[DONE]``; a non-streamed request gets one chat completion (any body size up to 64 MiB);
 - ``busy``: every completion is a 503 ``queue_full`` with ``Retry-After: 7``, as a full engine answers;
 - ``crash``: streams like ``ok``, and once its first stream has sent ``CRASH_AFTER`` chunks the process
-  kills itself (SIGKILL): every stream it is serving is cut where it stands.
+  kills itself (SIGKILL): every stream it is serving is cut where it stands;
+- ``hang``: streams ``CRASH_AFTER`` chunks, then stays silent with the connection open; ``mute``: the same
+  before its first chunk (headers sent). Stop either with SIGKILL: a graceful stop would wait for them.
 
 Every completion request is appended to REQUEST_LOG (one line each) before it is answered, so a test can
 compare what the replica received with what the router counted.
@@ -39,6 +41,7 @@ def chunk(i: int | None) -> bytes:
 
 def main() -> None:
     port, mode, request_log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    gap_s = float(sys.argv[4]) if len(sys.argv) > 4 else GAP_S
     streams = 0
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -66,11 +69,15 @@ def main() -> None:
         crashes = mode == "crash" and streams == 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "mute":
+            await asyncio.Event().wait()  # never set
         for i in range(WORDS):
             await resp.write(chunk(i))
-            if crashes and i + 1 == CRASH_AFTER:
+            if i + 1 == CRASH_AFTER and crashes:
                 os.kill(os.getpid(), signal.SIGKILL)
-            await asyncio.sleep(GAP_S)
+            if i + 1 == CRASH_AFTER and mode == "hang":
+                await asyncio.Event().wait()  # never set
+            await asyncio.sleep(gap_s)
         await resp.write(chunk(None) + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -34,6 +34,26 @@ def router(replicas, tmp_path_factory, kit):
     r.stop()
 
 
+def wait_for(what: str, check, timeout: float = 120):
+    """Poll ``check`` until it returns something true; fail naming ``what`` after ``timeout`` seconds (a
+    bound for a stuck test, not an expectation of speed)."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.1)
+    return result
+
+
+def followed(router, url: str) -> None:
+    """Wait until the router has applied every KV event replica ``url`` had published when called."""
+    seq = httpx.get(url + "/v1/kv_snapshot").json()["seq"]
+
+    def state() -> dict:
+        return next(b for b in httpx.get(router.url + "/router/state").json()["backends"] if b["url"] == url)
+
+    wait_for(f"the router follows {url} to seq {seq}", lambda: state()["seq"] >= seq)
+
+
 def client(router) -> OpenAI:
     return OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -69,7 +89,7 @@ def test_second_turn_lands_on_the_replica_of_the_first(router, replicas):
         before = {p.url: routed(router, p.url) for p in replicas}
         first = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
         home = next(p.url for p in replicas if routed(router, p.url) > before[p.url])
-        time.sleep(0.5)  # the replica's events reach the router
+        followed(router, home)  # the first turn's blocks are in the router's index
         msgs += [
             {"role": "assistant", "content": first.choices[0].message.content},
             {"role": "user", "content": "And then?"},
@@ -112,14 +132,13 @@ def test_stream_passes_through_and_disconnect_aborts_on_the_replica(router, repl
             got += line.startswith("data: {")
             if got >= 3:
                 break  # leave with ~397 tokens still to generate
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def aborted() -> float:
         now = sum(p.metric("vllm:request_success_total", finished_reason="abort") for p in replicas)
         running = sum(p.metric("vllm:num_requests_running") for p in replicas)
-        if now > aborts and running == 0:
-            break
-        time.sleep(0.2)
-    assert now == aborts + 1 and running == 0
+        return now if now > aborts and running == 0 else 0
+
+    assert wait_for("the replica aborts the request", aborted) == aborts + 1
 
 
 FAKE_REPLICA = """
@@ -145,7 +164,7 @@ def test_connection_refused_is_retried_on_another_replica(replicas, tmp_path_fac
         "--policy",
         "roundRobin",
         "--health-interval",
-        "60",
+        "3600",  # no health round during the test: the request finds the replica dead
         "--tokenizer",
         "backend",
     )
@@ -205,20 +224,18 @@ def test_a_draining_replica_finishes_its_work_and_gets_no_new_requests(router, r
         lines = stream.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")
         leaving.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            health = httpx.get(leaving.url + "/health", timeout=5)
-            if health.status_code == 503:
-                break
-            time.sleep(0.05)
-        assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the router's next health round sees it
+
+        def health() -> httpx.Response | None:
+            got = httpx.get(leaving.url + "/health", timeout=30)
+            return got if got.status_code == 503 else None
+
+        assert wait_for("the replica drains", health).json()["error"]["code"] == "draining"
+
+        def backends() -> dict | None:  # once the router's next health round has seen it
             b = {x["url"]: x for x in httpx.get(router.url + "/router/state").json()["backends"]}
-            if b[leaving.url]["draining"]:
-                break
-            time.sleep(0.1)
-        assert b[leaving.url]["draining"] and not b[staying.url]["draining"]
+            return b if b[leaving.url]["draining"] else None
+
+        assert not wait_for("the router sees the drain", backends)[staying.url]["draining"]
         before = routed(router, staying.url)
         c = client(router)
         for i in range(3):
@@ -228,4 +245,4 @@ def test_a_draining_replica_finishes_its_work_and_gets_no_new_requests(router, r
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert any('"finish_reason":"length"' in line for line in rest)  # all 150 tokens: not cut short
-    assert leaving.proc.wait(30) == 0
+    assert leaving.proc.wait(120) == 0

@@ -1,10 +1,13 @@
 """`pagoda router` under replica faults, with real processes (tests/router/fake_replica.py): one replica
 killed mid-stream, one answering 503 + Retry-After, one slow. Every client sees a complete stream, an error
 event or a 503 with Retry-After, never a truncated answer, and the router's counters add up to what was
-sent. No assertion depends on how the clients' requests interleave."""
+sent. No assertion depends on how the clients' requests interleave or on how fast anything runs: the one
+timeout tested is a replica that never speaks again, and the streams it must not cut pause for a twentieth
+of it."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,17 +20,16 @@ pytestmark = pytest.mark.timeout(120)
 
 FAKE = str(Path(__file__).with_name("fake_replica.py"))
 WORDS = 30  # fake_replica.WORDS: a complete stream is w0 .. w29
-GAP_S = 0.05  # fake_replica.GAP_S: a stream takes WORDS x GAP_S = 1.5 s, each wait 0.05 s
+CRASH_AFTER = 3  # fake_replica.CRASH_AFTER
 CLIENTS = 24
 MESSAGES = [{"role": "user", "content": "Count."}]
-# Longer than any gap between two chunks (30x), shorter than a whole stream: a limit on the whole answer
-# would cut every stream of the slow replica.
-READ_TIMEOUT = ("--read-timeout", "1.5")
+# The read-timeout test: 20x the slow replica's pauses, two thirds of its whole stream (30 x 0.1 s).
+READ_TIMEOUT_S, SLOW_GAP_S = 2.0, 0.1
 
 
-def fake(kit, log_dir: Path, mode: str):
+def fake(kit, log_dir: Path, mode: str, *extra: str):
     port = kit.free_port()
-    argv = [sys.executable, FAKE, str(port), mode, str(log_dir / f"{mode}.requests")]
+    argv = [sys.executable, FAKE, str(port), mode, str(log_dir / f"{mode}.requests"), *extra]
     return kit.wait_healthy(kit.start(log_dir, argv, port, f"fake-{mode}"), 30)
 
 
@@ -44,13 +46,13 @@ def router(kit, log_dir: Path, replicas, *extra: str):
         "roundRobin",
         "--tokenizer",
         "backend",
-        *READ_TIMEOUT,
         *extra,
     )
 
 
 def stream_once(url: str) -> tuple[str, object]:
-    """("complete", text) | ("error", error body) | ("503", Retry-After); anything else raises."""
+    """("complete", text) | ("error", (error body, text before it)) | (HTTP status, (error body,
+    Retry-After)); a truncated stream raises."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     text, finish = "", None
     try:
@@ -58,12 +60,11 @@ def stream_once(url: str) -> tuple[str, object]:
             text += ch.choices[0].delta.content or ""
             finish = ch.choices[0].finish_reason or finish
     except openai.APIStatusError as exc:
-        assert exc.status_code == 503, exc
-        return "503", exc.response.headers.get("Retry-After")
+        return str(exc.status_code), (exc.body, exc.response.headers.get("Retry-After"))
     except openai.APIConnectionError:
         raise  # a truncated stream: what the router must never let through
     except openai.APIError as exc:  # an `error` event in the stream
-        return "error", exc.body
+        return "error", (exc.body, text)
     assert finish == "stop", text
     return "complete", text
 
@@ -86,12 +87,13 @@ def test_faulty_replicas_never_cost_a_client_its_answer(busy, tmp_path_factory, 
         with ThreadPoolExecutor(CLIENTS) as pool:
             outcomes = list(pool.map(lambda _: stream_once(r.url), range(CLIENTS)))
         kinds = [k for k, _ in outcomes]
+        assert set(kinds) <= {"complete", "error", "503"}, outcomes
         want = "".join(f"w{i} " for i in range(WORDS))
         assert all(text == want for k, text in outcomes if k == "complete")  # never cut short
-        errors = [body for k, body in outcomes if k == "error"]
+        errors = [v[0] for k, v in outcomes if k == "error"]
         # the crashing replica's first stream had sent 3 chunks: that client cannot be served elsewhere
         assert errors and all(e["code"] == "upstream_disconnect" for e in errors), errors
-        assert all(value == "7" for k, value in outcomes if k == "503")  # the replicas' Retry-After
+        assert all(v[1] == "7" for k, v in outcomes if k == "503")  # the replicas' Retry-After
         assert crash.proc.wait(10) == -9  # it really died (SIGKILL), mid-stream
 
         def metric(name: str, **labels: str) -> float:
@@ -115,12 +117,41 @@ def test_faulty_replicas_never_cost_a_client_its_answer(busy, tmp_path_factory, 
         crash.stop()
 
 
+def test_the_read_timeout_bounds_a_silence_not_a_whole_answer(tmp_path_factory, kit):
+    """A stream that lasts longer than --read-timeout passes whole. A replica silent for --read-timeout
+    mid-stream ends the client's stream with an error event after what it had sent; one silent before its
+    first event gets the client a 504 (not retried: it may still be working on the request)."""
+    log_dir = tmp_path_factory.mktemp("read-timeout")
+    slow = fake(kit, log_dir, "ok", str(SLOW_GAP_S))
+    hang, mute = fake(kit, log_dir, "hang"), fake(kit, log_dir, "mute")
+    r = router(kit, log_dir, [slow, hang, mute], "--read-timeout", str(READ_TIMEOUT_S))
+    try:
+        assert WORDS * SLOW_GAP_S > READ_TIMEOUT_S  # a limit on the whole answer would cut the slow one
+        with ThreadPoolExecutor(3) as pool:  # round robin, nothing retried: one each
+            outcomes = dict(pool.map(lambda _: stream_once(r.url), range(3)))
+        assert outcomes["complete"] == "".join(f"w{i} " for i in range(WORDS))
+        body, text = outcomes["error"]
+        assert body["code"] == "upstream_timeout" and body["type"] == "server_error"
+        assert text == "".join(f"w{i} " for i in range(CRASH_AFTER))  # all it had sent, then the error
+        assert outcomes["504"][0]["code"] == "upstream_timeout"
+        assert r.metric("pagoda:router_stream_errors_total", backend=hang.url, reason="timeout") == 1
+        assert r.metric("pagoda:router_stream_errors_total") == 1
+        assert r.metric("pagoda:router_requests_total", code="200") == 2
+        assert r.metric("pagoda:router_requests_total", code="504") == 1
+        assert r.metric("pagoda:router_routed_total") == 3 and r.metric("pagoda:router_retries_total") == 0
+    finally:
+        r.stop()
+        slow.stop()
+        hang.stop(signal.SIGKILL)
+        mute.stop(signal.SIGKILL)
+
+
 def test_when_no_replica_can_take_it_the_client_gets_503_with_retry_after(busy, tmp_path_factory, kit):
     b, _ = busy
     r = router(kit, tmp_path_factory.mktemp("only-busy"), [b])
     try:
-        kind, retry_after = stream_once(r.url)
-        assert (kind, retry_after) == ("503", "7")
+        kind, (body, retry_after) = stream_once(r.url)
+        assert (kind, body["code"], retry_after) == ("503", "no_backend", "7")
         got = httpx.post(r.url + "/v1/chat/completions", json={"model": "fake", "messages": MESSAGES})
         assert got.status_code == 503 and got.headers["Retry-After"] == "7"
         assert got.json()["error"]["code"] == "no_backend"
