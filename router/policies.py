@@ -53,16 +53,16 @@ class Decision:
 
 
 def steady_rates(cands: Sequence[Candidate]) -> None:
-    """Clamp each replica's measured prefill rate to within 2x of the replicas' median: one noisy
-    measurement (a short step on a busy machine) must not outweigh a cached prefix. Replicas of one
-    deployment run the same model on the same hardware, so a real difference beyond 2x is rare."""
+    """Clamp each replica's measured prefill rate to within 2x of the replicas' median, and give a replica
+    that has measured none the median: one noisy measurement (a short step on a busy machine) must not
+    outweigh a cached prefix, nor must the default rate of a replica that has not prefilled yet. Replicas
+    of one deployment run the same model on the same hardware, so a real difference beyond 2x is rare."""
     rates = sorted(c.prefill_tps for c in cands if c.prefill_tps)
-    if len(rates) < 2:
+    if not rates:
         return
     median = rates[len(rates) // 2]
     for c in cands:
-        if c.prefill_tps:
-            c.prefill_tps = min(max(c.prefill_tps, median / 2), median * 2)
+        c.prefill_tps = min(max(c.prefill_tps, median / 2), median * 2) if c.prefill_tps else median
 
 
 class Router:

@@ -118,7 +118,10 @@ def wait_synced(router: Proc, timeout: float = 120, api_key: str | None = None) 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("replicas")
-    procs = [start_replica(log_dir), start_replica(log_dir)]  # both load at once
+    # A drain waits for the stream in flight however slow a loaded machine makes it (the default 30 s cut
+    # one short); nothing else is in flight when a replica stops.
+    grace = ("--shutdown-grace-seconds", "600")
+    procs = [start_replica(log_dir, *grace), start_replica(log_dir, *grace)]  # both load at once
     try:
         yield [wait_healthy(p) for p in procs]
     finally:

@@ -122,3 +122,18 @@ def test_tier_aware_spreads_cold_requests_despite_noisy_rates():
     a.prefill_tps, b.prefill_tps, c.prefill_tps = 1100.0, 1000.0, 900.0  # within the 25% tie
     names = [r.choose([a, b, c], CHAIN, TOKENS).name for _ in range(4)]
     assert set(names) == {"a", "c"}  # least loaded among equals, in turn; never only the fastest
+
+
+def test_a_replica_that_has_not_measured_its_rate_gets_the_others():
+    """The replica holding the prefix measured a slow prefill (a busy machine); the other has measured
+    nothing yet. The default rate (2,000 tokens/s) would make a full prefill there look cheaper than the
+    missing block here; the replicas' median rate does not."""
+    r = Router("tierAware")
+    home, fresh = cand("home", 0, device=CHAIN[:7]), cand("fresh", 0)
+    home.prefill_tps, fresh.prefill_tps = 100.0, None
+    for _ in range(3):
+        d = r.choose([fresh, home], CHAIN, TOKENS)
+        assert (d.name, d.reason) == ("home", "device_hit")
+    slow, fast = cand("slow", 0, device=CHAIN[:7]), cand("fast", 0)
+    slow.prefill_tps, fast.prefill_tps = 100.0, 10_000.0  # clamped to 2x of the median (10,000)
+    assert r.choose([fast, slow], CHAIN, TOKENS).name == "slow"
