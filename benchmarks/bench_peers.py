@@ -331,8 +331,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--serve-only", action="store_true", help="only the served comparison")
     ap.add_argument("--concurrency", default="1,8,32", help="served comparison: concurrency levels")
     ap.add_argument(
-        "--serve-requests", type=int, default=0, help="requests per level; default max(8, 2 x concurrency)"
+        "--serve-requests", type=int, default=48, help="requests per level; 0: max(8, 2 x concurrency)"
     )
+    ap.add_argument(
+        "--serve-dtypes", default="float32,bfloat16", help="served comparison: dtypes, comma list"
+    )
+    ap.add_argument("--pagoda-serve-args", default="", help="extra flags for `pagoda serve` (measurements)")
+    ap.add_argument("--serve-servers", default="pagoda,vllm", help="served comparison: which servers run")
     return ap.parse_args(argv)
 
 
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model: {model_dir}")
 
     vllm_python, vllm_note = None, "not needed"
-    if any(ENGINES[k][1] == "vllm" for k in keys) or args.serve or args.serve_only:
+    serve_vllm = (args.serve or args.serve_only) and "vllm" in args.serve_servers
+    if (not args.serve_only and any(ENGINES[k][1] == "vllm" for k in keys)) or serve_vllm:
         vllm_python, vllm_note = ensure_vllm(install=not args.no_install)
         say(f"vLLM: {vllm_note}" if vllm_python else f"vLLM SKIPPED: {vllm_note}")
 

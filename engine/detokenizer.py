@@ -8,10 +8,33 @@ of a stop string that later turns out to end the output.
 
 from __future__ import annotations
 
-from pagoda.engine.request import Sequence
+from dataclasses import dataclass
+
 from pagoda.engine.sampling_params import SamplingParams
 
 _INCOMPLETE = "\ufffd"
+
+
+@dataclass
+class SeqText:
+    """One sequence's text as it is built: the detokenizer's window over its token ids, what was sent."""
+
+    token_ids: list[int]  # prompt + output so far
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+    num_sent_chars: int = 0  # characters of the visible text already handed out
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def for_prompt(cls, prompt_token_ids: list[int]) -> SeqText:
+        n = len(prompt_token_ids)
+        return cls(list(prompt_token_ids), prefix_offset=max(n - 5, 0), read_offset=n)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Detokenizer:
@@ -23,7 +46,7 @@ class Detokenizer:
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def append(self, seq: Sequence, params: SamplingParams) -> str:
+    def append(self, seq: SeqText, params: SamplingParams) -> str:
         """Decode the sequence's newest token into seq.text; returns the new text (may be empty).
 
         The window starts a few tokens before the unread ones (prompt tokens at first), so a token's
@@ -41,7 +64,7 @@ class Detokenizer:
         return delta
 
 
-def check_stop_strings(seq: Sequence, params: SamplingParams, new_text_len: int) -> bool:
+def check_stop_strings(seq: SeqText, params: SamplingParams, new_text_len: int) -> bool:
     """Finish the sequence if its text now contains a stop string; truncates the text. Returns True if stopped."""
     if not params.stop or not new_text_len:
         return False
@@ -61,7 +84,7 @@ def check_stop_strings(seq: Sequence, params: SamplingParams, new_text_len: int)
     return True
 
 
-def visible_text(seq: Sequence, params: SamplingParams) -> str:
+def visible_text(seq: SeqText, params: SamplingParams) -> str:
     """The text a client may see now: all of it once finished, else minus a possible stop-string start."""
     if seq.finished or not params.stop:
         return seq.text

@@ -1,28 +1,30 @@
-"""LLMEngine: the synchronous engine core (scheduler + KV cache manager + model runner + detokenizer).
+"""EngineCore: the scheduler, the KV cache and the model runner; a step is schedule -> execute -> update.
 
-    engine = LLMEngine(EngineConfig(...), stat_loggers=[...])
-    engine.add_request(request_id, prompt, params, arrival_time=None, priority=0)
-    while engine.has_unfinished_requests():
-        for delta in engine.step(): ...        # what each request gained this step (RequestOutput.add)
+    core = EngineCore(EngineConfig(...))
+    core.add_request(EngineCoreRequest(...))     # from input processing: token ids, lengths resolved
+    while core.has_unfinished_requests():
+        out = core.step()                        # EngineCoreOutputs: each sequence's new token, stats
 
-A step is the scheduler's plan, the runner's execution of it, and the scheduler's update from the result;
-the engine only validates input, detokenizes and reports. Not thread-safe: one thread drives step(); other
-threads hand requests to that thread (AsyncEngine). `add_request` raises ValueError for bad input, e.g.
-"This model's maximum context length is N tokens; the prompt has M tokens". `max_tokens` beyond the
-remaining context is clamped; None = up to the limit. Arrival times are `time.monotonic()` seconds.
+The core knows no text: input processing (engine/input_processor.py) hands it token ids and checked
+parameters, output processing (engine/output_processor.py) detokenizes and applies stop strings, and tells
+the core which sequences a stop string ended (`finish_seqs`). It runs on one thread (LLMEngine's caller, a
+thread of the server, or the busy loop of its own process, engine/core_process.py); nothing else calls it.
+Arrival times are `time.monotonic()` seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core_messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, SeqDelta
 from pagoda.engine.decode_graphs import capture_sizes
-from pagoda.engine.detokenizer import Detokenizer, check_stop_strings, visible_text
 from pagoda.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -30,16 +32,16 @@ from pagoda.engine.distributed.parallel_state import (
 )
 from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
 from pagoda.engine.distributed.workers import Allocate, Profile, TPWorkers, free_tcp_port
+from pagoda.engine.engine_client import EngineInfo
 from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
+from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.request import Request, Sequence, now
-from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
 from pagoda.engine.sizing.engine_plan import (
     engine_plan,
@@ -48,7 +50,7 @@ from pagoda.engine.sizing.engine_plan import (
     resolve_dtype_name,
 )
 from pagoda.engine.sizing.gpus import check_dtypes
-from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
+from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagoda.kernels.cpu import loader as cpu_kernels
 
 log = logging.getLogger("pagoda.engine")
@@ -77,10 +79,15 @@ def check_device(device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) 
         check_dtypes(name, cc, str(dtype).removeprefix("torch."), kv_cache_dtype)
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+class EngineCore:
+    """One model replica's compute and state. ``tokenizer`` only adds its EOS id to the model's (a core
+    built without one loads it, unless ``skip_tokenizer_init``); ``publish_kv_events`` keeps the block-event
+    log routers follow (engine/kv_cache/events.py)."""
+
+    def __init__(
+        self, config: EngineConfig, *, tokenizer: Any = None, publish_kv_events: bool = False
+    ) -> None:
         self.config = config
-        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.device = resolve_device(config.device)
         path = resolve_model(config.model, config.revision)
         self.model_path = path
@@ -89,18 +96,21 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
         check_device(self.device, self.dtype, config.kv_cache_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
-        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        if tokenizer is None and not config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(path)
+        self._closed = False
         self.workers = self._start_tensor_parallel(path)
         try:
-            self._build(config, path, mc)
+            self._build(config, path, mc, getattr(tokenizer, "eos_token_id", None))
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
                 destroy_tensor_parallel()
             raise
+        self.kv_publisher = KVEventPublisher(self.scheduler) if publish_kv_events else None
+        self.info = self._engine_info()
 
-    def _build(self, config: EngineConfig, path, mc: ModelConfig) -> None:
+    def _build(self, config: EngineConfig, path, mc: ModelConfig, tokenizer_eos: int | None) -> None:
         """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
@@ -111,9 +121,10 @@ class LLMEngine:
         model, _ = load_model(path, self.dtype, self.device, backend)
         self.fingerprint = model_fingerprint(path)
         eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if tokenizer_eos is not None:
+            eos.add(tokenizer_eos)
         self.eos_token_ids = sorted(eos)
+        self._eos = frozenset(eos)
         kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
         size = config.tensor_parallel_size
         self.runner = ModelRunner(
@@ -196,9 +207,10 @@ class LLMEngine:
         )
         # Server-wide sink sizes that no request could use are refused at start, not on every request.
         resolve_streaming(None, self.streaming_defaults, self.max_model_len, block_size, 0)
-        self._aborted_outputs: list[RequestOutput] = []
+        self.kv_dtype = kv_dtype
+        self._aborted_outputs: list[CoreOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
-        self.serving_front_end = False  # set by AsyncEngine: this process also runs a server's event loop
+        self.serving_front_end = False  # set when a server's front end shares this process's cores
         self._cpu_threads: int | None = None
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, max concurrency %.1fx at full length",
@@ -250,6 +262,57 @@ class LLMEngine:
     def model(self) -> torch.nn.Module:
         return self.runner.model
 
+    def _engine_info(self) -> EngineInfo:
+        cfg, kv = self.config, self.scheduler.kv
+        offload = self.scheduler.offload
+        cache_config = {
+            "block_size": cfg.block_size,
+            "cache_dtype": cfg.kv_cache_dtype,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "num_gpu_blocks": self.num_blocks,
+            "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+        }
+        return EngineInfo(
+            model_name=str(self.model_name),
+            max_model_len=int(self.max_model_len),
+            vocab_size=int(self.model_config.vocab_size),
+            block_size=int(cfg.block_size),
+            num_blocks=int(self.num_blocks),
+            kv_bytes_per_token=int(self.kv_bytes_per_token),
+            max_model_len_fitted=self.max_model_len_fitted,
+            tiers=("device", *(t.name for t in offload.tiers)) if offload is not None else ("device",),
+            enable_prefix_caching=kv.enable_prefix_caching,
+            kv_extra_keys=tuple(kv.extra_keys),
+            kv_events_epoch=self.kv_publisher.log.epoch if self.kv_publisher is not None else None,
+            streaming=self.streaming_defaults,
+            eos_token_ids=tuple(self.eos_token_ids),
+            tensor_parallel_size=int(cfg.tensor_parallel_size),
+            device=self.device.type,
+            dtype=str(self.dtype).removeprefix("torch."),
+            cache_config=cache_config,
+            cpu_kernels=(
+                {"variant": self.cpu_kernels.variant, "origin": self.cpu_kernels.origin or "none"}
+                if self.cpu_kernels is not None
+                else None
+            ),
+            memory_profile=self.memory_profile(),
+        )
+
+    def memory_profile(self) -> dict[str, Any]:
+        """The start-up memory profile as JSON (weights, activation peak, KV allocated), for a supervisor
+        to compare with its plan (GET /pagoda/memory)."""
+        cfg = self.config
+        out = self.plan.profile.to_dict()
+        out.update(
+            num_blocks=int(self.num_blocks),
+            block_size=int(cfg.block_size),
+            kv_bytes_per_token=int(self.kv_bytes_per_token),
+            max_model_len=int(self.max_model_len),
+            tensor_parallel_size=int(cfg.tensor_parallel_size),
+        )
+        return out
+
     # ---- memory -------------------------------------------------------------------------------------
     def _kv_memory_bytes(self, kv_dtype: torch.dtype, graph_sizes: tuple[int, ...]) -> tuple[int, int, dict]:
         """KV bytes to allocate, the activation reserve that was measured (CUDA) or assumed (CPU), and the
@@ -276,91 +339,67 @@ class LLMEngine:
         return budget.kv_bytes, budget.activation_bytes, {**budget.device_memory, **ranks}
 
     # ---- requests -----------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int] | None,
-        params: SamplingParams | None = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> None:
-        params = params or SamplingParams()
-        params.validate()
-        vocab = self.model_config.vocab_size
-        check_ids = getattr(params, "validate_token_ids", None)
-        if check_ids is not None:
-            check_ids(vocab)
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.stop and self.detokenizer is None:
-            raise ValueError(
-                "stop strings need the tokenizer; the engine was started with skip_tokenizer_init"
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Admit a request input processing has checked; ValueError only for a request id in use."""
+        self.scheduler.add_request(
+            Request(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                params=req.params,
+                max_tokens=req.max_tokens,
+                arrival_time=req.arrival_time,
+                priority=req.priority,
+                eos_token_ids=self._eos,
+                kv_streaming=tuple(req.kv_streaming) if req.kv_streaming is not None else None,
             )
-        text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(
-                        "text prompts need the tokenizer; the engine was started with skip_tokenizer_init: "
-                        "pass prompt_token_ids"
-                    )
-                prompt_token_ids = self.tokenizer(prompt).input_ids
-            elif prompt is not None:
-                prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if any(
-            (not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids
-        ):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
-                f"(at least one token must be left for the output)"
-            )
-        room = self.max_model_len - n
-        streaming = resolve_streaming(
-            params,
-            self.streaming_defaults,
-            self.max_model_len,
-            self.scheduler.kv.block_size,
-            n,
-            params.max_tokens,
         )
-        if streaming is not None and params.max_tokens is not None:
-            max_tokens = params.max_tokens  # sinks + window: the context never fills up
-        else:
-            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            max_tokens=max_tokens,
-            arrival_time=arrival_time if arrival_time is not None else now(),
-            priority=priority,
-            eos_token_ids=frozenset(self.eos_token_ids),
-            kv_streaming=streaming.as_tuple if streaming is not None else None,
-        )
-        self.scheduler.add_request(req)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for req in self.scheduler.abort_requests(ids):
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End them (unknown ids are ignored); their final outputs come with the next step."""
+        for req in self.scheduler.abort_requests(request_ids):
             self._record_finished(req)
             self._aborted_outputs.append(self._make_output(req, list(req.seqs), {}, {}))
+
+    def finish_seqs(self, seqs: Iterable[tuple[str, int, str]]) -> None:
+        """Finish sequences a stop string ended in output processing (the front end already sent their
+        final text; no output comes back for them)."""
+        for request_id, index, stop in seqs:
+            req = self.scheduler.finish_seq(request_id, index, "stop", stop)
+            if req is not None:
+                self._record_finished(req)
+
+    def take_finished_stats(self) -> list[FinishedRequestStats]:
+        """Requests ended since the last step (by `finish_seqs`), for a caller that reports right away."""
+        out, self._pending_finished = self._pending_finished, []
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
+    def request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def num_requests(self) -> int:
         return len(self.scheduler.requests)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def check_invariants(self) -> str:
+        """ "ok", or the first invariant that request state and the KV cache manager violate."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as exc:
+            return f"violated: {exc}"
+        return "ok"
+
+    def kv_events(self, since: int, epoch: str | None) -> dict[str, Any]:
+        assert self.kv_publisher is not None, "this core publishes no block events"
+        return self.kv_publisher.events_since(since, epoch)
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        assert self.kv_publisher is not None, "this core publishes no block events"
+        return self.kv_publisher.snapshot()
 
     def demote_cached(self, tier: str = "host") -> int:
         """Move every unreferenced cached device block down to ``tier`` ("host", or "disk", which also drains
@@ -380,7 +419,7 @@ class LLMEngine:
     def close(self) -> None:
         """Write the device's cached blocks and the host tier to the disk tier (when there is one), finish
         queued disk writes and release the tier's directory lock. Idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if self.workers is not None:
@@ -415,30 +454,26 @@ class LLMEngine:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
-    def add_stat_logger(self, logger: StatLogger) -> None:
-        self.stat_loggers.append(logger)
-
     # ---- the step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Plan, execute, update; returns one delta per request that progressed or ended."""
+    def step(self, stats: bool = True) -> EngineCoreOutputs:
+        """Plan, execute, update: one output per request that progressed or ended, and the step's stats
+        (``stats=False``: none, for a caller that reports none)."""
+        started = time.perf_counter()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         self._cpu_threads_for(sched)
         result = self.runner.execute(sched)
-        updates = self.scheduler.update_from_output(sched, result, self._check_stop)
+        updates = self.scheduler.update_from_output(sched, result)
         outputs.extend(self._outputs(updates))  # records this step's finished requests for the stats
+        if not stats:
+            self._pending_finished.clear()
+            return EngineCoreOutputs(outputs)
         it = self._iteration_stats(sched, updates)
-        self._emit_stats(it)
-        return outputs
-
-    def _check_stop(self, req: Request, seq: Sequence) -> None:
-        if self.detokenizer is None:
-            return
-        delta = self.detokenizer.append(seq, req.params)
-        check_stop_strings(seq, req.params, len(delta))
+        it.step_seconds = time.perf_counter() - started
+        return EngineCoreOutputs(outputs, self.get_scheduler_stats(), it)
 
     # ---- outputs and stats --------------------------------------------------------------------------
-    def _outputs(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+    def _outputs(self, updates: list[SeqUpdate]) -> list[CoreOutput]:
         by_request: dict[str, tuple[Request, list[Sequence], dict[int, int], dict[int, dict]]] = {}
         for u in updates:
             req, seqs, tokens, tops = by_request.setdefault(u.request.request_id, (u.request, [], {}, {}))
@@ -455,44 +490,27 @@ class LLMEngine:
 
     def _make_output(
         self, req: Request, seqs: list[Sequence], tokens: dict[int, int], tops: dict[int, dict]
-    ) -> RequestOutput:
-        """The delta of ``seqs``: the token each got this step (if any) and its newly visible text."""
+    ) -> CoreOutput:
+        """What ``seqs`` got this step: the token each got (if any), how each stands."""
         want_logprobs = req.params.logprobs is not None
-        comps = []
-        for seq in seqs:
-            new_ids = [tokens[seq.index]] if seq.index in tokens else []
-            top = tops.get(seq.index)
-            if top is not None and self.tokenizer is not None:
-                for tid, entry in top.items():
-                    if entry.decoded_token is None:
-                        entry.decoded_token = self.tokenizer.decode([tid])
-            visible = visible_text(seq, req.params)
-            text = visible[seq.num_sent_chars :] if len(visible) > seq.num_sent_chars else ""
-            seq.num_sent_chars = max(seq.num_sent_chars, len(visible))
-            comps.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(new_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=([top] if top is not None else []) if want_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
+        deltas = [
+            SeqDelta(
+                seq.index,
+                [tokens[seq.index]] if seq.index in tokens else [],
+                seq.cumulative_logprob,
+                tops.get(seq.index) if want_logprobs else None,
+                seq.finish_reason,
+                seq.stop_reason,
             )
-        finished = req.finished
-        if finished and req.metrics.finished_time is None:
-            req.metrics.finished_time = now()
-        req.metrics.num_preemptions = req.num_preemptions
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=comps,
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics,
-        )
+            for seq in seqs
+        ]
+        metrics = None
+        if req.finished:
+            metrics = req.metrics
+            if metrics.finished_time is None:
+                metrics.finished_time = now()
+            metrics.num_preemptions = req.num_preemptions
+        return CoreOutput(req.request_id, deltas, req.finished, req.num_cached_tokens, metrics)
 
     def _iteration_stats(self, sched: SchedulerOutput, updates: list[SeqUpdate]) -> IterationStats:
         it = IterationStats(
@@ -556,13 +574,6 @@ class LLMEngine:
             num_blocks_cached=kv.num_cached_blocks,
             offload=offload.snapshot() if offload is not None else {},
         )
-
-    def _emit_stats(self, it: IterationStats) -> None:
-        if not self.stat_loggers:
-            return
-        stats = self.get_scheduler_stats()
-        for logger in self.stat_loggers:
-            logger.record(stats, it)
 
     def kv_waste(self) -> float:
         """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""

@@ -2,10 +2,9 @@
 
 A CPU forward allocates and frees activations of tens of MB per layer (a 2,048-token prefill's gate/up output
 is 25 MB). glibc serves blocks that large with fresh `mmap`s, or trims its heap once the free top passes a
-threshold, so the next step's tensors fault in new zeroed pages from the kernel, page by page: ~300,000 page
-faults over the bench-peers-shaped workload on the test machine (a VM), 3.5-6% of its wall time in three
-paired runs. Telling glibc to keep what it freed (no trim, no mmap below 32 MiB, a
-64 MiB pad when the heap grows) makes later steps reuse the same pages, as a caching allocator would.
+threshold, so the next step's tensors fault in new zeroed pages from the kernel, page by page (what that
+cost is measured in docs/benchmarks.md). Telling glibc to keep what it freed (no trim, no mmap below 32 MiB,
+a 64 MiB pad when the heap grows) makes later steps reuse the same pages, as a caching allocator would.
 
 The cost is that the process keeps its peak heap: memory freed after a burst is not returned to the
 system (the KV cache, the largest allocation, is kept for the whole life of the engine anyway). Off with
@@ -17,8 +16,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
+
+from pagoda.engine import envs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _applied: bool | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_HOST_MALLOC_TUNING", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.host_malloc_tuning()
 
 
 def keep_freed_memory() -> bool:

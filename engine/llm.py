@@ -96,9 +96,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        inputs = self.engine.input_processor
         prompts = [
-            {"prompt_token_ids": _template_ids(tok, conv, add_generation_prompt)} for conv in conversations
+            {"prompt_token_ids": inputs.chat_token_ids(conv, add_generation_prompt)[0]}
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -135,13 +136,6 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
-
-
-def _template_ids(tokenizer, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from pagoda.engine.outputs import Logprob, RequestMetrics
+from pagoda.engine.outputs import RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -35,16 +35,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     generator: torch.Generator | None = None
-    # Detokenizer state.
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Characters of the visible text already handed out in deltas.
-    num_sent_chars: int = 0
     # Attention sinks (StreamingLLM): the first kv_sink tokens stay in the cache for good; kv_dropped tokens
     # right after them were evicted. The cache holds token_ids[:kv_sink] + token_ids[kv_sink + kv_dropped:],
     # and num_computed_tokens counts cache tokens (cache positions), not positions in token_ids.
@@ -88,7 +81,6 @@ class Sequence:
 @dataclass
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # clamped to the room left in the context
@@ -122,8 +114,6 @@ class Request:
             token_ids=token_ids,
             num_prompt_tokens=len(self.prompt_token_ids),
             generator=gen,
-            prefix_offset=max(len(self.prompt_token_ids) - 5, 0),
-            read_offset=len(self.prompt_token_ids),
             kv_sink=self.kv_streaming[0] if self.kv_streaming else 0,
         )
 
@@ -135,7 +125,6 @@ class Request:
             child = self._new_seq(i, list(parent.token_ids))
             child.num_computed_tokens = parent.num_computed_tokens
             child.kv_dropped = parent.kv_dropped
-            child.prefix_offset, child.read_offset = parent.prefix_offset, parent.read_offset
             child.has_blocks = True
             children.append(child)
         self.seqs.extend(children)

@@ -12,15 +12,15 @@ offload tiers' bookkeeping). A step is three calls:
 
     out = scheduler.schedule()                 # what to compute, block tables, ordered device-cache ops
     result = runner.execute(out)               # ops, forward, sampling
-    updates = scheduler.update_from_output(out, result, check_stop)   # append, stops, forks, frees
+    updates = scheduler.update_from_output(out, result)   # append, stops, forks, frees
+
+Stop strings are not its business: they need text, which output processing builds; it ends such a
+sequence through `finish_seq`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.engine.kv_cache.hashing import BlockHash
@@ -28,6 +28,7 @@ from pagoda.engine.kv_cache.manager import KVCacheManager
 from pagoda.engine.kv_cache.ops import KVOp
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.request import Request, SeqStatus, Sequence, now
+from pagoda.engine.waiting_queue import waiting_queue
 
 
 @dataclass
@@ -111,57 +112,6 @@ class SeqUpdate:
     gap: float | None = None  # seconds since the sequence's previous token; None for its first
 
 
-# check_stop(request, seq), called after each appended token: detokenizes it and finishes the sequence on a
-# stop string (detokenization lives in the engine's output processor, stop strings need its text).
-StopCheck = Callable[[Request, Sequence], None]
-
-
-class WaitingQueue:
-    """FCFS deque, or a heap ordered by (priority, arrival) for the priority policy."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, req: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
-        elif front:
-            self._fifo.appendleft(req)
-        else:
-            self._fifo.append(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, req: Request) -> bool:
-        if self.policy == "priority":
-            for i, item in enumerate(self._heap):
-                if item[3] is req:
-                    self._heap.pop(i)
-                    heapq.heapify(self._heap)
-                    return True
-            return False
-        try:
-            self._fifo.remove(req)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self) -> Iterable[Request]:
-        return iter(
-            [item[3] for item in sorted(self._heap)] if self.policy == "priority" else list(self._fifo)
-        )
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, offload=None) -> None:
         """``offload``: a pagoda.engine.offload.OffloadManager or None. Lower tiers extend prefix hits;
@@ -170,7 +120,6 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.policy = config.policy
         self.preemption_mode = config.preemption_mode
         self.offload = offload
         self.kv = KVCacheManager(
@@ -181,7 +130,7 @@ class Scheduler:
             extra_keys=cache.extra_keys,
             should_save=offload.should_save if offload is not None else None,
         )
-        self.waiting = WaitingQueue(self.policy)
+        self.waiting = waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.total_preemptions = 0
@@ -210,6 +159,22 @@ class Scheduler:
             aborted.append(req)
         return aborted
 
+    def finish_seq(
+        self, request_id: str, index: int, reason: str, stop_reason: int | str | None
+    ) -> Request | None:
+        """Finish one running sequence from outside the step (a stop string); returns its request when
+        that ended the request (unknown or already finished: nothing happens, None)."""
+        req = self.requests.get(request_id)
+        if req is None or index >= len(req.seqs) or req.seqs[index].finished:
+            return None
+        seq = req.seqs[index]
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._free_seq(seq)
+        if not req.finished:
+            return None
+        self._finish_request(req)
+        return req
+
     def _finish_request(self, req: Request) -> None:
         """Free every block of a finished or aborted request, wherever it is."""
         if req in self.running:
@@ -234,8 +199,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        if self.policy == "priority":
-            self.running.sort(key=lambda r: r.sort_key)
+        self.waiting.order_running(self.running)
         preempted_now = False
 
         for req in list(self.running):
@@ -358,11 +322,7 @@ class Scheduler:
     def _pick_victim(self, exclude: Request) -> Request | None:
         """The lowest-ranked running request other than `exclude`: last admitted (fcfs) or lowest priority."""
         candidates = [r for r in self.running if r is not exclude]
-        if not candidates:
-            return None
-        if self.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        return self.waiting.pick_victim(candidates) if candidates else None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free the request's blocks and queue it for recompute; returns the budget it gave back."""
@@ -383,9 +343,7 @@ class Scheduler:
         return refund
 
     # ---- after the forward ------------------------------------------------------------------------
-    def update_from_output(
-        self, out: SchedulerOutput, result: RunnerOutput, check_stop: StopCheck | None = None
-    ) -> list[SeqUpdate]:
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         """The scheduled tokens now sit in the cache: register full blocks, append the sampled tokens, apply
         stops, free what finished. Returns one update per sampled sequence, in batch order."""
         if result.saved and self.offload is not None:
@@ -410,7 +368,7 @@ class Scheduler:
                 top = result.top_logprobs[i] if result.top_logprobs else None
                 lp = result.logprobs[i] if result.logprobs else 0.0
                 i += 1
-                updates.append(self._append(sched.request, seq, tok, lp, top, t_now, check_stop))
+                updates.append(self._append(sched.request, seq, tok, lp, top, t_now))
         finished = {id(u.request): u.request for u in updates if u.request.finished}
         for req in finished.values():
             if req.request_id in self.requests:
@@ -425,13 +383,10 @@ class Scheduler:
         lp: float,
         top: dict[int, Logprob] | None,
         t_now: float,
-        check_stop: StopCheck | None,
     ) -> SeqUpdate:
         params = req.params
         seq.token_ids.append(tok)
         seq.cumulative_logprob += lp
-        if params.logprobs is not None and top is not None:
-            seq.logprobs.append(top)
         gap = None
         if seq.first_token_time is None:
             seq.first_token_time = t_now
@@ -447,8 +402,6 @@ class Scheduler:
                 seq.finish_reason, seq.stop_reason = "stop", tok
             elif not params.ignore_eos and tok in req.eos_token_ids:
                 seq.finish_reason = "stop"
-        if check_stop is not None and not seq.finished:
-            check_stop(req, seq)
         # Attention sinks keep the cache within max_model_len however long the sequence grows.
         at_len = req.kv_streaming is None and seq.num_tokens >= self.config.max_model_len
         if not seq.finished and (n_out >= req.max_tokens or at_len):

@@ -1,4 +1,8 @@
-"""Numbers the engine reports after every step; the metrics exporter and the log line consume them."""
+"""Numbers the engine core reports after every step; the metrics exporter and the log line consume them.
+
+They cross the process boundary with each step's outputs (engine/core_messages.py), so stat loggers run in
+the front end: plain data, no engine objects.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class IterationStats:
     num_prompt_tokens_per_new_request: list[int] = field(default_factory=list)
     # Offload tiers, one step's worth: tier -> {"load_seconds": [...], "store_seconds": [...]}.
     offload: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    step_seconds: float = 0.0  # the step's own duration (schedule, forward, update), measured by the core
 
 
 class StatLogger(Protocol):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 
-SEED_ENV = "PAGODA_KERNEL_CACHE"
+from pagoda.engine import envs
 
 
 def link_seed_cache(seed: str | None = None, cache: str | None = None) -> int:
     """Link each entry of the warmed cache (``seed``, default $PAGODA_KERNEL_CACHE) into Triton's cache
     (``cache``, default Triton's own directory) unless it is there already; returns how many were linked."""
-    seed = seed or os.environ.get(SEED_ENV)
+    seed = seed or envs.kernel_cache_seed()
     if not seed or not os.path.isdir(seed):
         return 0
     if cache is None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
+from pagoda.engine import envs
 from pagoda.operator import render
 from pagoda.operator.download.progress import parse_progress
 from pagoda.operator.download.result import (
@@ -62,7 +62,7 @@ PENDING, DOWNLOADING, READY_PHASE, FAILED_PHASE = "Pending", "Downloading", "Rea
 
 def download_image() -> str:
     """$PAGODA_DOWNLOAD_IMAGE (the chart sets the operator's image), else ours at this package's version."""
-    override = os.environ.get("PAGODA_DOWNLOAD_IMAGE")
+    override = envs.download_image()
     if override:
         return override
     return f"{DEFAULT_IMAGE_REPO}:{render.default_image().rsplit(':', 1)[-1]}"

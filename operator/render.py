@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
+from pagoda.engine import envs
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import InferenceSpec, SpecError
@@ -55,7 +55,7 @@ SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads 
 
 def default_image() -> str:
     """The engine image: $PAGODA_ENGINE_IMAGE (the chart sets it), else ours at this package's version."""
-    override = os.environ.get("PAGODA_ENGINE_IMAGE")
+    override = envs.engine_image()
     if override:
         return override
     try:
@@ -90,7 +90,7 @@ def headless_name(name: str) -> str:
 
 def prometheus_url() -> str:
     """Where a KEDA ScaledObject queries Prometheus: $PAGODA_PROMETHEUS_URL (the chart sets it)."""
-    return os.environ.get("PAGODA_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL
+    return envs.prometheus_url() or DEFAULT_PROMETHEUS_URL
 
 
 def selector_string(name: str) -> str:

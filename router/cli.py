@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
+from pagoda.engine import envs
 from pagoda.engine.cli.engine_args import parse_bytes
 from pagoda.router.config import POLICIES, ConfigError, RouterConfig
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="served model name (answers /v1/models if no replica is up)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PAGODA_API_KEY"),
+        default=envs.api_key(),
         help="forwarded to the replicas and required from clients (env PAGODA_API_KEY)",
     )
     p.add_argument(

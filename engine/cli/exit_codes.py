@@ -9,6 +9,8 @@ that Kubernetes copies into the pod's status (`terminationMessagePath`, 4096 byt
     2  bad flags or configuration (the dry run's refusals too)
     3  out of memory at start-up: CUDA ran out while loading, profiling or allocating the KV cache, or the
        configured max_model_len does not fit the memory measured (the message says what fits)
+    4  the engine core stopped while serving (its process died, a tensor-parallel rank died, or its steps
+       kept failing): in-flight requests got an error, and a restart is the remedy
 
 Torch-free: the operator imports it.
 """
@@ -16,16 +18,16 @@ Torch-free: the operator imports it.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
+
+from pagoda.engine import envs
 
 EXIT_OK = 0
 EXIT_START_FAILED = 1
 EXIT_USAGE = 2
 EXIT_OUT_OF_MEMORY = 3
+EXIT_ENGINE_DIED = 4
 
-TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
-TERMINATION_LOG_ENV = "PAGODA_TERMINATION_LOG"  # where to write it instead (tests, other supervisors)
 MESSAGE_LIMIT = 4096  # what the kubelet keeps of a termination message
 FORMAT = "pagoda.dev/startup-failure/v1"
 
@@ -53,7 +55,7 @@ def termination_message(reason: str, message: str, profile: dict[str, Any] | Non
 def write_termination_message(text: str) -> str | None:
     """Write `text` where the pod's termination message is read from; the path, or None where there is
     none to write (outside Kubernetes /dev/termination-log does not exist)."""
-    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    path = envs.termination_log()
     try:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)

@@ -8,13 +8,13 @@ import contextlib
 import difflib
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pagoda.engine import envs
 from pagoda.engine.cli.dry_run import add_dry_run_args
 from pagoda.engine.cli.engine_args import (
     add_engine_args,
@@ -23,13 +23,9 @@ from pagoda.engine.cli.engine_args import (
     parse_max_model_len,
 )
 from pagoda.engine.cli.exit_codes import (
+    EXIT_ENGINE_DIED,
     EXIT_OK,
-    EXIT_OUT_OF_MEMORY,
-    EXIT_START_FAILED,
     EXIT_USAGE,
-    REASON_CUDA_OOM,
-    REASON_KV_TOO_SMALL,
-    termination_message,
     write_termination_message,
 )
 from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -73,7 +69,7 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PAGODA_API_KEY"),
+        default=envs.api_key(),
         help="require 'Authorization: Bearer KEY' (env PAGODA_API_KEY)",
     )
     p.add_argument(
@@ -102,6 +98,12 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may run",
     )
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine log line")
+    s.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in a process of its own; --no-engine-process: on a thread of the server's",
+    )
     add_dry_run_args(p)
     return p
 
@@ -151,6 +153,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         uvicorn_log_level=args.uvicorn_log_level,
+        engine_process=args.engine_process,
     )
 
 
@@ -210,11 +213,7 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    import uvicorn
-    from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.metrics import LoggingStatLogger
-    from pagoda.engine.server.app import build_app
 
     settings = server_settings(args)
     try:
@@ -222,36 +221,60 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
-    from pagoda.engine.llm_engine import LLMEngine
+    started = _start_engine(config, settings)
+    if isinstance(started, int):
+        return started
+    return _serve(started, settings, args)
+
+
+def _start_engine(config: Any, settings: ServerSettings) -> Any:
+    """The engine client, started up to serving (model loaded, KV cache sized); or the exit code of a
+    start-up that failed (its termination message written)."""
+    from pagoda.engine.async_engine import AsyncEngine, CoreThread
+    from pagoda.engine.cli.startup import startup_failure
+    from pagoda.engine.core_process import CoreProcess, CoreStartError
+    from pagoda.engine.loader import load_tokenizer, resolve_model
     from pagoda.engine.sizing.engine_plan import forget_last_profile
-    from pagoda.engine.sizing.errors import UnsupportedOnGPU
 
     forget_last_profile()
     try:
-        engine = LLMEngine(config)
-    except Exception as exc:
-        failure = _out_of_memory(exc)
-        if failure is not None:
-            print(f"pagoda serve: out of memory at start-up: {exc}", file=sys.stderr)
-            write_termination_message(failure)
-            return EXIT_OUT_OF_MEMORY
-        if isinstance(exc, UnsupportedOnGPU):
-            print(f"pagoda serve: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        if isinstance(exc, ValueError | FileNotFoundError | OSError):
-            print(f"pagoda serve: cannot start the engine: {exc}", file=sys.stderr)
-            return EXIT_START_FAILED
-        raise
-    from pagoda.engine.server.memory_status import install_memory_status, measured_profile
+        tokenizer = None
+        if not config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(resolve_model(config.model, config.revision))
+        if settings.engine_process:
+            core: Any = CoreProcess(config)
+        else:
+            from pagoda.engine import engine_core
 
-    profile = measured_profile(engine)
-    logging.getLogger("pagoda.engine").info("start-up memory profile: %s", json.dumps(profile))
-    exporter = build_exporter(engine, settings)
+            core = CoreThread(engine_core.EngineCore(config, tokenizer=tokenizer, publish_kv_events=True))
+    except CoreStartError as exc:
+        failure: Any = (str(exc), exc.exit_code, exc.termination)
+    except Exception as exc:
+        failure = startup_failure(exc)
+        if failure is None:
+            raise
+    else:
+        return AsyncEngine(core, tokenizer)
+    message, code, termination = failure
+    print(f"pagoda serve: {message}", file=sys.stderr)
+    if termination is not None:
+        write_termination_message(termination)
+    return code
+
+
+def _serve(engine: Any, settings: ServerSettings, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (drained: 0) or until the engine core stops (EXIT_ENGINE_DIED)."""
+    import uvicorn
+    from pagoda.engine.metrics import LoggingStatLogger
+    from pagoda.engine.server.app import build_app
+
+    log = logging.getLogger("pagoda.engine")
+    log.info("start-up memory profile: %s", json.dumps(engine.info.memory_profile))
+    exporter = build_exporter(engine.info, settings)
     engine.add_stat_logger(exporter)
     if not args.disable_log_stats:
         engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval_s))
-    app = build_app(AsyncEngine(engine), settings, exporter)
-    install_memory_status(app, profile)
+    app = build_app(engine, settings, exporter)
     server = _make_uvicorn_server(
         uvicorn.Config(
             app,
@@ -262,8 +285,20 @@ def main(argv: list[str]) -> int:
             timeout_keep_alive=5,
         )
     )
-    server.run()
-    return 0
+    died: list[str] = []
+
+    def engine_died(reason: str) -> None:
+        # In-flight requests have their error already; /health answers 503 until the server is gone.
+        log.error("the engine stopped (%s): the server exits so that it is restarted", reason)
+        died.append(reason)
+        server.should_exit = True
+
+    engine.add_dead_listener(engine_died)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # once more, in case the app never started (idempotent)
+    return EXIT_ENGINE_DIED if died else EXIT_OK
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -279,57 +314,16 @@ def _dry_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _out_of_memory(exc: BaseException) -> str | None:
-    """The termination message for a start-up that ran out of memory, or None for any other failure."""
-    from pagoda.engine.sizing.engine_plan import last_profile
-    from pagoda.engine.sizing.errors import StartupFitError
-
-    if isinstance(exc, StartupFitError):
-        profile = exc.profile.to_dict() if hasattr(exc.profile, "to_dict") else None
-        return termination_message(REASON_KV_TOO_SMALL, str(exc), profile)
-    import torch
-
-    if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()):
-        return None
-    latest = last_profile()
-    profile: dict[str, Any] = latest.to_dict() if latest is not None else {"device": "cuda", "measured": True}
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        profile.update(
-            device_total_bytes=total,
-            device_free_bytes=free,
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-        )
-    return termination_message(REASON_CUDA_OOM, str(exc), profile)
-
-
-def build_exporter(engine: Any, settings: ServerSettings) -> Any:
-    """The Prometheus exporter for `engine`, with vLLM's cache_config_info labels."""
+def build_exporter(info: Any, settings: ServerSettings) -> Any:
+    """The Prometheus exporter for an engine of `info` (its EngineInfo), with vLLM's cache_config_info labels."""
     from pagoda.engine.metrics import PrometheusStatLogger
 
-    cfg = engine.config
-    stats = engine.get_scheduler_stats()
-    cache_config = {
-        "block_size": cfg.block_size,
-        "cache_dtype": cfg.kv_cache_dtype,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "num_gpu_blocks": stats.num_blocks_total,
-        "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
-    }
-    name = (settings.served_model_names or [engine.model_name])[0]
+    name = (settings.served_model_names or [info.model_name])[0]
     return PrometheusStatLogger(
         str(name),
-        max_model_len=int(engine.max_model_len),
-        cache_config=cache_config,
-        max_model_len_fitted=getattr(engine, "max_model_len_fitted", None),
-        block_size=cfg.block_size,
-        cpu_kernels=_cpu_kernels_labels(getattr(engine, "cpu_kernels", None)),
+        max_model_len=info.max_model_len,
+        cache_config=dict(info.cache_config),
+        max_model_len_fitted=info.max_model_len_fitted,
+        block_size=info.block_size,
+        cpu_kernels=info.cpu_kernels,
     )
-
-
-def _cpu_kernels_labels(kernels: Any) -> dict[str, str] | None:
-    """The info series' labels for a CPU engine's kernels (None on a GPU: no series)."""
-    if kernels is None:
-        return None
-    return {"variant": kernels.variant, "origin": kernels.origin or "none"}

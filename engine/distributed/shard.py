@@ -26,7 +26,7 @@ def share_cpu_threads(device: torch.device, size: int) -> None:
 def build_rank(config: Any, rank: int, size: int, init_method: str):
     """Join the group and load this rank's shard (ranks 1..N-1; rank 0 is built by the engine)."""
     from pagoda.engine.attention import get_attention_backend
-    from pagoda.engine.llm_engine import resolve_device, resolve_dtype
+    from pagoda.engine.engine_core import resolve_device, resolve_dtype
     from pagoda.engine.loader import load_model
     from pagoda.engine.model_runner import ModelRunner
     from pagoda.engine.models.config import ModelConfig

@@ -125,7 +125,9 @@ class TPWorkers:
 
 def worker_main(rank: int, size: int, init_method: str, config: Any, inbox: Any, parent_pid: int) -> None:
     """One tensor-parallel rank: build its shard, then run every step rank 0 sends until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops the ranks
+    # Ctrl-C or a SIGTERM to the process group reaches the engine, which drains and then stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pagoda.engine.distributed.parallel_state import destroy_tensor_parallel
     from pagoda.engine.distributed.shard import build_rank
 

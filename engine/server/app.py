@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, guards and the engine's lifecycle."""
+"""The FastAPI application: routes, guards and the engine's lifecycle, over an `EngineClient` only."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.engine_client import EngineClient
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, ErrorResponseModel, bad_request, install_error_handlers
 from pagoda.engine.server.kv_routes import install_kv_routes
+from pagoda.engine.server.memory_status import install_memory_status
 from pagoda.engine.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.engine.server.serving import OpenAIServing
 from pagoda.engine.server.settings import ServerSettings
@@ -36,8 +37,8 @@ def pagoda_version() -> str:
         return "0.0.0"
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = None) -> FastAPI:
-    """An app bound to `engine`; the engine loop starts and stops with the app's lifespan."""
+def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = None) -> FastAPI:
+    """An app bound to `engine`; the engine starts and stops with the app's lifespan."""
     serving = OpenAIServing(engine, settings, exporter)
 
     step_failed = getattr(exporter, "step_failed", None)
@@ -77,6 +78,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
 
     app.state.draining = False  # set on SIGTERM (cli/serve.py): routers stop sending, in-flight work ends
     install_kv_routes(app, engine)
+    if engine.info.memory_profile:
+        install_memory_status(app, engine.info.memory_profile)
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,7 +152,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, exporter: Any = Non
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         try:
-            ok = await engine.call(lambda core: core.reset_prefix_cache())
+            ok = await engine.reset_prefix_cache()
         except Exception as exc:  # noqa: BLE001
             raise APIError(503, f"could not reset the prefix cache: {exc}", code="engine_error") from exc
         if ok is False:

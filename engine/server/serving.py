@@ -1,9 +1,10 @@
 """The completion endpoints: request -> engine requests -> OpenAI response or SSE stream.
 
-Tokenization and chat-template rendering are CPU work that can take long for big inputs, so they run on a
-small worker pool, never on the event loop that every stream shares; a prompt too long to fit the context
-is refused by its character count before any tokenizing. Engine outputs arrive as deltas: streams send
-them on as they come, non-streaming responses fold them together.
+The engine is an `EngineClient` and its `EngineInfo`, nothing more. Tokenization and chat-template rendering
+(input processing, engine/input_processor.py) are CPU work that can take long for big inputs, so they run
+on a small worker pool, never on the event loop that every stream shares; a prompt too long to fit the
+context is refused by its character count before any tokenizing. Engine outputs arrive as deltas: streams
+send them on as they come, non-streaming responses fold them together.
 """
 
 from __future__ import annotations
@@ -20,15 +21,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pagoda.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    NewRequest,
-    RequestFailedError,
-    RequestStream,
-)
-from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
+from pagoda.engine.engine_client import EngineClient, EngineDeadError, NewRequest, RequestFailedError
+from pagoda.engine.input_processor import InputError, InputProcessor
+from pagoda.engine.kv_cache.streaming import resolve_streaming
 from pagoda.engine.outputs import Logprob, RequestOutput
+from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, bad_request, error_body
@@ -66,37 +63,22 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
-def max_chars_per_token(tokenizer: Any) -> int:
-    """An upper bound on the characters one token of `tokenizer` stands for.
-
-    The raw vocabulary strings are at least as long as the text they decode to (byte-level BPE spells
-    each byte as one character; SentencePiece spells a byte-fallback token as "<0x0A>"), so the longest
-    one bounds a token's text. A normalizer could compose characters (NFC / NFKC merge up to 3 into 1),
-    so the bound is widened by 4 when there is one.
-    """
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    widen = 4 if getattr(backend, "normalizer", None) is not None else 1
-    return max(1, longest) * widen
-
-
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, exporter: Any = None) -> None:
-        self.aengine = engine
-        core = engine.engine
-        self.tokenizer = core.tokenizer
-        self.max_model_len = int(core.max_model_len)
-        self.model_names = list(settings.served_model_names) or [str(core.model_name)]
+    def __init__(self, engine: EngineClient, settings: ServerSettings, exporter: Any = None) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.inputs = InputProcessor(engine.info, engine.tokenizer)
+        self.max_model_len = self.info.max_model_len
+        self.model_names = list(settings.served_model_names) or [self.info.model_name]
         self.settings = settings
         self.exporter = exporter
-        model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
-        # An id must be both decodable and a row of the logits.
-        self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
-        self.max_prompt_chars = self.max_model_len * max_chars_per_token(self.tokenizer)
+        self.vocab_size = self.inputs.vocab_size
+        self.max_prompt_chars = self.inputs.max_prompt_chars
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize")
 
@@ -123,98 +105,49 @@ class OpenAIServing:
             )
 
     def check_admission(self, new_requests: int) -> None:
-        if not self.aengine.is_alive:
-            raise APIError(503, f"The engine is not running: {self.aengine.dead_reason}", code="engine_dead")
+        if not self.engine.is_alive:
+            raise APIError(503, f"The engine is not running: {self.engine.dead_reason}", code="engine_dead")
         limit = self.settings.max_num_queued_reqs
-        if limit is not None and self.aengine.num_waiting + new_requests > limit:
+        if limit is not None and self.engine.num_waiting + new_requests > limit:
             if self.exporter is not None:
                 self.exporter.admission_rejected("queue_full")
             raise APIError(
                 503,
-                f"The server is overloaded: {self.aengine.num_waiting} requests are waiting and the limit "
+                f"The server is overloaded: {self.engine.num_waiting} requests are waiting and the limit "
                 f"(--max-num-queued-reqs) is {limit}. Retry later.",
                 code="queue_full",
                 headers={"Retry-After": str(self.settings.retry_after_seconds)},
             )
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise bad_request(
-                "The prompt is empty: it must contain at least one token.", param, "empty_prompt"
-            )
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1}).",
-                param,
-                "invalid_token_id",
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(token_ids)} tokens, which leaves no room to generate. Shorten the prompt.",
-                param,
-                "context_length_exceeded",
-            )
+        self.inputs.check_prompt(token_ids, param)
 
     def check_chars(self, num_chars: int, param: str) -> None:
-        """Refuse, without tokenizing, text that cannot fit: no token of this tokenizer is longer than
-        max_prompt_chars / max_model_len characters."""
-        if num_chars > self.max_prompt_chars:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the {param} has "
-                f"{num_chars} characters, more than {self.max_model_len} tokens can hold "
-                f"({self.max_prompt_chars}). Shorten the prompt.",
-                param,
-                "context_length_exceeded",
-            )
+        self.inputs.check_chars(num_chars, param)
 
     # ------------------------------------------------------------ tokenization (worker pool)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
-            raise bad_request(f"The {param} could not be tokenized: {exc}", param, "invalid_text") from exc
+        return self.inputs.encode(text, param, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.inputs.decode(token_ids, skip_special_tokens)
 
     def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.inputs.decode([token_id])
 
     def render_chat(
         self, messages: list[P.ChatMessage], add_generation_prompt: bool, continue_final: bool
     ) -> str:
-        dicts = []
-        for m in messages:
-            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name:
-                d["name"] = m.name
-            dicts.append(d)
-        if continue_final and dicts[-1]["role"] != "assistant":
-            raise bad_request(
-                "continue_final_message needs the last message to be the assistant's", "messages"
-            )
-        try:
-            return self.tokenizer.apply_chat_template(
-                dicts,
-                add_generation_prompt=add_generation_prompt and not continue_final,
-                continue_final_message=continue_final,
-                tokenize=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - templates raise on shapes they do not accept
-            raise bad_request(
-                f"The messages do not fit the model's chat template: {exc}", "messages"
-            ) from exc
+        return self.inputs.render_chat(_message_dicts(messages), add_generation_prompt, continue_final)
 
     def chat_prompt(
         self, messages: list[P.ChatMessage], add_generation_prompt: bool, continue_final: bool
     ) -> Prepared:
         """Render and tokenize (on the worker pool): the prompt of a chat completion."""
-        text = self.render_chat(messages, add_generation_prompt, continue_final)
-        ids = self.encode(text, "messages", add_special_tokens=False)
-        self.check_prompt(ids, "messages")
+        ids, text = self.inputs.chat_token_ids(
+            _message_dicts(messages), add_generation_prompt, continue_final
+        )
         return Prepared(ids, text)
 
     def check_chat_chars(self, messages: list[P.ChatMessage]) -> None:
@@ -267,12 +200,9 @@ class OpenAIServing:
                 f"min_tokens ({req.min_tokens}) must not exceed {names.get('max_tokens', 'max_tokens')} ({max_tokens})",
                 "min_tokens",
             )
-        defaults = getattr(self.aengine.engine, "streaming_defaults", None) or StreamingDefaults()
-        kv = getattr(getattr(self.aengine.engine, "scheduler", None), "kv", None)
-        block_size = getattr(kv, "block_size", 16)
         try:
             streaming = resolve_streaming(
-                req, defaults, self.max_model_len, block_size, prompt_len, max_tokens
+                req, self.info.streaming, self.max_model_len, self.info.block_size, prompt_len, max_tokens
             )
         except ValueError as exc:
             raise self.value_error(exc, names) from exc
@@ -312,6 +242,8 @@ class OpenAIServing:
 
     def value_error(self, exc: Exception, names: dict | None = None) -> APIError:
         message = str(exc)
+        if isinstance(exc, InputError):
+            return bad_request(message, (names or {}).get(exc.param, exc.param), exc.code)
         if "context length" in message:
             return bad_request(message, (names or {}).get("prompt", "prompt"), "context_length_exceeded")
         first = message.split(" ", 1)[0].strip(":,'\"")
@@ -330,7 +262,7 @@ class OpenAIServing:
             for i, p in enumerate(prompts)
         ]
         try:
-            return await self.aengine.add_requests(batch)
+            return await self.engine.add_requests(batch)
         except ValueError as exc:
             raise self.value_error(exc, names) from exc
         except EngineDeadError as exc:
@@ -354,7 +286,7 @@ class OpenAIServing:
         finally:
             if not task.done():
                 task.cancel()
-                self.aengine.abort([s.request_id for s in streams])
+                self.engine.abort([s.request_id for s in streams])
             watcher.cancel()
         if not task.done() or task.cancelled():  # cancelled just now: the cancel lands on the next pass
             raise APIError(499, "client disconnected", code="client_closed_request")
@@ -436,7 +368,7 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
                 self._completion_stream(base_id, created, req, prompts, streams, include_usage),
-                on_close=lambda: self.aengine.abort([s.request_id for s in streams if not s.finished]),
+                on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         finals = await self.collect(request, streams)
         choices, usage = [], P.UsageInfo()
@@ -529,7 +461,7 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
                 self._chat_stream(base_id, created, req, prepared, streams, k, include_usage),
-                on_close=lambda: self.aengine.abort([s.request_id for s in streams if not s.finished]),
+                on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         (final,) = await self.collect(request, streams)
         choices = []
@@ -639,6 +571,17 @@ class _ChoiceDeltas:
         start = self._offsets.get(key, 0)
         self._offsets[key] = start + len(text)
         return start
+
+
+def _message_dicts(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as a chat template reads them ("developer" speaks as "system")."""
+    dicts = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        dicts.append(d)
+    return dicts
 
 
 def _finish_usage(usage: P.UsageInfo, cached_tokens: list[int]) -> None:

@@ -26,6 +26,8 @@ class ServerSettings:
     retry_after_seconds: int = 1
     uvicorn_log_level: str = "info"
     log_stats_interval_s: float = 10.0
+    # The engine core in a process of its own (False: on a thread of the server's process).
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_queued_reqs is None:

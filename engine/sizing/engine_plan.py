@@ -114,9 +114,8 @@ def resolve_dtype_name(
 ) -> str:
     """The compute dtype the engine uses for ``--dtype name``. ``auto``: on CUDA the checkpoint's (bfloat16 for
     float32), float16 below compute capability 8.0 (no bfloat16 there, see gpus.check_dtypes); on a CPU with
-    native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks (measured on the default
-    model: 1.53x the float32 throughput, perplexity -0.10%, `make bench-peers`, `make bench-kv-accuracy`); on
-    other CPUs float32, their fastest and most exact choice."""
+    native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks (faster at a negligible
+    accuracy cost there: docs/benchmarks.md); on other CPUs float32, their fastest and most exact choice."""
     if name != "auto":
         return _DTYPE_NAMES[name]
     if device == "cpu":

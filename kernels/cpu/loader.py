@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagoda.engine import envs
 from pagoda.kernels.cpu import build
 from pagoda.kernels.cpu.signatures import FEATURE_PREFILL, SIGNATURES
 
@@ -61,7 +62,7 @@ class CpuKernels:
 
 def setting() -> str:
     """``PAGODA_NATIVE_KERNELS`` normalised: "off", "auto" or a variant name."""
-    value = os.environ.get("PAGODA_NATIVE_KERNELS", "auto").strip().lower()
+    value = envs.native_kernels()
     if value in _OFF:
         return "off"
     return "auto" if value in ("", "1", "true", "yes", "on", "auto") else value

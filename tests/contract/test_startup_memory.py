@@ -54,15 +54,16 @@ def test_the_refusal_carries_the_measured_profile(termination_log: Path) -> None
 
 
 def test_cuda_out_of_memory_exits_3(termination_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a CUDA OOM while loading looks like to the supervisor (simulated: there is no GPU here)."""
+    """What a CUDA OOM while loading looks like to the supervisor (simulated: there is no GPU here; the core
+    is built in this process, where the simulation can reach it)."""
     import torch
-    from pagoda.engine import llm_engine
+    from pagoda.engine import engine_core
 
     def oom(*_: object, **__: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(llm_engine, "LLMEngine", oom)
-    assert serve.main(["--device", "cpu"]) == EXIT_OUT_OF_MEMORY
+    monkeypatch.setattr(engine_core, "EngineCore", oom)
+    assert serve.main(["--device", "cpu", "--no-engine-process"]) == EXIT_OUT_OF_MEMORY
     failure = parse_termination_message(termination_log.read_text())
     assert failure["reason"] == REASON_CUDA_OOM and "Tried to allocate 2.00 GiB" in failure["message"]
 
@@ -88,7 +89,7 @@ def test_the_memory_profile_is_served() -> None:
     from fastapi.testclient import TestClient
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.engine.server.memory_status import ROUTE, install_memory_status, measured_profile
+    from pagoda.engine.server.memory_status import ROUTE, install_memory_status
 
     torch.set_num_threads(2)
     engine = LLMEngine(
@@ -97,7 +98,7 @@ def test_the_memory_profile_is_served() -> None:
         )
     )
     try:
-        profile = measured_profile(engine)
+        profile = engine.info.memory_profile
     finally:
         engine.close()
     assert profile["weights_bytes"] == engine.runner.weights_bytes()
@@ -116,7 +117,6 @@ def test_the_operators_plan_is_what_the_default_image_measures() -> None:
     from pagoda.engine.cli.serve import engine_config_kwargs, parse_args
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.engine.server.memory_status import measured_profile
     from pagoda.operator import profile, render
     from pagoda.operator.planning import decide
     from pagoda.operator.spec import parse_spec
@@ -126,7 +126,7 @@ def test_the_operators_plan_is_what_the_default_image_measures() -> None:
     decision = decide(spec, {})
     engine = LLMEngine(EngineConfig(**engine_config_kwargs(parse_args(render.engine_args(spec, decision)))))
     try:
-        measured = measured_profile(engine)
+        measured = engine.info.memory_profile
     finally:
         engine.close()
     assert profile.differences(decision.plan, measured) == []

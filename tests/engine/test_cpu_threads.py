@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.async_engine import AsyncEngine, CoreThread
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_offline_engines_use_every_core(threads_per_step):
 
 def test_serving_leaves_a_core_to_the_event_loop_for_small_steps(threads_per_step):
     llm, seen = threads_per_step
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(CoreThread(llm.engine.core), llm.engine.tokenizer)
 
     async def serve() -> None:
         engine.start()

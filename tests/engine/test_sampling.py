@@ -108,16 +108,14 @@ def test_utf8_across_tokens(llm):
     text = "café 日本語 🙂"
     ids = tok(text).input_ids
     # Feed the text's own tokens as a forced continuation check of the incremental detokenizer.
-    from pagoda.engine.detokenizer import Detokenizer
-    from pagoda.engine.request import Request
+    from pagoda.engine.detokenizer import Detokenizer, SeqText
 
-    req = Request("u", None, [tok("Say:").input_ids[0]], SamplingParams(), 100, 0.0)
-    seq = req.seqs[0]
+    seq = SeqText.for_prompt([tok("Say:").input_ids[0]])
     detok = Detokenizer(tok)
     pieces = []
     for t in ids:
         seq.token_ids.append(t)
-        pieces.append(detok.append(seq, req.params))
+        pieces.append(detok.append(seq, SamplingParams()))
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
 
 

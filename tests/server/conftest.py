@@ -144,7 +144,7 @@ def start_pagoda(tmp_path_factory: pytest.TempPathFactory):
 
 
 class FakeTokenizer:
-    """Words -> ids by a stable sum; records the thread of every encode / chat render."""
+    """Words -> ids by a stable sum, id i -> " wi"; records the thread of every encode / chat render."""
 
     def __init__(self, vocab_size: int = 1000) -> None:
         self.vocab_size = vocab_size
@@ -162,7 +162,7 @@ class FakeTokenizer:
         self.encode_calls += 1
         return [1 + sum(w.encode()) % (self.vocab_size - 1) for w in text.split()]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: object) -> str:
         return "".join(f" w{i}" for i in ids)
 
     def apply_chat_template(self, messages: list[dict], **kwargs: object) -> str:
@@ -173,23 +173,22 @@ class FakeTokenizer:
 @dataclass
 class _FakeRequest:
     params: object
-    arrival_time: float
+    max_tokens: int
     produced: int = 0
 
 
 @dataclass
 class FakeCore:
-    """LLMEngine's contract without a model: one token per request per step, outputs as deltas.
+    """EngineCore's contract without a model: every sequence gets token k in its k-th step.
 
-    `log` records ("add" | "abort" | "step", request id or None) in the engine thread's order;
-    `fail_steps` makes the step with that number raise; `block_add` makes add_request wait on it.
+    `log` records ("add" | "abort" | "finish" | "step", request id or None) in the core thread's order;
+    `fail_steps` makes the steps with those numbers raise; `block_add` makes add_request wait on it.
     """
 
     step_s: float = 0.0
     vocab_size: int = 1000
     max_model_len: int = 1024
     model_name: str = "fake"
-    text_per_token: str = " tok"
     fail_steps: set[int] = field(default_factory=set)
     block_add: threading.Event | None = None
     log: list[tuple[str, str | None]] = field(default_factory=list)
@@ -197,43 +196,66 @@ class FakeCore:
     requests: dict[str, _FakeRequest] = field(default_factory=dict)
     steps: int = 0
     entered_add: threading.Event = field(default_factory=threading.Event)
+    serving_front_end: bool = False
+    dead_reason: str | None = None
     _aborted: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.tokenizer = FakeTokenizer(self.vocab_size)
-        self.model_config = SimpleNamespace(vocab_size=self.vocab_size)
+        from pagoda.engine.engine_client import EngineInfo
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0) -> None:
-        self.log.append(("add", request_id))
+        self.info = EngineInfo(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=16,
+            num_blocks=64,
+        )
+
+    def add_request(self, req) -> None:
+        self.log.append(("add", req.request_id))
         if self.block_add is not None:
             self.entered_add.set()
             self.block_add.wait(30)
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        params.validate_token_ids(self.vocab_size)
-        self.arrivals[request_id] = arrival_time
-        self.requests[request_id] = _FakeRequest(params, arrival_time)
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.arrivals[req.request_id] = req.arrival_time
+        self.requests[req.request_id] = _FakeRequest(req.params, req.max_tokens)
 
-    def abort_request(self, request_ids) -> None:
-        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+    def abort_requests(self, request_ids) -> None:
+        from pagoda.engine.core_messages import CoreOutput, SeqDelta
 
-        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+        for rid in list(request_ids):
             self.log.append(("abort", rid))
             req = self.requests.pop(rid, None)
             if req is not None:
-                outs = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(req.params.n)]
-                self._aborted.append(RequestOutput(rid, None, [1], outs, finished=True))
+                seqs = [SeqDelta(i, [], finish_reason="abort") for i in range(req.params.n)]
+                self._aborted.append(CoreOutput(rid, seqs, finished=True))
+
+    def finish_seqs(self, seqs) -> None:
+        for rid, _index, _stop in seqs:
+            self.log.append(("finish", rid))
+            self.requests.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return True
 
     def get_scheduler_stats(self):
         from pagoda.engine.stats import SchedulerStats
 
         return SchedulerStats(num_running=len(self.requests))
 
-    def step(self):
-        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+    def take_finished_stats(self) -> list:
+        return []
+
+    def step(self, stats: bool = True):
+        from pagoda.engine.core_messages import CoreOutput, EngineCoreOutputs, SeqDelta
+        from pagoda.engine.stats import IterationStats
 
         self.steps += 1
         self.log.append(("step", None))
@@ -244,23 +266,29 @@ class FakeCore:
         outputs, self._aborted = self._aborted, []
         for rid, req in list(self.requests.items()):
             req.produced += 1
-            done = req.produced >= req.params.max_tokens
-            outs = [
-                CompletionOutput(
-                    i, self.text_per_token, [req.produced], finish_reason="length" if done else None
-                )
-                for i in range(req.params.n)
-            ]
-            outputs.append(RequestOutput(rid, None, [1], outs, finished=done))
+            done = req.produced >= req.max_tokens
+            reason = "length" if done else None
+            seqs = [SeqDelta(i, [req.produced], finish_reason=reason) for i in range(req.params.n)]
+            outputs.append(CoreOutput(rid, seqs, finished=done))
             if done:
                 del self.requests[rid]
-        return outputs
+        return EngineCoreOutputs(outputs, self.get_scheduler_stats(), IterationStats())
 
     def close(self) -> None:
         pass
 
 
+def start_fake(**kwargs):
+    """An AsyncEngine over a FakeCore on a thread, started on the running loop: (engine, core)."""
+    from pagoda.engine.async_engine import AsyncEngine, CoreThread
+
+    core = FakeCore(**kwargs)
+    engine = AsyncEngine(CoreThread(core), FakeTokenizer(core.vocab_size))
+    engine.start()
+    return engine, core
+
+
 @pytest.fixture(scope="session")
 def fakes() -> SimpleNamespace:
     """The fake core and tokenizer (test modules cannot import conftest under importlib mode)."""
-    return SimpleNamespace(FakeCore=FakeCore, FakeTokenizer=FakeTokenizer)
+    return SimpleNamespace(FakeCore=FakeCore, FakeTokenizer=FakeTokenizer, start=start_fake)

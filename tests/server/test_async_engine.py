@@ -1,5 +1,6 @@
-"""AsyncEngine over a fake engine core (no model): clock, ownership of the stream registry, cancels, slow
-readers, failed steps. The fake keeps LLMEngine's contract: one thread drives it, outputs are deltas."""
+"""AsyncEngine over a fake engine core on a thread (no model): clock, ownership of the stream registry,
+cancels, slow readers, failed steps. The fake keeps EngineCore's contract: one thread drives it, outputs are
+token deltas that the front end's output processing turns into text."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import threading
 import time
 
 import pytest
-from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagoda.engine.async_engine import EngineDeadError, RequestFailedError
+from pagoda.engine.core_loop import CoreLoop
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server.serving import _merge
@@ -64,12 +66,10 @@ async def consume(stream) -> dict[int, list[int]]:
 
 @pytest.fixture
 def engine_factory(fakes):
-    started: list[AsyncEngine] = []
+    started = []
 
-    def make(**kwargs) -> tuple[AsyncEngine, object]:
-        core = fakes.FakeCore(**kwargs)
-        aengine = AsyncEngine(core)
-        aengine.start()
+    def make(**kwargs):
+        aengine, core = fakes.start(**kwargs)
         started.append(aengine)
         return aengine, core
 
@@ -88,17 +88,29 @@ async def test_arrival_time_is_stamped_with_the_engine_clock(engine_factory) -> 
     assert before <= core.arrivals["r"] <= after
 
 
-async def test_cancelled_admission_aborts_the_request(engine_factory) -> None:
+async def test_an_abort_right_after_the_add_reaches_the_core_after_it(engine_factory) -> None:
+    """The add and the abort travel in order: the core admits, then drops the request; nothing leaks."""
     aengine, core = engine_factory(block_add=threading.Event(), step_s=0.001)
-    task = asyncio.ensure_future(aengine.add_request("r", [1], SamplingParams(max_tokens=10**6)))
-    await asyncio.to_thread(core.entered_add.wait, 10)  # the engine thread is admitting it now
-    task.cancel()
+    await aengine.add_request("r", [1], SamplingParams(max_tokens=10**6))
+    await asyncio.to_thread(core.entered_add.wait, 10)  # the core thread is admitting it now
+    aengine.abort("r")
     core.block_add.set()
-    with pytest.raises(asyncio.CancelledError):
-        await task
     await wait_for(lambda: ("abort", "r") in core.log)
     await wait_for(lambda: not core.requests)
-    assert not aengine._streams
+    assert core.log.index(("add", "r")) < core.log.index(("abort", "r"))
+    assert not aengine._streams and len(aengine.output_processor) == 0
+
+
+async def test_input_processing_refuses_a_batch_before_the_core_sees_any_of_it(engine_factory) -> None:
+    aengine, core = engine_factory()
+    good, bad = SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, stop_token_ids=[5000])
+    from pagoda.engine.engine_client import NewRequest
+
+    with pytest.raises(ValueError, match="stop_token_ids contains 5000"):
+        await aengine.add_requests([NewRequest("a", [1], good), NewRequest("b", [1], bad)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await aengine.add_request("c", [1, 1000], good)
+    assert not aengine._streams and not [e for e in core.log if e[0] == "add"]
 
 
 async def test_engine_thread_never_touches_the_stream_registry(engine_factory) -> None:
@@ -153,8 +165,10 @@ async def test_stress_with_cancels_leaves_nothing_behind(engine_factory) -> None
             assert tokens == {i: list(range(1, p.max_tokens + 1)) for i in range(p.n)}
     assert outcomes["done"] > 50 and outcomes["cancelled"] > 0, outcomes
     assert aengine.failed_steps == 2
-    # Every cancelled client's request was aborted or had already finished: nothing runs unread.
-    assert aengine.is_alive and aengine.num_running == 0 and aengine.num_waiting == 0
+    # Every cancelled client's request was aborted or had already finished: nothing runs unread (the
+    # core's last stats reach the loop with its last step's message).
+    await wait_for(lambda: aengine.num_running == 0)
+    assert aengine.is_alive and aengine.num_waiting == 0
 
 
 async def test_slow_reader_holds_at_most_one_pending_output_per_stream(engine_factory) -> None:
@@ -197,13 +211,14 @@ async def test_failed_steps_are_counted_reported_and_survived(engine_factory) ->
 async def test_consecutive_failures_kill_the_engine_and_fail_what_waits(engine_factory) -> None:
     aengine, core = engine_factory()
     core.fail_steps.update(range(1, 1000))
-    for i in range(AsyncEngine.MAX_CONSECUTIVE_STEP_FAILURES):  # each request's first step fails
+    for i in range(CoreLoop.MAX_CONSECUTIVE_STEP_FAILURES):  # each request's first step fails
         stream = await aengine.add_request(f"a{i}", [1], SamplingParams(max_tokens=10**6))
         with pytest.raises(RequestFailedError):
             await consume(stream)
     await wait_for(lambda: not aengine.is_alive)
-    assert aengine.failed_steps == AsyncEngine.MAX_CONSECUTIVE_STEP_FAILURES
+    assert aengine.failed_steps == CoreLoop.MAX_CONSECUTIVE_STEP_FAILURES
+    assert "3 times in a row" in aengine.dead_reason
     with pytest.raises(EngineDeadError):
         await aengine.add_request("b", [1], SamplingParams(max_tokens=3))
     with pytest.raises(EngineDeadError):
-        await aengine.call(lambda core: 1)
+        await aengine.reset_prefix_cache()

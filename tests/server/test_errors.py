@@ -7,12 +7,14 @@ One server for the module, configured so each limit is easy to hit: an API key, 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import socket
 import time
 
 import httpx
 import pytest
+from pagoda_testkit.processes import spawned_children
 
 KEY = "test-secret-key"
 MODEL = "pagoda-test"
@@ -268,6 +270,9 @@ def test_503_with_retry_after_when_the_queue_is_full(srv) -> None:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(srv) -> None:
+    """SIGTERM to the whole process group (a terminal's Ctrl-C, a supervisor's kill): the engine core process
+    ignores it and keeps running the in-flight request until the server has drained, then both exit."""
+    (core,) = spawned_children(srv.proc.pid)
     tid = the_id(srv)
     body = {"prompt": [tid] * 4, "max_tokens": 8, "ignore_eos": True, "stream": True}
     lines: list[str] = []
@@ -280,7 +285,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(srv) -> None:
             if line:
                 lines.append(line)
                 break  # the request is running: now ask the server to stop
-        srv.proc.send_signal(signal.SIGTERM)
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # started in a session of its own: the group is its pid
         time.sleep(1.0)
         try:  # draining (docs/router.md): /health says 503 "draining" until no request runs, then it closes
             health = httpx.get(srv.url + "/health", timeout=5)
@@ -291,3 +296,4 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(srv) -> None:
     assert lines[-1] == "data: [DONE]"
     assert any('"finish_reason":"length"' in line for line in lines), lines[-3:]
     assert srv.proc.wait(120) == 0, srv.log()
+    assert not os.path.exists(f"/proc/{core}"), "the engine core process outlived the server"

@@ -24,8 +24,8 @@ def bound(body: object) -> None:
             body[key] = max(min(value, 2), -1)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2
-    if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
-        body["n"] = min(body["n"], 2)
+    if isinstance(body.get("n"), int | float) and not isinstance(body.get("n"), bool):
+        body["n"] = min(body["n"], 2)  # 88.0 is a valid n too: 88 sequences of a long prompt thrash the cache
     if isinstance(body.get("prompt"), list):
         body["prompt"] = body["prompt"][:3]
     if isinstance(body.get("min_tokens"), int) and not isinstance(body.get("min_tokens"), bool):

@@ -1,0 +1,77 @@
+"""Every ``PAGODA_*`` environment variable Pagoda reads, read here and nowhere else.
+
+Each is read when asked for (not at import), so a test or a supervisor that sets one before a call sees it
+take effect. Importing this module needs nothing beyond the standard library: the operator and the router
+read their variables here too.
+
+| variable | default | meaning |
+|---|---|---|
+| PAGODA_CACHE | the user cache dir + /pagoda | converted models, content hashes |
+| PAGODA_API_KEY | unset | the key `pagoda serve` and `pagoda router` require (``--api-key``) |
+| PAGODA_TERMINATION_LOG | /dev/termination-log | where a failed start-up writes its termination message |
+| PAGODA_NATIVE_KERNELS | auto | the CPU path's C kernels: auto (the best variant this CPU runs), 0/off (torch fallbacks), or a variant name |
+| PAGODA_KERNEL_CACHE | unset | a directory of kernels compiled ahead of time (the engine image's) to seed the cache from |
+| PAGODA_ONEDNN_LINEAR | 1 | 0: CPU linears run `F.linear` instead of oneDNN's packed weights |
+| PAGODA_HOST_MALLOC_TUNING | 1 | 0: glibc may return freed heap to the system (see host_allocator.py) |
+| PAGODA_ENGINE_IMAGE | unset | the operator: engine image to render instead of its default |
+| PAGODA_PROMETHEUS_URL | unset | the operator: Prometheus it reads load from |
+| PAGODA_DOWNLOAD_IMAGE | unset | the operator: image of the model-download Jobs instead of its default |
+"""
+
+from __future__ import annotations
+
+import os
+
+TERMINATION_LOG_DEFAULT = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+_OFF = ("0", "false", "no", "off")
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _switch(name: str) -> bool:
+    """On unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in _OFF
+
+
+def cache_dir() -> str | None:
+    return _get("PAGODA_CACHE")
+
+
+def api_key() -> str | None:
+    return _get("PAGODA_API_KEY")
+
+
+def termination_log() -> str:
+    return _get("PAGODA_TERMINATION_LOG") or TERMINATION_LOG_DEFAULT
+
+
+def native_kernels() -> str:
+    """As set, lower-cased ("auto" when unset); kernels/cpu/loader.py reads the choice out of it."""
+    return os.environ.get("PAGODA_NATIVE_KERNELS", "auto").strip().lower()
+
+
+def kernel_cache_seed() -> str | None:
+    return _get("PAGODA_KERNEL_CACHE")
+
+
+def onednn_linear() -> bool:
+    return _switch("PAGODA_ONEDNN_LINEAR")
+
+
+def host_malloc_tuning() -> bool:
+    return _switch("PAGODA_HOST_MALLOC_TUNING")
+
+
+def engine_image() -> str | None:
+    return _get("PAGODA_ENGINE_IMAGE")
+
+
+def prometheus_url() -> str | None:
+    return _get("PAGODA_PROMETHEUS_URL")
+
+
+def download_image() -> str | None:
+    return _get("PAGODA_DOWNLOAD_IMAGE")
