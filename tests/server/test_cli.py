@@ -128,13 +128,14 @@ def test_gpu_memory_utilization_default_is_stated_once() -> None:
 def test_a_dtype_the_gpu_cannot_run_is_refused_at_start_up_with_exit_2(
     monkeypatch, capsys, gpu, cc, flags, says
 ):
-    """Before the tokenizer, the ranks or the weights: the GPU's name, its compute capability and what to use
-    instead (no GPU here: torch is told this one is there, and the refusal comes before anything uses it)."""
+    """Before the ranks or the weights: the GPU's name, its compute capability and what to use instead (no GPU
+    here: torch is told this one is there, and the refusal comes before anything uses it; the engine core
+    is built in this process, where that can be told)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
-    assert serve.main(["--device", "cuda", *flags]) == 2
+    assert serve.main(["--device", "cuda", "--no-engine-process", *flags]) == 2
     err = capsys.readouterr().err
     assert f"{gpu} (compute capability {cc[0]}.{cc[1]})" in err and says in err
