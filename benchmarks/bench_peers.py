@@ -337,6 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--serve-dtypes", default="float32,bfloat16", help="served comparison: dtypes, comma list"
     )
     ap.add_argument("--pagoda-serve-args", default="", help="extra flags for `pagoda serve` (measurements)")
+    ap.add_argument("--pagoda-serve-env", default="", help="extra environment for `pagoda serve`: K=V K=V")
     ap.add_argument("--serve-servers", default="pagoda,vllm", help="served comparison: which servers run")
     return ap.parse_args(argv)
 

