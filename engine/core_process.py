@@ -180,6 +180,8 @@ class CoreProcess:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
+        if self._zmq.closed:
+            return
         self._in.close(linger=0)
         if self._out is not None:
             self._out.close(linger=0)
