@@ -436,10 +436,9 @@ class EngineCore:
         offload.close()
 
     # Steps of at most this many new tokens (decodes of one or two streams) leave a core to a server's front
-    # end. They are memory-bound, so the core costs little (offline 14.2 -> 16.4 ms per token for one stream on
-    # 2 cores), while every token's hand-off to the event loop no longer preempts a thread of the OpenMP team:
-    # one served stream went from 22-23 to 17-18 ms per token. Prefills and larger batches are compute-bound
-    # and get every core. vLLM's CPU build reserves a core for its front end by default.
+    # end. They are memory-bound, so the core costs little, while every token's hand-off to the front end no
+    # longer preempts a thread of the OpenMP team (measurements: docs/benchmarks.md). Prefills and larger
+    # batches are compute-bound and get every core. vLLM's CPU build reserves a core for its front end.
     FRONT_END_CORE_MAX_TOKENS = 2
 
     def _cpu_threads_for(self, sched: SchedulerOutput) -> None:

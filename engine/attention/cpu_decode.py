@@ -5,12 +5,10 @@ the KV head against each key once (GQA reads every K/V row once), and keeps a ru
 (online softmax), so no [seqs, max_len] scores or gathered K/V are ever materialised and nothing is padded to
 the longest sequence. Tasks run in parallel on torch's OpenMP pool. Blocks lie anywhere in the cache, so a task
 prefetches the next block's rows of its head while it scores the current one (unless that block is the adjacent
-one, which the hardware prefetcher follows by itself): 1.2-1.3x less time per layer on scattered blocks at 1-64
-decodes, the same on contiguous ones.
+one, which the hardware prefetcher follows by itself): scattered blocks cost less, contiguous ones the same.
 
-Gathering the context per layer and step used to cost more than the model's matmuls at 64 concurrent decodes:
-the per-layer kernel time went from ~61 ms (gather + padded SDPA) to ~6 ms on one core, 64 sequences of 24-767
-tokens, SmolLM2-135M shapes. With AVX-512 and a head size that is a multiple of 16 the inner loops use
+Gathering the context per layer and step used to cost more than the model's matmuls at 64 concurrent decodes
+(measurements: docs/benchmarks.md, "Numbers behind the code"). With AVX-512 and a head size that is a multiple of 16 the inner loops use
 intrinsics; otherwise a portable loop the compiler vectorises. C source: kernels/cpu/paged_decode.c.
 """
 

@@ -1,10 +1,10 @@
 """Causal prefill attention on the CPU over the paged cache (float32, AVX-512), flash-attention style.
 
-Why: torch's CPU flash-attention kernel runs its tiles through the BLAS sgemm, which on the AMD test machine
-reached 65-120 GFLOP/s on the default model's prefill shapes (a third of what the cores do); causal
-attention was ~135 ms of a 512-token prompt's ~400 ms. This kernel reads K/V where they lie in the cache
-(every prefill chunk, with or without a cached prefix, and with a sliding window) and measured 150-205
-GFLOP/s on the same shapes (`tests/models/test_torch_backend.py` checks it against the dense reference).
+Why: torch's CPU flash-attention kernel runs its tiles through the BLAS sgemm, which reaches a fraction of
+what the cores do on the default model's prefill shapes, and causal attention was a third of a long
+prompt's prefill. This kernel reads K/V where they lie in the cache (every prefill chunk, with or without a
+cached prefix, and with a sliding window) and is faster on the same shapes (measurements:
+docs/benchmarks.md; `tests/models/test_torch_backend.py` checks it against the dense reference).
 
 How: one task per (chunk, KV head, range of query positions). A task first copies the K rows it will read
 into a transposed scratch, 16 keys per chunk ([d][16 keys]), so a tile's scores are broadcast-FMAs of query

@@ -14,7 +14,7 @@ prefill chunks. The plan is reused by every layer of the step.
 - Prefill chunks: the native kernel of `cpu_prefill` where the loaded variant has it (AVX-512); otherwise
   one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA only takes its
   fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which materialises the
-  scores and ran ~5x slower).
+  scores: docs/benchmarks.md).
 
 Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p (itself included), the
 Mistral / Hugging Face convention.
@@ -278,7 +278,7 @@ class TorchAttentionBackend:
                 kp, vp = self._gather(cache, p.blocks, q.dtype)  # [L_pad, Hkv, D]
                 kp, vp = kp[: p.seq_len].transpose(0, 1), vp[: p.seq_len].transpose(0, 1)
             qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
-            # 4-D inputs: with 3-D ones SDPA takes its unfused math kernel on the CPU (~5x slower).
+            # 4-D inputs: with 3-D ones SDPA takes its unfused math kernel on the CPU (slower, see above).
             qp, kp, vp = qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0)
             if p.context_len == 0 and sliding_window is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
