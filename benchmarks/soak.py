@@ -354,11 +354,11 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         report.duration_s = time.monotonic() - start
         report.requests_per_s = cfg.requests / report.duration_s
         _wait_idle(server)
-        stats = server.call(lambda e: e.get_scheduler_stats())
+        stats = server.call("get_scheduler_stats")
         report.running, report.waiting = stats.num_running, stats.num_waiting
         report.blocks_total, report.blocks_free = stats.num_blocks_total, stats.num_blocks_free
         report.blocks_cached = stats.num_blocks_cached
-        report.unfinished = server.call(lambda e: e.has_unfinished_requests())
+        report.unfinished = server.call("has_unfinished_requests")
         report.open_streams = server.open_streams()
         report.invariants = server.call("check_invariants")
         report.failed_steps = server.aengine.failed_steps

@@ -104,7 +104,16 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 Command = AddRequests | Abort | FinishSeqs | UtilityCall | Shutdown
 CoreMessage = EngineCoreOutputs | UtilityResult
 
-# What the front end may ask of a core by name (a UtilityCall): queries and maintenance between steps.
+# What the front end may ask of a core by name (a UtilityCall): queries and maintenance between steps. A
+# result crosses a process boundary as msgpack: a struct (the scheduler stats) arrives as its field list.
 UTILITY_METHODS = frozenset(
-    {"reset_prefix_cache", "kv_events", "kv_snapshot", "check_invariants", "num_requests"}
+    {
+        "reset_prefix_cache",
+        "kv_events",
+        "kv_snapshot",
+        "check_invariants",
+        "num_requests",
+        "has_unfinished_requests",
+        "get_scheduler_stats",
+    }
 )
