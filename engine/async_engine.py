@@ -41,10 +41,11 @@ from pagoda.engine.core_messages import (
 from pagoda.engine.engine_client import (
     EngineDeadError,
     EngineInfo,
+    LoRAAdapterInfo,
     NewRequest,
     RequestFailedError,
 )
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.input_processor import InputError, InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request import now
 from pagoda.engine.request_stream import RequestStream
@@ -53,6 +54,9 @@ from pagoda.engine.stats import SchedulerStats, StatLogger
 __all__ = ["AsyncEngine", "CoreThread", "EngineDeadError", "RequestFailedError", "NewRequest"]
 
 logger = logging.getLogger("pagoda.engine.async_engine")
+
+# What a refused call into the core raises here (UtilityResult.error_type); anything else: RuntimeError.
+_REFUSALS: dict[str, type[Exception]] = {"ValueError": ValueError, "KeyError": KeyError}
 
 
 class CoreHandle(Protocol):
@@ -138,6 +142,7 @@ class AsyncEngine:
         self._dead_listeners: list[Callable[[str], None]] = []
         self._dead_reason: str | None = None
         self._last_stats = SchedulerStats()
+        self._lora = {a.name: a for a in self.info.lora_adapters}  # served now; the core's list follows it
         self.steps = 0
         self.failed_steps = 0
 
@@ -192,9 +197,11 @@ class AsyncEngine:
         for r in requests:
             if r.request_id in self._streams:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
+            if r.lora is not None and r.lora not in self._lora:
+                raise InputError(f"LoRA adapter {r.lora!r} is not loaded", "model", "model_not_found")
             core_requests.append(
                 self.input_processor.process(
-                    r.request_id, r.prompt, r.params, arrival_time=arrival, priority=r.priority
+                    r.request_id, r.prompt, r.params, arrival_time=arrival, priority=r.priority, lora=r.lora
                 )
             )
         streams = []
@@ -250,6 +257,21 @@ class AsyncEngine:
     async def kv_snapshot(self) -> dict[str, Any]:
         return await self.call("kv_snapshot")
 
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:
+        return dict(self._lora)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterInfo:
+        # Served from the core's answer on: every request sent after it reaches the core after the load.
+        adapter = LoRAAdapterInfo(**await self.call("load_lora_adapter", name, path))
+        self._lora[name] = adapter
+        return adapter
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        # Refused here at once: a request admitted before the core unloads it finishes with it.
+        self._lora.pop(name, None)
+        await self.call("unload_lora_adapter", name)
+
     # ------------------------------------------------------------ what the core sends (on the event loop)
 
     def _on_message(self, msg: CoreMessage) -> None:
@@ -257,7 +279,7 @@ class AsyncEngine:
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 if msg.error is not None:
-                    fut.set_exception(RuntimeError(msg.error))
+                    fut.set_exception(_REFUSALS.get(msg.error_type or "", RuntimeError)(msg.error))
                 else:
                     fut.set_result(msg.result)
             return

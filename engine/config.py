@@ -7,6 +7,7 @@ help text is stated once, here, and no flag can exist that the engine does not r
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,6 +17,25 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "hal
 KV_EVICTION = ("none", "streaming")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
 DEFAULT_STREAMING_MAX_TOKENS = 32768
+MAX_LORA_RANK = 512
+
+
+def parse_lora_module(entry: str) -> tuple[str, str]:
+    """One --lora-modules entry, NAME=PATH or vLLM's JSON form {"name": ..., "path": ...} -> (name, path)."""
+    text = str(entry).strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            raise ValueError(f"{entry!r} is not valid JSON") from None
+        name, path = (obj.get("name"), obj.get("path")) if isinstance(obj, dict) else (None, None)
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"{entry!r} must be NAME=PATH")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise ValueError(f"{entry!r} must name an adapter and its path")
+    return name.strip(), path.strip()
 
 
 def _opt(default: Any, help: str, **flag: Any) -> Any:
@@ -129,6 +149,21 @@ class EngineConfig:
     skip_tokenizer_init: bool = _opt(
         False, "do not load the tokenizer: prompts must be token ids, outputs carry no text"
     )
+    enable_lora: bool = _opt(
+        False,
+        "serve LoRA adapters (PEFT directories) next to the base model: a request picks one by its 'model' "
+        "name; load them with --lora-modules or POST /v1/load_lora_adapter",
+    )
+    max_loras: int = _opt(
+        1, "LoRA adapters one step may mix (device slots; others wait in host memory, swapped in LRU)"
+    )
+    max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have (each slot is this wide)")
+    lora_modules: list[str] | None = _opt(
+        None,
+        'LoRA adapters to load at start: NAME=PATH (a PEFT directory), or JSON {"name": ..., "path": ...}; '
+        "several may follow one flag",
+        nargs="+",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +222,31 @@ class EngineConfig:
             not isinstance(self.kv_window_tokens, int) or self.kv_window_tokens < 2 * self.block_size
         ):
             bad("kv_window_tokens", f"must be an integer of at least 2 blocks ({2 * self.block_size})")
+        self._validate_lora(bad)
+
+    def _validate_lora(self, bad: Any) -> None:
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            bad("max_loras", "must be a positive integer")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            bad("max_lora_rank", f"must be an integer from 1 to {MAX_LORA_RANK}")
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [self.lora_modules]
+        if self.lora_modules:
+            if not self.enable_lora:
+                bad("lora_modules", "needs enable_lora (--enable-lora)")
+            try:
+                names = [parse_lora_module(entry)[0] for entry in self.lora_modules]
+            except ValueError as exc:
+                bad("lora_modules", str(exc))
+            if len(set(names)) != len(names):
+                bad("lora_modules", "names an adapter twice")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
+
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in the order given."""
+        return dict(parse_lora_module(entry) for entry in self.lora_modules or ())
 
     def to_dict(self) -> dict:
         return asdict(self)

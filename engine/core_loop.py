@@ -98,6 +98,9 @@ class CoreLoop:
             return UtilityResult(call.call_id, error=f"no such engine call: {call.method!r}")
         try:
             return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except (ValueError, KeyError) as exc:  # a refusal (e.g. an adapter that cannot be served): say why
+            kind = "KeyError" if isinstance(exc, KeyError) else "ValueError"
+            return UtilityResult(call.call_id, error=str(exc.args[0] if exc.args else exc), error_type=kind)
         except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
             return UtilityResult(call.call_id, error=repr(exc))
 

@@ -32,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float  # time.monotonic() of the front end (one clock for all processes of the host)
     priority: int = 0
     kv_streaming: tuple[int, int] | None = None  # attention sinks: (sink tokens, cache budget)
+    lora: str | None = None  # the name of the LoRA adapter it runs through (the core resolves it)
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -95,6 +96,7 @@ class UtilityResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     call_id: int
     result: Any = None
     error: str | None = None
+    error_type: str | None = None  # "ValueError" / "KeyError": the caller's mistake, raised as such again
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -115,5 +117,7 @@ UTILITY_METHODS = frozenset(
         "num_requests",
         "has_unfinished_requests",
         "get_scheduler_stats",
+        "load_lora_adapter",
+        "unload_lora_adapter",
     }
 )

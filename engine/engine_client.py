@@ -29,6 +29,16 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class LoRAAdapterInfo:
+    """A LoRA adapter an engine serves (docs/lora.md)."""
+
+    name: str  # what a request puts in `model` to run through it
+    path: str  # the directory it was loaded from
+    rank: int
+    cache_root: str  # hex: where its requests' block-hash chains start (routers hash prompts from it)
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What a front end knows of a started engine; nothing here changes while it runs."""
 
@@ -51,6 +61,8 @@ class EngineInfo:
     cache_config: dict[str, Any] = field(default_factory=dict)  # vllm:cache_config_info labels
     cpu_kernels: dict[str, str] | None = None  # the CPU kernels' info labels (variant, origin); None on a GPU
     memory_profile: dict[str, Any] = field(default_factory=dict)  # GET /pagoda/memory
+    max_loras: int = 0  # LoRA adapter slots; 0: the engine serves no adapters (no --enable-lora)
+    lora_adapters: tuple[LoRAAdapterInfo, ...] = ()  # loaded at start (--lora-modules)
 
 
 @dataclass
@@ -62,6 +74,7 @@ class NewRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
+    lora: str | None = None  # the name of a served LoRA adapter to run it through; None: the base model
 
 
 class EngineClient(Protocol):
@@ -103,6 +116,17 @@ class EngineClient(Protocol):
         """Call `fn(reason)` once, on the event loop, when the core stops for good."""
 
     async def reset_prefix_cache(self) -> bool: ...
+
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:
+        """The LoRA adapters served now, by name."""
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterInfo:
+        """Read a PEFT directory in the core and serve it as ``name`` from the next request on; ValueError
+        names why it cannot be served."""
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (KeyError when nothing has it); admitted requests finish with it."""
 
     async def kv_events(self, since: int, epoch: str | None) -> dict[str, Any]:
         """Block-event batches after `since` (engine/kv_cache/events.py)."""

@@ -32,12 +32,14 @@ from pagoda.engine.distributed.parallel_state import (
 )
 from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
 from pagoda.engine.distributed.workers import Allocate, Profile, TPWorkers, free_tcp_port
-from pagoda.engine.engine_client import EngineInfo
+from pagoda.engine.engine_client import EngineInfo, LoRAAdapterInfo
 from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
+from pagoda.engine.lora.model import LoRAModel
+from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
 from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
@@ -77,6 +79,10 @@ def check_device(device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) 
     if device.type == "cuda":
         name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
         check_dtypes(name, cc, str(dtype).removeprefix("torch."), kv_cache_dtype)
+
+
+def adapter_info(adapter: LoRAAdapter) -> LoRAAdapterInfo:
+    return LoRAAdapterInfo(adapter.name, adapter.path, adapter.rank, adapter.cache_root.hex())
 
 
 class EngineCore:
@@ -120,6 +126,7 @@ class EngineCore:
             torch.cuda.reset_peak_memory_stats(self.device)
         model, _ = load_model(path, self.dtype, self.device, backend)
         self.fingerprint = model_fingerprint(path)
+        self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         eos = set(mc.eos_token_ids)
         if tokenizer_eos is not None:
             eos.add(tokenizer_eos)
@@ -136,6 +143,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
         )
         self.runner.peers = self.workers
+        self.runner.lora = self.lora
 
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
         # Per rank: each holds the KV of its own heads (INT8: and their scales); the rank with the most
@@ -145,7 +153,12 @@ class EngineCore:
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
         # CUDA graphs: recorded after the cache is allocated, so their memory is measured first and left out
-        recordable = self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+        recordable = (
+            self.device.type == "cuda"
+            and backend.name == "triton"
+            and not config.enforce_eager
+            and self.lora is None  # a step's LoRA segments are not part of a recording
+        )
         graph_sizes = tuple(capture_sizes(config.max_num_seqs)) if recordable else ()
         kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype, graph_sizes)
         # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.
@@ -188,6 +201,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
+                max_loras=config.max_loras if self.lora is not None else 0,
             ),
             CacheConfig(
                 num_blocks=self.num_blocks,
@@ -207,6 +221,13 @@ class EngineCore:
         )
         # Server-wide sink sizes that no request could use are refused at start, not on every request.
         resolve_streaming(None, self.streaming_defaults, self.max_model_len, block_size, 0)
+        self.lora_registry = None
+        if self.lora is not None:
+            self.lora_registry = LoRARegistry(
+                mc.num_hidden_layers, self.lora.shapes, config.max_lora_rank, (self.model_name,)
+            )
+            for name, adapter_path in config.lora_module_paths.items():
+                self.lora_registry.load(name, adapter_path)
         self.kv_dtype = kv_dtype
         self._aborted_outputs: list[CoreOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
@@ -297,6 +318,8 @@ class EngineCore:
                 else None
             ),
             memory_profile=self.memory_profile(),
+            max_loras=int(cfg.max_loras) if self.lora is not None else 0,
+            lora_adapters=tuple(adapter_info(a) for a in self.lora_adapters()),
         )
 
     def memory_profile(self) -> dict[str, Any]:
@@ -351,8 +374,38 @@ class EngineCore:
                 priority=req.priority,
                 eos_token_ids=self._eos,
                 kv_streaming=tuple(req.kv_streaming) if req.kv_streaming is not None else None,
+                lora=self._lora_of(req.lora),
             )
         )
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    def _lora_of(self, name: str | None) -> LoRAAdapter | None:
+        """The loaded adapter called ``name`` (None for None); ValueError when there is none."""
+        if name is None:
+            return None
+        adapter = self.lora_registry.get(name) if self.lora_registry is not None else None
+        if adapter is None:
+            why = "" if self.lora_registry is not None else " (the engine was started without --enable-lora)"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded{why}")
+        return adapter
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Read a PEFT adapter directory and serve it as ``name``: its `LoRAAdapterInfo` as a dict (it
+        crosses the process boundary); ValueError when it cannot be served."""
+        if self.lora_registry is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora")
+        return dataclasses.asdict(adapter_info(self.lora_registry.load(name, path)))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (KeyError when no adapter has it); requests already admitted finish with it."""
+        if self.lora_registry is None:
+            raise KeyError(f"The lora adapter '{name}' cannot be found.")
+        adapter = self.lora_registry.unload(name)
+        if not any(r.lora is adapter for r in self.scheduler.requests.values()):
+            self.lora.release(adapter)
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        return self.lora_registry.adapters() if self.lora_registry is not None else []
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End them (unknown ids are ignored); their final outputs come with the next step."""

@@ -169,6 +169,7 @@ class InputProcessor:
         prompt_token_ids: Sequence[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> EngineCoreRequest:
         """Check and resolve one request (tokenizing a text prompt); raises InputError naming the problem."""
         params = params or SamplingParams()
@@ -204,4 +205,5 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             kv_streaming=streaming.as_tuple if streaming is not None else None,
+            lora=lora,
         )

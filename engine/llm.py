@@ -59,8 +59,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts. ``lora``: the
+        name of a loaded LoRA adapter for every prompt, or one name (None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -76,12 +78,22 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; give one or one per prompt"
                 )
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(
+                f"lora has {len(adapters)} entries for {len(prompts)} prompts; give one or one per prompt"
+            )
         ids = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             rid = str(next(self._ids))
             text, token_ids = _split_prompt(prompt)
             self.engine.add_request(
-                rid, text, params, prompt_token_ids=token_ids, priority=priority[i] if priority else 0
+                rid,
+                text,
+                params,
+                prompt_token_ids=token_ids,
+                priority=priority[i] if priority else 0,
+                lora=adapters[i],
             )
             ids.append(rid)
         return self._run(ids, use_tqdm)

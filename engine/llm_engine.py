@@ -104,7 +104,9 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
+        """``lora``: the name of a loaded LoRA adapter to run the request through (None: the base model)."""
         req = self.input_processor.process(
             request_id,
             prompt,
@@ -112,13 +114,21 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids,
             arrival_time=arrival_time,
             priority=priority,
+            lora=lora,
         )
-        self.core.add_request(req)  # ValueError for a request id in use
+        self.core.add_request(req)  # ValueError for a request id in use or an adapter not loaded
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """End them; each one's final delta (finish_reason "abort") comes with the next step."""
         self.core.abort_requests([request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter directory at ``path`` as ``name`` (ValueError when it cannot be served)."""
+        self.core.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.core.unload_lora_adapter(name)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

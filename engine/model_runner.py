@@ -87,10 +87,13 @@ class ModelRunner:
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.lora = None  # pagoda.engine.lora.model.LoRAModel when the engine serves LoRA adapters
 
     # ---- memory -------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The model's parameters and, with LoRA, the adapter slots."""
+        lora = self.lora.device_bytes if self.lora is not None else 0
+        return lora + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.block_size = block_size
@@ -386,7 +389,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Ops first (in order), then the forward and one sampled token per sampling sequence."""
         result = RunnerOutput()
-        step = None if out.empty else prepare_step(out.scheduled)
+        order, slots = self._batch_order(out.scheduled)
+        step = None if out.empty else prepare_step(out.scheduled, order, slots)
         if self.peers is not None and (out.kv_ops or step is not None):
             self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
@@ -397,8 +401,10 @@ class ModelRunner:
             return result
         logits = self.run(step)
         rows, row_index = [], []
-        r = 0
-        for sched in out.scheduled:
+        # each sampling sequence's logits row: the step's rows follow `order`
+        sampling = [i for i in (order or range(len(out.scheduled))) if out.scheduled[i].samples]
+        logits_row = {i: r for r, i in enumerate(sampling)}
+        for i, sched in enumerate(out.scheduled):
             if not sched.samples:
                 continue
             req = sched.request
@@ -413,10 +419,9 @@ class ModelRunner:
                         stop_ids=stop_ids,
                     )
                 )
-                row_index.append(r)
-            r += 1
+                row_index.append(logits_row[i])
         if rows:
-            if len(row_index) != logits.shape[0]:
+            if row_index != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(row_index, device=logits.device)]
             sampled = sample(logits, rows)
             result.token_ids = sampled.token_ids
@@ -424,9 +429,25 @@ class ModelRunner:
             result.top_logprobs = sampled.top_logprobs
         return result
 
+    def _batch_order(self, scheduled: list[ScheduledSeq]) -> tuple[list[int] | None, np.ndarray | None]:
+        """With LoRA: (the step's sequences grouped by adapter slot, the base model's last, so each
+        adapter's tokens are one segment; each sequence's slot, -1 for the base model), loading adapters
+        into slots as needed. (None, None) keeps the scheduler's order."""
+        if self.lora is None or not scheduled:
+            return None, None
+        slots = self.lora.slots_for([s.request.lora for s in scheduled])
+        return sorted(range(len(scheduled)), key=lambda i: (slots[i] < 0, slots[i])), slots
+
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Float32 logits for the last token of every sequence that samples this step."""
-        return self.run(prepare_step(scheduled))
+        """Float32 logits for the last token of every sequence that samples this step (in the order of
+        ``scheduled``)."""
+        order, slots = self._batch_order(scheduled)
+        logits = self.run(prepare_step(scheduled, order, slots))
+        if order is None:
+            return logits
+        sampling = [i for i in order if scheduled[i].samples]
+        back = sorted(range(len(sampling)), key=lambda r: sampling[r])
+        return logits[torch.tensor(back, device=logits.device)]
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
@@ -435,7 +456,13 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.fits(step):
             return self.model.compute_logits(self.decode_graphs.run(step))
         input_ids, positions, meta = self._metadata(step)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.set_batch(step.lora_rows)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.set_batch(None)
         if len(step.sample_idx) == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(step.sample_idx) != hidden.shape[0]:
@@ -479,9 +506,17 @@ class StepInput:
     context_lens: np.ndarray  # [S] int64, tokens already cached per sequence
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
     sample_idx: np.ndarray  # [R] int64, flat index of the last token of each sampling sequence
+    lora_rows: np.ndarray | None = None  # [T] int64, each token's LoRA slot (-1: base model); None: no LoRA
 
 
-def prepare_step(scheduled: list[ScheduledSeq]) -> StepInput:
+def prepare_step(
+    scheduled: list[ScheduledSeq], order: list[int] | None = None, lora_slots: np.ndarray | None = None
+) -> StepInput:
+    """The batch of ``scheduled`` in ``order`` (default: as given); with ``lora_slots`` (each sequence's
+    LoRA slot, in the order of ``scheduled``), each row's slot."""
+    if order is not None:
+        scheduled = [scheduled[i] for i in order]
+        lora_slots = None if lora_slots is None else lora_slots[order]
     tokens, positions, qlens, ctx, sample_idx = [], [], [], [], []
     offset = 0
     for sched in scheduled:
@@ -504,6 +539,7 @@ def prepare_step(scheduled: list[ScheduledSeq]) -> StepInput:
         context_lens=np.asarray(ctx, dtype=np.int64),
         block_tables=tables,
         sample_idx=np.asarray(sample_idx, dtype=np.int64),
+        lora_rows=None if lora_slots is None else np.repeat(lora_slots, qlens),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from pagoda.engine.outputs import RequestMetrics
@@ -97,6 +98,8 @@ class Request:
     # Attention sinks (StreamingLLM), resolved at the door: None, or (sink tokens, whole blocks; most tokens
     # the cache keeps). Such a request may run past max_model_len.
     kv_streaming: tuple[int, int] | None = None
+    # The LoRA adapter it runs through (pagoda.engine.lora.registry.LoRAAdapter), None for the base model.
+    lora: Any = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -39,6 +39,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
     preemption_mode: str = "recompute"  # recompute | swap
+    max_loras: int = 0  # distinct LoRA adapters the running requests may use (0: LoRA off)
 
 
 @dataclass
@@ -208,7 +209,7 @@ class Scheduler:
             for seq in req.active_seqs:
                 if budget <= 0:
                     break
-                num_new = self._num_new_tokens(seq, budget, out)
+                num_new = self._num_new_tokens(req, seq, budget, out)
                 if num_new == 0:
                     continue
                 if req.kv_streaming is not None:
@@ -228,16 +229,21 @@ class Scheduler:
                 preempted_now = True
                 break
 
-        # Admit waiting requests (not in a step that had to preempt: the pool is tight).
+        # Admit waiting requests (not in a step that had to preempt: the pool is tight). One whose LoRA
+        # adapter would take the running requests past max_loras adapters waits; those behind it may go.
+        lora_skipped: list[Request] = []
         while not preempted_now and len(self.waiting) and budget > 0:
             req = self.waiting.peek()
+            if not self._lora_fits(req):
+                lora_skipped.append(self.waiting.pop())
+                continue
             seqs = req.active_seqs
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
                 break
             planned: list[ScheduledSeq] = []
             fits = True
             for seq in seqs:
-                num_new = self._num_new_tokens(seq, budget, out) if budget > 0 else 0
+                num_new = self._num_new_tokens(req, seq, budget, out) if budget > 0 else 0
                 if num_new == 0 and seq.num_computed_tokens < seq.num_cache_tokens:
                     fits = bool(planned)  # admit if at least one sequence got going
                     break
@@ -267,6 +273,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now()
             out.scheduled.extend(s for s in planned if s.num_new_tokens > 0)
+        for skipped in reversed(lora_skipped):
+            self.waiting.add(skipped, front=True)
 
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         for sched in out.scheduled:
@@ -283,13 +291,22 @@ class Scheduler:
         out.kv_ops = self.kv.take_ops()
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether admitting ``req`` keeps the running requests within max_loras distinct adapters."""
+        if req.lora is None or self.config.max_loras < 1:
+            return True
+        running = {r.lora.id for r in self.running if r.lora is not None}
+        return req.lora.id in running or len(running) < self.config.max_loras
+
+    def _num_new_tokens(self, req: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Tokens to compute for seq this step; looks the prefix cache up for a sequence without blocks."""
         if not seq.has_blocks:
             # After an attention-sink eviction the cache holds (and a restart recomputes) only the kept
-            # tokens, at their cache positions: that is what the prefix cache is asked about.
+            # tokens, at their cache positions: that is what the prefix cache is asked about. A LoRA
+            # request's chain starts at its adapter's root: no other adapter's KV can match it.
             tokens = seq.token_ids if seq.kv_dropped == 0 else seq.cache_tokens(0, seq.num_cache_tokens)
-            hit = self.kv.get_computed_tokens(seq.seq_id, tokens)
+            root = req.lora.cache_root if req.lora is not None else None
+            hit = self.kv.get_computed_tokens(seq.seq_id, tokens, root)
             seq.has_blocks = True
             seq.prefix_lookup = (len(tokens) if self.kv.enable_prefix_caching else 0, hit)
             if self.offload is not None:

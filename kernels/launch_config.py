@@ -49,6 +49,19 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Tiles of the LoRA shrink (x @ A over the input features) and expand (h @ B over the output features)
+    kernels: tokens of one adapter's segment per program, output columns per program, the reduction step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    shared_memory: int = 0
+
+
+@dataclass(frozen=True)
 class CacheWriteConfig:
     num_warps: int
     shared_memory: int = SCRATCH_SHARED_MEMORY
@@ -102,6 +115,32 @@ def decode_config(limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int
         if smem <= limits.shared_memory_per_block:
             return DecodeConfig(n, 4, NUM_STAGES, 4, smem)
     raise _no_fit("decode", limits, dtype, kv_dtype, head_dim, group)
+
+
+# LoRA: a segment is one adapter's tokens of a step (a few decodes, or a prompt chunk); the ranks are small,
+# so the shrink's output tile covers a whole rank x slices where it can and walks the input in BLOCK_K.
+LORA_BLOCK_M = 32
+LORA_SHRINK_BLOCK_N = 64
+LORA_EXPAND_BLOCK_N = 128
+LORA_BLOCK_K = 64
+
+
+def lora_config(limits: DeviceLimits, dtype: str, kind: str, rank_width: int) -> LoRAConfig:
+    """Tiles of the LoRA ``kind`` ('shrink' or 'expand') kernel; ``rank_width`` is the shrink's output width
+    (slices x rank) or the expand's reduction (the rank). The operands are staged as [M, K] and [K, N]
+    tiles in the compute dtype, twice (two stages); the smallest tiles fit every catalogue GPU."""
+    k_pad = max(DOT_MIN, 1 << max(rank_width - 1, 0).bit_length())
+    if kind == "shrink":
+        n, k = min(LORA_SHRINK_BLOCK_N, k_pad), LORA_BLOCK_K
+    elif kind == "expand":
+        n, k = LORA_EXPAND_BLOCK_N, min(k_pad, LORA_BLOCK_K)
+    else:
+        raise ValueError(f"kind must be 'shrink' or 'expand', got {kind!r}")
+    if limits.interpreter:
+        return LoRAConfig(DOT_MIN, n if kind == "shrink" else DOT_MIN, DOT_MIN, 4, 1)
+    m = LORA_BLOCK_M
+    smem = NUM_STAGES * (m * k + k * n) * element_bytes(dtype) + SCRATCH_SHARED_MEMORY
+    return LoRAConfig(m, n, k, 4, NUM_STAGES, smem)
 
 
 def cache_write_config(limits: DeviceLimits) -> CacheWriteConfig:

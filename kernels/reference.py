@@ -198,3 +198,41 @@ def naive_dense_attention(
             weights = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
             out[i, h] = weights @ vals
     return out
+
+
+# ---- LoRA ----------------------------------------------------------------------------------------------
+# A step's tokens with an adapter lie in segments: rows start .. start + len of the batch use the adapter in
+# slot `slot` (one segment per adapter when the runner groups them). The adapters' matrices are stacked by
+# slot: A as [slots, in_features, width] (already transposed: x @ A[slot]), B as [slots, rank, out_features]
+# (the PEFT scale folded in). Rows outside every segment (the base model's) are left alone.
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,  # [T, in_features]
+    a: torch.Tensor,  # [slots, in_features, width]
+    seg_starts: torch.Tensor,  # [G] int32
+    seg_lens: torch.Tensor,  # [G] int32
+    seg_slots: torch.Tensor,  # [G] int32
+) -> torch.Tensor:
+    """h = x @ A[slot] per segment, in float32 [T, width]; zero in rows of no segment."""
+    h = torch.zeros((x.shape[0], a.shape[2]), dtype=torch.float32, device=x.device)
+    for start, n, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True):
+        h[start : start + n] = x[start : start + n].float() @ a[slot].float()
+    return h
+
+
+def lora_expand_ref(
+    h: torch.Tensor,  # [T, width] float32, this slice's rank columns at h_offset
+    b: torch.Tensor,  # [slots, rank, out_features]
+    y: torch.Tensor,  # [T, out_features], updated in place (may be a column slice of a wider output)
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    h_offset: int = 0,
+) -> None:
+    """y += h[:, h_offset : h_offset + rank] @ B[slot] per segment, summed in float32, rounded once."""
+    rank = b.shape[1]
+    for start, n, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True):
+        rows = slice(start, start + n)
+        delta = h[rows, h_offset : h_offset + rank].float() @ b[slot].float()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)

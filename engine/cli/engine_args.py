@@ -76,6 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             kwargs["type"] = _PARSERS[meta["parser"]] if "parser" in meta else base
             if "choices" in meta:
                 kwargs["choices"] = list(meta["choices"])
+            if "nargs" in meta:  # a list field: values after one flag, and the flag repeated, add up
+                kwargs.update(nargs=meta["nargs"], action="extend", type=str)
         parser.add_argument(*names, **kwargs)
 
 

@@ -31,6 +31,15 @@ def cache_identity(
     return (fingerprint, f"compute:{compute_dtype}", str(kv_dtype), str(block_size))
 
 
+def adapter_chain_root(adapter_fingerprint: str) -> BlockHash:
+    """Where the chain of a request with a LoRA adapter starts, in place of "no parent": every block hash of
+    such a request then depends on its adapter, so KV computed through one adapter is never reused by another
+    adapter or by the base model, on the device, in the offload tiers or in a router's chains."""
+    if not adapter_fingerprint:
+        raise ValueError("adapter_fingerprint must not be empty")
+    return BlockHash(hashlib.sha256(HASH_VERSION + b"\0lora\0" + adapter_fingerprint.encode()).digest())
+
+
 def encode_extra_keys(extra_keys: Sequence[str]) -> bytes:
     """Length-prefixed UTF-8 of each key, so ("ab", "c") and ("a", "bc") never collide."""
     parts = [struct.pack("<I", len(extra_keys))]

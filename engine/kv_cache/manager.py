@@ -37,6 +37,7 @@ class _SeqState:
     # Attention sinks: after an eviction only the first cache_limit blocks (the sinks) may be cached, the
     # rest hold KV that depended on dropped context.
     cache_limit: int | None = None
+    root: BlockHash | None = None  # parent of the first block: None, or a LoRA adapter's chain root
 
 
 class KVCacheManager:
@@ -112,6 +113,11 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return 0 if state is None else state.num_tokens
 
+    def chain_root(self, seq_id: str) -> BlockHash | None:
+        """The parent of ``seq_id``'s first block (its LoRA adapter's root, or None)."""
+        state = self._seqs.get(seq_id)
+        return None if state is None else state.root
+
     def get_block_hashes(self, seq_id: str) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``seq_id`` known so far (for the offload tiers)."""
         state = self._seqs.get(seq_id)
@@ -129,11 +135,11 @@ class KVCacheManager:
         # Leave at least one token to compute: its logits are what the step is for.
         return max(0, (num_tokens - 1) // self.block_size)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
+    def find_cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
         """How many tokens ``get_computed_tokens`` would return now; no references, no counters."""
         if not self.enable_prefix_caching:
             return 0
-        parent: BlockHash | None = None
+        parent = root
         bs = self.block_size
         for i in range(self._max_hit_blocks(len(token_ids))):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
@@ -141,19 +147,22 @@ class KVCacheManager:
                 return i * bs
         return self._max_hit_blocks(len(token_ids)) * bs
 
-    def get_computed_tokens(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def get_computed_tokens(
+        self, seq_id: str, token_ids: Sequence[int], root: BlockHash | None = None
+    ) -> int:
         """Start ``seq_id``'s block table with the longest cached chain of full blocks matching
         ``token_ids`` (references taken) and return the tokens it covers, a multiple of block_size that
-        leaves at least one token to compute. Counts a query of len(token_ids) tokens and the hits."""
+        leaves at least one token to compute. Counts a query of len(token_ids) tokens and the hits.
+        ``root`` starts the chain (a LoRA adapter's, `hashing.adapter_chain_root`); None for the base model."""
         state = self._seqs.get(seq_id)
         if state is not None and state.blocks:
             raise ValueError(f"seq_id {seq_id!r} already has blocks; free it before looking up its prefix")
-        state = _SeqState()
+        state = _SeqState(root=root)
         self._seqs[seq_id] = state
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        parent: BlockHash | None = None
+        parent = root
         hits: list[Block] = []
         for i in range(self._max_hit_blocks(len(token_ids))):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
@@ -209,7 +218,7 @@ class KVCacheManager:
                 token_ids,
                 self.block_size,
                 self._extra,
-                parent=state.hashes[-1] if known else None,
+                parent=state.hashes[-1] if known else state.root,
                 start_block=known,
                 max_blocks=num_full - known,
             )
@@ -217,7 +226,7 @@ class KVCacheManager:
         for i in range(state.num_cached, num_full):
             block = state.blocks[i]
             if self.block_pool.cache_block(block, state.hashes[i]) and self.enable_partial_prefix_reuse:
-                parent = state.hashes[i - 1] if i else None
+                parent = state.hashes[i - 1] if i else state.root
                 self.partial_index.add(block.block_id, parent, token_ids[i * bs : (i + 1) * bs])
         state.num_cached = num_full
 
@@ -242,7 +251,7 @@ class KVCacheManager:
         if state.num_tokens != m * bs:
             return 0
         max_k = min(bs - 1, len(token_ids) - 1 - m * bs)
-        parent = state.hashes[m - 1] if m else None
+        parent = state.hashes[m - 1] if m else state.root
         match = self.partial_index.best_match(parent, token_ids[m * bs : m * bs + bs], max_k)
         if match is None or self.block_pool.num_free_blocks < 1:
             return 0
@@ -396,6 +405,7 @@ class KVCacheManager:
             hashes=list(parent.hashes),
             num_cached=parent.num_cached,
             cache_limit=parent.cache_limit,
+            root=parent.root,
         )
 
     def free(self, seq_id: str) -> None:

@@ -25,9 +25,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         )
         self.packed = cpu_linear.PackedWeight()
+        self.lora = None  # pagoda.engine.lora.layers.LoRALinear when the engine serves LoRA adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        y = cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
 
 class RMSNorm(nn.Module):

@@ -128,7 +128,7 @@ class OffloadManager:
         if first >= max_blocks:
             return 0
         hashes = kv.get_block_hashes(seq_id)
-        parent = hashes[first - 1] if first > 0 else None
+        parent = hashes[first - 1] if first > 0 else kv.chain_root(seq_id)
         extra = kv.extra_key_bytes
         found: list[tuple[BlockHash, torch.Tensor, str]] = []
         disk_from = max_blocks  # first block the disk tier was asked about

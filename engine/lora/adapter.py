@@ -1,0 +1,198 @@
+"""PEFT LoRA adapters from disk: `adapter_config.json` + `adapter_model.safetensors`, checked against the model.
+
+Only safetensors is read (never a pickle: `adapter_model.bin` is refused with what to do instead). Targets are
+the attention and MLP projections (q/k/v/o, gate/up/down) of the decoder layers; anything PEFT can add that
+changes more than those products (DoRA, biases, modules_to_save, embedding or LM-head adapters) is refused
+with its name, so a loaded adapter always computes what PEFT computes:
+
+    y = x W^T + scale * (x A^T) B^T,  scale = lora_alpha / r  (lora_alpha / sqrt(r) with use_rslora)
+
+with the rank and alpha of each module (`rank_pattern`, `alpha_pattern` honoured). The scale is folded into B
+here, once. The adapter's fingerprint (SHA-256 of its weight file and the numbers that shape the product)
+is what the prefix cache keys its KV by, so the same adapter under two names shares KV and a different one
+under an old name never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+# module -> (the decoder sub-module it lives in, the fused layer of ours that carries it)
+TARGET_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.weight$"
+)
+_REFUSED_FLAGS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D base layers)",
+}
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be served; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """A target module's (in_features, out_features) in the base model."""
+
+    in_features: int
+    out_features: int
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter read from disk: per (layer, module) A [r, in] and B [out, r] with the scale folded into B,
+    in float32 on the host."""
+
+    path: str
+    rank: int  # the largest rank of any module
+    fingerprint: str  # hex; keys the adapter's KV (see the module docstring)
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values()
+        )
+
+
+def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
+    """PEFT's rule: a key of rank_pattern / alpha_pattern applies to the modules whose full name ends in it."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
+
+
+def read_adapter_config(path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(f"{str(path)!r} is not a PEFT adapter directory: it has no {CONFIG_FILE}")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{file} must hold a JSON object")
+    peft_type = str(config.get("peft_type") or "LORA").upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{file}: peft_type {peft_type} is not supported; only LORA adapters are")
+    for key, what in _REFUSED_FLAGS.items():
+        if config.get(key):
+            raise AdapterError(f"{file}: {what} is not supported")
+    if str(config.get("bias") or "none") != "none":
+        raise AdapterError(f"{file}: bias {config['bias']!r} is not supported (only 'none')")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"{file}: modules_to_save ({', '.join(map(str, config['modules_to_save']))}) is not supported: "
+            "such an adapter replaces whole layers of the base model"
+        )
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise AdapterError(f"{file}: {key} must be a positive number, got {value!r}")
+    return config
+
+
+def load_adapter(
+    path: str | Path, num_layers: int, shapes: dict[str, ModuleShape], max_rank: int
+) -> AdapterWeights:
+    """Read and check a PEFT LoRA directory for a model of ``num_layers`` layers whose target modules have
+    ``shapes``; refuse a rank above ``max_rank`` (--max-lora-rank)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"LoRA adapter {str(path)!r} is not a directory")
+    config = read_adapter_config(path)
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        pickled = [name for name in PICKLED_FILES if (path / name).exists()]
+        if pickled:
+            raise AdapterError(
+                f"{str(path)!r} holds its weights as {pickled[0]} (a pickle), which Pagoda never loads: save "
+                f"the adapter with safe_serialization=True to get {WEIGHTS_FILE}"
+            )
+        raise AdapterError(f"{str(path)!r} has no {WEIGHTS_FILE}")
+    raw = weights_file.read_bytes()
+    try:
+        from safetensors.torch import load as load_safetensors
+
+        tensors = load_safetensors(raw)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+        raise AdapterError(f"{weights_file} is not a readable safetensors file: {exc}") from None
+
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    default_rank, default_alpha = config["r"], config["lora_alpha"]
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        m = _TENSOR.match(name)
+        if m is None:
+            raise AdapterError(
+                f"{weights_file}: tensor {name!r} is not a LoRA matrix of a decoder layer's projection; "
+                f"adapters may target {', '.join(TARGET_MODULES)}"
+            )
+        layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
+        if TARGET_MODULES.get(module) != parent:
+            raise AdapterError(
+                f"{weights_file}: {parent}.{module} is not a supported target; adapters may target "
+                f"{', '.join(TARGET_MODULES)}"
+            )
+        if not 0 <= layer < num_layers:
+            raise AdapterError(f"{weights_file}: layer {layer} does not exist (the model has {num_layers})")
+        pairs.setdefault((layer, module), {})[which] = tensor
+
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    top_rank = 0
+    for (layer, module), pair in sorted(pairs.items()):
+        where = f"layers.{layer}.{TARGET_MODULES[module]}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{weights_file}: {where} has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"], pair["B"]
+        shape = shapes[module]
+        r = a.shape[0]
+        want_a, want_b = (r, shape.in_features), (shape.out_features, r)
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise AdapterError(
+                f"{weights_file}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
+                f"model needs [r, {shape.in_features}] and [{shape.out_features}, r]"
+            )
+        expected = _pattern_value(rank_pattern, f"model.{where}", default_rank)
+        if r != expected:
+            raise AdapterError(f"{weights_file}: {where} has rank {r}, its config says {expected}")
+        if r > max_rank:
+            raise AdapterError(
+                f"{str(path)!r} has rank {r} ({where}), above --max-lora-rank {max_rank}; start the engine "
+                f"with --max-lora-rank {r} or more"
+            )
+        alpha = _pattern_value(alpha_pattern, f"model.{where}", default_alpha)
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        modules[(layer, module)] = (a.float().contiguous(), (b.float() * scale).contiguous())
+        top_rank = max(top_rank, r)
+    if not modules:
+        raise AdapterError(f"{weights_file} holds no LoRA matrices")
+
+    h = hashlib.sha256(b"pagoda-lora-v1\0")
+    h.update(hashlib.sha256(raw).digest())
+    numbers = {k: config.get(k) for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")}
+    h.update(json.dumps(numbers, sort_keys=True, default=str).encode())
+    return AdapterWeights(str(path), top_rank, h.hexdigest()[:32], modules)
