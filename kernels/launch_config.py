@@ -117,30 +117,34 @@ def decode_config(limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int
     raise _no_fit("decode", limits, dtype, kv_dtype, head_dim, group)
 
 
-# LoRA: a segment is one adapter's tokens of a step (a few decodes, or a prompt chunk); the ranks are small,
-# so the shrink's output tile covers a whole rank x slices where it can and walks the input in BLOCK_K.
+# LoRA: a segment is one adapter's tokens of a step (a few decodes, or a prompt chunk) and ranks are small,
+# so a shrink tile covers a whole rank x slices where it can and walks the input features in BLOCK_K steps;
+# an expand tile walks the rank. Preference lists, largest first.
 LORA_BLOCK_M = 32
-LORA_SHRINK_BLOCK_N = 64
-LORA_EXPAND_BLOCK_N = 128
-LORA_BLOCK_K = 64
+LORA_SHRINK_TILES = ((64, 64), (64, 32), (32, 32), (16, 16))  # (N, K)
+LORA_EXPAND_TILES = ((128, 64), (64, 64), (64, 32), (32, 16), (16, 16))
 
 
 def lora_config(limits: DeviceLimits, dtype: str, kind: str, rank_width: int) -> LoRAConfig:
     """Tiles of the LoRA ``kind`` ('shrink' or 'expand') kernel; ``rank_width`` is the shrink's output width
-    (slices x rank) or the expand's reduction (the rank). The operands are staged as [M, K] and [K, N]
-    tiles in the compute dtype, twice (two stages); the smallest tiles fit every catalogue GPU."""
-    k_pad = max(DOT_MIN, 1 << max(rank_width - 1, 0).bit_length())
-    if kind == "shrink":
-        n, k = min(LORA_SHRINK_BLOCK_N, k_pad), LORA_BLOCK_K
-    elif kind == "expand":
-        n, k = LORA_EXPAND_BLOCK_N, min(k_pad, LORA_BLOCK_K)
-    else:
+    (slices x rank) or the expand's reduction (the rank). The operand tiles [M, K] and [K, N] are staged
+    twice (two stages): the shrink's in the compute dtype, the expand's in float32 (its h is float32)."""
+    if kind not in ("shrink", "expand"):
         raise ValueError(f"kind must be 'shrink' or 'expand', got {kind!r}")
+    width = max(DOT_MIN, 1 << max(rank_width - 1, 0).bit_length())  # the rank dimension, padded for tl.dot
     if limits.interpreter:
-        return LoRAConfig(DOT_MIN, n if kind == "shrink" else DOT_MIN, DOT_MIN, 4, 1)
-    m = LORA_BLOCK_M
-    smem = NUM_STAGES * (m * k + k * n) * element_bytes(dtype) + SCRATCH_SHARED_MEMORY
-    return LoRAConfig(m, n, k, 4, NUM_STAGES, smem)
+        return LoRAConfig(DOT_MIN, min(64, width) if kind == "shrink" else DOT_MIN, DOT_MIN, 4, 1)
+    elem = element_bytes(dtype) if kind == "shrink" else 4
+    for n, k in LORA_SHRINK_TILES if kind == "shrink" else LORA_EXPAND_TILES:
+        n, k = (min(n, width), k) if kind == "shrink" else (n, min(k, width))
+        smem = NUM_STAGES * (LORA_BLOCK_M * k + k * n) * elem + SCRATCH_SHARED_MEMORY
+        if smem <= limits.shared_memory_per_block:
+            return LoRAConfig(LORA_BLOCK_M, n, k, 4, NUM_STAGES, smem)
+    major, minor = limits.compute_capability
+    raise ValueError(
+        f"no LoRA {kind} tile fits {limits.shared_memory_per_block} B of shared memory per block (compute "
+        f"capability {major}.{minor})"
+    )
 
 
 def cache_write_config(limits: DeviceLimits) -> CacheWriteConfig:
