@@ -71,6 +71,11 @@ bench-prefix-partial: install
 bench-kv-accuracy: install
 	$(PY) benchmarks/bench_kv_accuracy.py
 
+# a batch of 32 requests over 1, 4 and 8 LoRA adapters against the base model alone (docs/lora.md); ARGS="--rank 16"
+.PHONY: bench-lora
+bench-lora: install
+	$(PY) benchmarks/bench_lora.py $(ARGS)
+
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
 

@@ -4,9 +4,11 @@ Each fused linear (qkv, o, gate_up, down) holds, per slot, the stacked A of its 
 each slice's B [R, out_slice] (R = --max-lora-rank; a smaller adapter is zero-padded, an untargeted slice is
 zero). The model runner orders a step's sequences by slot, base model last, so every adapter's tokens are one
 contiguous segment from row 0 on: the shrink h = x @ A[slot] and the expand y[:, slice] += h[:, slice] @
-B[slot] run per segment, on the GPU as the Triton kernels of `pagoda.kernels.lora`, on the CPU as grouped
-matrix products over the slots (`torch._grouped_mm`: one call per product for every adapter of the step,
-each reading its weights once; a loop of products where torch lacks it).
+B[slot] run per segment, on the GPU as the Triton kernels of `pagoda.kernels.lora`, on the CPU as one call of
+the C kernel (kernels/cpu/lora.c) per fused linear for every segment and slice, each adapter's weights read
+once per tile of its rows. Where the C kernels are not loaded, a loop of torch products per segment (one
+product per slice: a dozen small products per adapter and layer, whose call overhead is what the C kernel
+saves).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagoda.kernels.cpu.loader import library
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,6 @@ class LoRABatch:
     """Where a step's adapter tokens are: rows [0, num_tokens) of the batch, slot by slot."""
 
     num_tokens: int
-    offsets: torch.Tensor  # [slots] int32, cumulative token count through each slot (grouped products)
     seg_starts: torch.Tensor  # [G] int32 on the device, the non-empty segments (kernels)
     seg_lens: torch.Tensor
     seg_slots: torch.Tensor
@@ -59,7 +61,6 @@ class LoRABatch:
 
         return cls(
             num_tokens=int(used.size),
-            offsets=torch.from_numpy(ends.astype(np.int32)),
             seg_starts=dev(starts),
             seg_lens=dev(lens),
             seg_slots=dev(nonempty),
@@ -73,27 +74,6 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
-
-
-def _grouped_mm_available() -> bool:
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x, w = torch.ones(2, 16), torch.ones(2, 16, 16)
-        out = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
-        return bool(torch.equal(out, torch.full((2, 16), 16.0)))
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-_GROUPED_MM: bool | None = None
-
-
-def grouped_mm_available() -> bool:
-    global _GROUPED_MM
-    if _GROUPED_MM is None:
-        _GROUPED_MM = _grouped_mm_available()
-    return _GROUPED_MM
 
 
 class LoRALinear:
@@ -116,6 +96,10 @@ class LoRALinear:
         width = len(slices) * max_rank
         self.a = torch.zeros((num_slots, in_features, width), dtype=dtype, device=device)
         self.b = [torch.zeros((num_slots, max_rank, s.size), dtype=dtype, device=device) for s in slices]
+        # what the C kernel takes: B's addresses and the slices' columns (fixed: slots are written in place)
+        self._b_ptrs = np.asarray([b.data_ptr() for b in self.b], dtype=np.int64)
+        self._offsets = np.asarray([s.offset for s in slices], dtype=np.int64)
+        self._sizes = np.asarray([s.size for s in slices], dtype=np.int64)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write an adapter's matrices (module -> A [r, in], B [out, r] scaled) into ``slot``; modules it
@@ -137,12 +121,9 @@ class LoRALinear:
         batch = self.context.batch
         if batch is None:
             return
-        n = batch.num_tokens
         if x.is_cuda:
             self._apply_triton(x, y, batch)
-        elif grouped_mm_available() and x.dtype in (torch.float32, torch.bfloat16):
-            self._apply_grouped(x[:n], y[:n], batch)
-        else:
+        elif not self._apply_native(x, y, batch):
             self._apply_loop(x, y, batch)
 
     def _apply_triton(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
@@ -153,13 +134,39 @@ class LoRALinear:
         for i, s in enumerate(self.slices):
             lora_expand(h, self.b[i], y[:, s.offset : s.offset + s.size], *seg, h_offset=i * self.max_rank)
 
-    def _apply_grouped(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        # in the model's dtype, as PEFT computes it
-        h = torch._grouped_mm(x, self.a, offs=batch.offsets)
-        r = self.max_rank
-        for i, s in enumerate(self.slices):
-            delta = torch._grouped_mm(h[:, i * r : (i + 1) * r], self.b[i], offs=batch.offsets)
-            y[:, s.offset : s.offset + s.size] += delta
+    def _apply_native(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> bool:
+        """The C kernel; False (nothing done) where it does not apply."""
+        lib = library()
+        if (
+            lib is None
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or y.dtype != x.dtype
+            or self.a.dtype != x.dtype
+            or x.stride(1) != 1
+            or y.stride(1) != 1
+        ):
+            return False
+        fn = lib.pagoda_lora_bf16 if x.dtype == torch.bfloat16 else lib.pagoda_lora_f32
+        fn(
+            x.data_ptr(),
+            x.stride(0),
+            y.data_ptr(),
+            y.stride(0),
+            self.a.data_ptr(),
+            self.in_features,
+            self.a.shape[2],
+            self._b_ptrs.ctypes.data,
+            self._offsets.ctypes.data,
+            self._sizes.ctypes.data,
+            len(self.slices),
+            self.max_rank,
+            batch.seg_starts.data_ptr(),
+            batch.seg_lens.data_ptr(),
+            batch.seg_slots.data_ptr(),
+            batch.seg_starts.numel(),
+            torch.get_num_threads(),
+        )
+        return True
 
     def _apply_loop(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         r = self.max_rank

@@ -24,6 +24,10 @@ _ROTARY = [P, I64, I64, I, I, P, P, I]
 # out, gate_up, T, I, gu_stride, out_stride, nthreads
 _SILU_MUL = [P, P, I64, I64, I64, I64, I]
 
+# x, x_stride, y, y_stride, a, in_features, width, b_ptrs, slice_offsets, slice_sizes, nslices, rank,
+# seg_starts, seg_lens, seg_slots, nseg, nthreads
+_LORA = [P, I64, P, I64, P, I64, I64, P, P, P, I, I64, P, P, P, I, I]
+
 # name -> (restype, argtypes)
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pagoda_cpu_variant": (ctypes.c_char_p, []),
@@ -39,6 +43,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pagoda_rotary_bf16": (None, _ROTARY),
     "pagoda_silu_mul": (None, _SILU_MUL),
     "pagoda_silu_mul_bf16": (None, _SILU_MUL),
+    "pagoda_lora_f32": (None, _LORA),
+    "pagoda_lora_bf16": (None, _LORA),
     # x, N, V, ld, want, ids, lp, nthreads
     "pagoda_greedy": (None, [P, I64, I64, I64, P, P, P, I]),
 }
