@@ -30,7 +30,7 @@ from pagoda.operator.download.result import (
 )
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
-from pagoda.operator.spec import InferenceSpec
+from pagoda.operator.spec import AdapterSpec, InferenceSpec
 
 GiB = 1 << 30
 CACHE_DIR = (
@@ -89,9 +89,23 @@ def model_path(spec: InferenceSpec) -> str:
     return spec.model.model_id
 
 
+def adapter_path(adapter: AdapterSpec) -> str:
+    """Where the engine finds a downloaded adapter: `org/name[@revision]` (found in HF_HOME), or the directory
+    its S3 objects were written to."""
+    if adapter.kind == "s3":
+        return f"{S3_DIR}/{adapter.location.rstrip('/')}"
+    return adapter.location
+
+
+def downloaded_adapters(spec: InferenceSpec) -> list[AdapterSpec]:
+    return [a for a in spec.adapters if a.downloads]
+
+
 def download_key(spec: InferenceSpec) -> str:
-    """A short digest of what is downloaded: a new source or revision is a new Job."""
-    return hashlib.sha256(f"{spec.model.source}@{spec.model.revision or ''}".encode()).hexdigest()[:8]
+    """A short digest of what is downloaded: a new source, revision or downloaded adapter is a new Job."""
+    what = [f"{spec.model.source}@{spec.model.revision or ''}"] if spec.model.downloads else []
+    what += [a.source for a in downloaded_adapters(spec)]
+    return hashlib.sha256("\n".join(what).encode()).hexdigest()[:8]
 
 
 def job_name(name: str, spec: InferenceSpec) -> str:
@@ -99,16 +113,26 @@ def job_name(name: str, spec: InferenceSpec) -> str:
 
 
 def download_container(spec: InferenceSpec) -> dict[str, Any]:
-    args = ["--source", spec.model.source.split("@", 1)[0] if spec.model.kind == "hf" else spec.model.source,
-            "--dest", CACHE_DIR, "--termination-log", render.TERMINATION_LOG]  # fmt: skip
+    args = []
+    if spec.model.downloads:
+        args += [
+            "--source",
+            spec.model.source.split("@", 1)[0] if spec.model.kind == "hf" else spec.model.source,
+        ]
+    args += ["--dest", CACHE_DIR, "--termination-log", render.TERMINATION_LOG]
     if spec.model.kind == "hf":
         args += ["--revision", spec.model.revision or "main"]
+    for adapter in downloaded_adapters(spec):
+        args += ["--adapter", adapter.source]
     env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if spec.model.secret_ref is not None:
         secret = spec.model.secret_ref.name
+        kinds = {spec.model.kind} | {a.kind for a in downloaded_adapters(spec)}
         env += [
             {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-            for key in SECRET_KEYS[spec.model.kind]
+            for kind in ("hf", "s3")
+            if kind in kinds
+            for key in SECRET_KEYS[kind]
         ]
     return {
         "name": CONTAINER,
@@ -221,7 +245,10 @@ def download_state(
     spec: InferenceSpec, job: dict[str, Any] | None, pods: list[dict[str, Any]], log: str, claim: str
 ) -> dict[str, Any]:
     """status.model from the Job, its pods and the running pod's log tail."""
-    state: dict[str, Any] = {"source": spec.model.source, "claim": claim, "phase": PENDING}
+    source = spec.model.source if spec.model.downloads else downloaded_adapters(spec)[0].source
+    state: dict[str, Any] = {"source": source, "claim": claim, "phase": PENDING}
+    if downloaded_adapters(spec):
+        state["adapters"] = [a.source for a in downloaded_adapters(spec)]
     if spec.model.revision:
         state["revision"] = spec.model.revision
     if job is None:

@@ -257,7 +257,7 @@ class Reconciler:
             return outcome
 
         model = None
-        if spec.model.downloads and not spec.model.cache.per_pod:
+        if spec.downloads and not spec.model.cache.per_pod:
             model = await self._model(body, spec, decision, outcome)
             if model["phase"] != model_cache.READY_PHASE:  # no engine pods before the weights are there
                 status = model_waiting_status(body, spec, decision, model)

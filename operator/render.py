@@ -12,7 +12,7 @@ from typing import Any
 from pagoda.engine import envs
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
-from pagoda.operator.spec import InferenceSpec, SpecError
+from pagoda.operator.spec import AdapterSpec, InferenceSpec, SpecError
 
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
@@ -177,7 +177,35 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     if plan.kv_offload_disk_bytes:
         args += ["--kv-offload-disk-dir", KV_DIR]
     args += ["--shutdown-grace-seconds", str(spec.drain_seconds)]
+    if spec.adapters:
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            str(spec.max_loras),
+            "--max-lora-rank",
+            str(spec.engine.max_lora_rank),
+        ]
+        args += ["--lora-modules", *(f"{a.name}={adapter_path(a)}" for a in spec.adapters)]
     return args + list(spec.engine.extra_args)
+
+
+def adapter_path(adapter: AdapterSpec) -> str:
+    """Where the engine pod finds an adapter: in the model cache (hf://, s3://), on its claim (pvc://, mounted
+    like a pvc:// model) or in the image (file://)."""
+    if adapter.downloads:
+        from pagoda.operator import model_cache
+
+        return model_cache.adapter_path(adapter)
+    if adapter.kind == "pvc":
+        claim, _, path = adapter.location.partition("/")
+        return f"{MODELS_DIR}/{claim}/{path}"
+    return adapter.location  # file:///path
+
+
+def pvc_claims(spec: InferenceSpec) -> list[str]:
+    """The claims of pvc:// sources (the model's and the adapters'), each mounted once at /models/CLAIM."""
+    sources = [spec.model.source] + [a.source for a in spec.adapters]
+    return list(dict.fromkeys(s[len("pvc://") :].split("/", 1)[0] for s in sources if s.startswith("pvc://")))
 
 
 def termination_grace_seconds(spec: InferenceSpec) -> int:
@@ -227,7 +255,7 @@ def engine_env(spec: InferenceSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
     if spec.gpu.count > 0:  # a GPU pod never builds nor loads the CPU path's C kernels
         env.append({"name": "PAGODA_NATIVE_KERNELS", "value": "0"})
-    if spec.model.kind == "hf":
+    if spec.model.kind == "hf" or any(a.kind == "hf" for a in spec.adapters):
         from pagoda.operator.model_cache import HF_HOME
 
         env.append({"name": "HF_HOME", "value": HF_HOME})
@@ -273,7 +301,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     ]
     init_containers: list[dict[str, Any]] = []
     claim_templates: list[dict[str, Any]] = []
-    if spec.model.downloads:
+    if spec.downloads:
         from pagoda.operator import model_cache
 
         mounts.append({"name": "model-cache", "mountPath": model_cache.CACHE_DIR, "readOnly": True})
@@ -286,10 +314,10 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         else:
             claim = {"claimName": model_cache.claim_name(name, spec), "readOnly": True}
             volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
-    elif spec.model.kind == "pvc":
-        claim = spec.model.source[len("pvc://") :].split("/", 1)[0]
-        mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    for i, claim in enumerate(pvc_claims(spec)):
+        volume = "model" if i == 0 else f"model-{i}"
+        mounts.append({"name": volume, "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
     if decision.nvme_bytes:
         mounts.append({"name": "kv-offload", "mountPath": KV_DIR})
         pvc_spec: dict[str, Any] = {

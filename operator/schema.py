@@ -197,6 +197,39 @@ class Obj(Type):
 
 
 @dataclasses.dataclass(frozen=True)
+class ListOf(Type):
+    """A list of nested spec dataclasses, at most `max_items`, unique by the `key` field (a list-map to the API
+    server, which then refuses a repeated key itself)."""
+
+    cls: type = object
+    key: str = "name"
+    max_items: int = 64
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "array",
+            "maxItems": self.max_items,
+            "items": object_schema(self.cls),
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": [self.key],
+        }
+
+    def parse_items(self, value: Any, path: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise SpecError(path, f"must be a list, got {value!r}")
+        if len(value) > self.max_items:
+            raise SpecError(path, f"must have at most {self.max_items} items, got {len(value)}")
+        items = [parse_object(self.cls, item, f"{path}[{i}]") for i, item in enumerate(value)]
+        attr = next(f.name for f in spec_fields(self.cls) if f.metadata["name"] == self.key)
+        seen: set[Any] = set()
+        for i, item in enumerate(items):
+            if getattr(item, attr) in seen:
+                raise SpecError(f"{path}[{i}].{self.key}", f"{getattr(item, attr)!r} is repeated")
+            seen.add(getattr(item, attr))
+        return items
+
+
+@dataclasses.dataclass(frozen=True)
 class Raw(Type):
     """A value passed through as JSON (a Kubernetes type the operator hands on), with its schema as given;
     `check` (optional) validates it in Python."""
@@ -319,6 +352,8 @@ def parse_object(cls: type, data: Any, path: str = "") -> Any:
         try:
             if isinstance(kind, Obj):
                 values[f.name] = parse_object(kind.cls, raw, where)
+            elif isinstance(kind, ListOf):
+                values[f.name] = kind.parse_items(raw, where)
             else:
                 values[f.name] = kind.parse(raw)
         except ValueError as exc:

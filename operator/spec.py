@@ -18,6 +18,7 @@ from pagoda.operator.schema import (
     Bool,
     Int,
     IntOrAuto,
+    ListOf,
     Num,
     Obj,
     QuantityOrAuto,
@@ -54,6 +55,9 @@ SOURCE_PATTERN = (
     rf"|pvc://{DNS_LABEL}/\S+|file:///\S+)$"
 )
 ENV_NAME = r"[-._a-zA-Z][-._a-zA-Z0-9]*"
+ADAPTER_SOURCE_PATTERN = SOURCE_PATTERN.replace("^(default|", "^(")
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}"  # the engine's rule (pagoda.engine.lora.registry)
+MAX_ADAPTERS = 64
 
 
 def _has(obj: dict[str, Any], *path: str) -> Any:
@@ -208,6 +212,49 @@ class ModelSpec:
         return self.kind in ("hf", "s3")
 
 
+@dataclass
+class AdapterSpec:
+    """A LoRA adapter (a PEFT directory: adapter_config.json + adapter_model.safetensors) served with the model;
+    clients pick it by its name in `model`."""
+
+    name: str = prop(
+        Str(pattern=ADAPTER_NAME),
+        "name",
+        "The name clients send in `model` (and /v1/models lists, with the model as its parent).",
+        required=True,
+        reason="InvalidAdapter",
+    )
+    source: str = prop(
+        Str(),
+        "source",
+        "Where the adapter comes from, as for the model: `hf://org/name[@revision]` and `s3://bucket/prefix` are "
+        "downloaded into the model cache volume by the model's download Job (with spec.model.secretRef's "
+        "credentials), `pvc://claim/path` is mounted read-only, `file:///path` is in the image.",
+        required=True,
+        reason="InvalidAdapter",
+        rules=[
+            Rule(
+                f"self.matches(r'{ADAPTER_SOURCE_PATTERN}')",
+                "source must be hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or file:///path",
+                lambda v: re.fullmatch(ADAPTER_SOURCE_PATTERN, v) is not None,
+                reason="InvalidAdapter",
+            )
+        ],
+    )
+
+    @property
+    def kind(self) -> str:
+        return self.source.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
+        return self.source.split("://", 1)[1]
+
+    @property
+    def downloads(self) -> bool:
+        return self.kind in ("hf", "s3")
+
+
 # -- GPUs, engine, workload, offload ------------------------------------------------------------------------
 
 TOLERATION = {
@@ -268,6 +315,19 @@ class EngineSpec:
     )
     enable_prefix_caching: bool = prop(Bool(), "enablePrefixCaching", default=True)
     max_num_seqs: int | None = prop(Int(1), "maxNumSeqs", "Unset means sized by the operator.")
+    max_loras: int | None = prop(
+        Int(1, MAX_ADAPTERS),
+        "maxLoras",
+        "With spec.adapters: how many adapters one engine step may mix (device slots; the others wait in host "
+        "memory and are swapped in, least recently used out). Unset: one per adapter, at most 8.",
+    )
+    max_lora_rank: int = prop(
+        Int(1, 512),
+        "maxLoraRank",
+        "With spec.adapters: the largest LoRA rank an adapter may have (each slot is this wide); an adapter "
+        "of a higher rank stops the engine at start with a message naming this field.",
+        default=16,
+    )
     extra_args: list[str] = prop(
         Raw({"type": "array", "items": {"type": "string"}}, list, check=_strings),
         "extraArgs",
@@ -564,6 +624,14 @@ class InferenceSpec:
     """A model served by Pagoda engine pods that the operator sizes for the GPUs it finds."""
 
     model: ModelSpec = prop(Obj(ModelSpec), "model")
+    adapters: list[AdapterSpec] = prop(
+        ListOf(AdapterSpec, key="name", max_items=MAX_ADAPTERS),
+        "adapters",
+        "LoRA adapters of the model, served by every engine next to it and loaded at start (more can be loaded "
+        "at run time through POST /v1/load_lora_adapter).",
+        default=[],
+        show_default=False,
+    )
     replicas: int = prop(Int(0), "replicas", default=1)
     gpu: GPUSpec = prop(Obj(GPUSpec), "gpu")
     engine: EngineSpec = prop(Obj(EngineSpec), "engine")
@@ -623,6 +691,16 @@ class InferenceSpec:
     )  # fmt: skip
 
     # -- derived ------------------------------------------------------------------------------------------
+    @property
+    def downloads(self) -> bool:
+        """Whether a download fills the model cache volume (the model's weights, or an adapter's)."""
+        return self.model.downloads or any(a.downloads for a in self.adapters)
+
+    @property
+    def max_loras(self) -> int:
+        """engine.maxLoras, else one slot per adapter, at most 8."""
+        return self.engine.max_loras or min(max(len(self.adapters), 1), 8)
+
     @property
     def api_key_secret(self) -> tuple[str, str] | None:
         return (self.api_key_ref.name, self.api_key_ref.key) if self.api_key_ref else None  # type: ignore[return-value]

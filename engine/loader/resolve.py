@@ -67,6 +67,10 @@ def _complete(snap: Path) -> bool:
     return (snap / "config.json").is_file() and any(snap.glob("*.safetensors"))
 
 
+def _complete_adapter(snap: Path) -> bool:
+    return (snap / "adapter_config.json").is_file() and (snap / "adapter_model.safetensors").is_file()
+
+
 def _cached_revisions(repo_dir: Path) -> list[str]:
     refs = repo_dir / "refs"
     names = sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []
@@ -76,7 +80,12 @@ def _cached_revisions(repo_dir: Path) -> list[str]:
     return names
 
 
-def _from_hub_cache(repo_id: str, revision: str | None = None) -> Path:
+def _from_hub_cache(repo_id: str, revision: str | None = None, adapter: bool = False) -> Path:
+    """The snapshot of ``repo_id`` in the local Hugging Face cache: a model's (config.json + *.safetensors) or,
+    with ``adapter``, a PEFT adapter's (adapter_config.json + adapter_model.safetensors)."""
+    complete = _complete_adapter if adapter else _complete
+    what = "adapter_config.json + adapter_model.safetensors" if adapter else "config.json + *.safetensors"
+    kind = "LoRA adapter" if adapter else "model"
     cache = hf_hub_cache()
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo_dir / "snapshots"
@@ -84,11 +93,11 @@ def _from_hub_cache(repo_id: str, revision: str | None = None) -> Path:
         check_revision(revision)
         ref = repo_dir / "refs" / revision
         snap = snapshots / (ref.read_text().strip() if ref.is_file() else revision)
-        if snap.is_dir() and _complete(snap):
+        if snap.is_dir() and complete(snap):
             return snap
         cached = ", ".join(_cached_revisions(repo_dir)) or "none"
         raise ModelNotFoundError(
-            f"model {repo_id!r} at revision {revision!r} has no complete copy (config.json + *.safetensors) in "
+            f"{kind} {repo_id!r} at revision {revision!r} has no complete copy ({what}) in "
             f"the Hugging Face cache at {repo_dir} (revisions cached: {cached}). Pagoda never downloads models "
             f"at run time: download it beforehand (e.g. `huggingface-cli download {repo_id} --revision "
             f"{revision}`, which fills that cache)"
@@ -100,10 +109,10 @@ def _from_hub_cache(repo_id: str, revision: str | None = None) -> Path:
     if snapshots.is_dir():
         candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     for snap in candidates:
-        if _complete(snap):
+        if complete(snap):
             return snap
     raise ModelNotFoundError(
-        f"model {repo_id!r} is not a local path and has no complete copy (config.json + *.safetensors) in the "
+        f"{kind} {repo_id!r} is not a local path and has no complete copy ({what}) in the "
         f"Hugging Face cache at {repo_dir}. Pagoda never downloads models at run time: download it beforehand "
         f"(e.g. `huggingface-cli download {repo_id}`, which fills that cache), or put config.json, the "
         f"*.safetensors files and tokenizer.json in a directory and pass its path"
@@ -155,6 +164,19 @@ def locate_model(model: str | os.PathLike | None, revision: str | None = None) -
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return _from_hub_cache(text, revision)
     raise ModelNotFoundError(f"model path {text!r} does not exist")
+
+
+def locate_adapter(path: str | os.PathLike) -> Path:
+    """A LoRA adapter's directory: a path as it is, or `org/name[@revision]` from the local Hugging Face cache
+    (where the operator's download Job puts hf:// adapters); never downloads."""
+    text = os.fspath(path)
+    local = Path(text).expanduser()
+    if local.exists() or not text:
+        return local
+    repo, _, revision = text.partition("@")
+    if _HUB_ID.match(repo) and not repo.startswith((".", "~")):
+        return _from_hub_cache(repo, revision or None, adapter=True)
+    return local
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None) -> Path:

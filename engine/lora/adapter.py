@@ -117,11 +117,16 @@ def read_adapter_config(path: Path) -> dict:
 def load_adapter(
     path: str | Path, num_layers: int, shapes: dict[str, ModuleShape], max_rank: int
 ) -> AdapterWeights:
-    """Read and check a PEFT LoRA directory for a model of ``num_layers`` layers whose target modules have
+    """Read and check a PEFT LoRA directory (or `org/name[@revision]` in the local Hugging Face cache) for a model of ``num_layers`` layers whose target modules have
     ``shapes``; refuse a rank above ``max_rank`` (--max-lora-rank)."""
-    path = Path(path)
+    from pagoda.engine.loader.resolve import ModelNotFoundError, locate_adapter
+
+    try:
+        path = locate_adapter(path)
+    except ModelNotFoundError as exc:
+        raise AdapterError(str(exc)) from None
     if not path.is_dir():
-        raise AdapterError(f"LoRA adapter {str(path)!r} is not a directory")
+        raise AdapterError(f"LoRA adapter {str(path)!r} is not a directory (nor a hub id in the local cache)")
     config = read_adapter_config(path)
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():

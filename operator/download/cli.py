@@ -1,7 +1,8 @@
-"""`pagoda-model-download --source SRC --dest DIR`: what the operator's download Job (or init container) runs.
+"""`pagoda-model-download --source SRC [--adapter SRC ...] --dest DIR`: what the operator's download Job (or
+init container) runs: the model's weights, then each LoRA adapter's (hf:// with an inline @revision, s3://).
 
 Writes one JSON line (result.Result) to --termination-log, which the operator reads from the finished pod,
-and exits with the reason's code (result.EXIT_CODES)."""
+and exits with the reason's code (result.EXIT_CODES): the first source that fails decides it."""
 
 from __future__ import annotations
 
@@ -60,16 +61,38 @@ def fetch(source: str, revision: str | None, dest: Path, interval: float) -> Res
     return result
 
 
+def fetch_all(
+    source: str | None, revision: str | None, adapters: list[str], dest: Path, interval: float
+) -> Result:
+    """The model (if given), then every adapter; one Result adding up their bytes and files."""
+    results = [fetch(source, revision, dest, interval)] if source else []
+    results += [fetch(adapter, None, dest, interval) for adapter in adapters]
+    if len(results) == 1:
+        return results[0]
+    return Result(
+        READY,
+        "; ".join(r.message for r in results),
+        sum(r.bytes for r in results),
+        sum(r.files for r in results),
+        results[0].path,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda-model-download", description=__doc__)
-    parser.add_argument("--source", required=True, help="hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX")
+    parser.add_argument("--source", help="the model: hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX")
+    parser.add_argument(
+        "--adapter", action="append", default=[], help="a LoRA adapter's source (as --source; repeatable)"
+    )
     parser.add_argument("--revision", default=None, help="of an hf:// source (default: main)")
     parser.add_argument("--dest", required=True, type=Path, help="the model cache volume's mount")
     parser.add_argument("--termination-log", type=Path, default=Path("/dev/termination-log"))
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
+    if not args.source and not args.adapter:
+        parser.error("give --source, --adapter or both")
     try:
-        result = fetch(args.source, args.revision, args.dest, args.interval)
+        result = fetch_all(args.source, args.revision, args.adapter, args.dest, args.interval)
     except DownloadError as exc:
         result = Result(exc.reason, str(exc))
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reason the operator can show

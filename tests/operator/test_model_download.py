@@ -36,9 +36,14 @@ def run(source: str, dest: Path, env: dict[str, str], *extra: str) -> tuple[int,
     return proc.returncode, json.loads(term.read_text()), proc.stdout + proc.stderr
 
 
+ADAPTER = {"adapter_config.json": b'{"peft_type": "LORA", "r": 8, "lora_alpha": 16}',
+           "adapter_model.safetensors": hashlib.sha256(b"lora").digest() * 2000, "adapter_model.bin": b"pickle"}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def hub():
-    repos = {"org/open": Repo(dict(FILES)), "org/gated": Repo(dict(FILES), gated=True)}
+    repos = {"org/open": Repo(dict(FILES)), "org/gated": Repo(dict(FILES), gated=True),
+             "org/lora": Repo(dict(ADAPTER))}  # fmt: skip
     with FakeHub(repos, {TOKEN: {"org/gated"}, OTHER: set()}) as server:
         yield server
 
@@ -78,6 +83,21 @@ def test_the_engine_finds_the_download_where_it_looks(hub, tmp_path, monkeypatch
     monkeypatch.setenv("HF_HOME", str(tmp_path / "cache" / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     assert locate_model("org/open", "main") == Path(result["path"])
+
+
+def test_adapters_come_beside_the_model_where_the_engine_finds_them(hub, tmp_path, monkeypatch) -> None:
+    from pagoda.engine.loader.resolve import locate_adapter
+
+    dest = tmp_path / "cache"
+    rc, result, out = run("hf://org/open", dest, {"HF_ENDPOINT": hub.url}, "--adapter", "hf://org/lora@main")
+    assert rc == 0, out
+    assert result["files"] == 3 + 2  # the model's and the adapter's, never the pickled adapter_model.bin
+    assert result["bytes"] == sum(len(v) for k, v in {**FILES, **ADAPTER}.items() if not k.endswith(".bin"))
+    monkeypatch.setenv("HF_HOME", str(dest / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    found = locate_adapter("org/lora@main")
+    assert (found / "adapter_model.safetensors").read_bytes() == ADAPTER["adapter_model.safetensors"]
+    assert not (found / "adapter_model.bin").exists()
 
 
 def test_progress_lines_and_a_second_run_fetches_nothing(hub, tmp_path) -> None:
