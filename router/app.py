@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pagoda.router.backends import Backend, BackendPool, reported_number
+from pagoda.router.backends import Backend, BackendPool, adapter_holders, reported_number
 from pagoda.router.chain import ChainHasher, chain_of, load_local_tokenizer
 from pagoda.router.config import RouterConfig
 from pagoda.router.hold import Hold
@@ -186,12 +186,16 @@ class RouterApp:
             pass
         return None
 
-    def _choose(self, backends: list[Backend], ids: list[int] | None) -> tuple[Backend, Decision, list[str]]:
+    def _choose(
+        self, backends: list[Backend], ids: list[int] | None, model: object = None
+    ) -> tuple[Backend, Decision, list[str]]:
+        # A LoRA adapter's request goes to a replica that has it loaded, when one has, with its chain.
+        backends, root = adapter_holders(backends, model)
         cands = [b.candidate() for b in backends]
         chain: list[str] = []
         info = next((b.info for b in backends if b.info), None)
         if ids is not None and info:  # the replicas of one deployment share block size and extra keys
-            chain = chain_of(ids, int(info["block_size"]), tuple(info.get("extra_keys") or ()))
+            chain = chain_of(ids, int(info["block_size"]), tuple(info.get("extra_keys") or ()), root)
         decision = self.router.choose(cands, chain, len(ids) if ids is not None else 0)
         chosen = next(b for b in backends if b.url == decision.name)
         return chosen, decision, chain
@@ -228,7 +232,7 @@ class RouterApp:
             backends = self.pool.routable(tried)
             if not backends:
                 break
-            b, decision, chain = self._choose(backends, ids)
+            b, decision, chain = self._choose(backends, ids, body.get("model"))
             if refused is None:
                 overhead += time.perf_counter() - t1
                 self._record_overhead(overhead, time.thread_time() - c0)

@@ -53,6 +53,13 @@ def checked_info(info: object, url: str) -> dict[str, Any] | None:
         log.warning("replica %s reported extra_keys = %r, ignored", url, keys)
         return None
     out = dict(info, extra_keys=keys)
+    adapters = info.get("lora_adapters") or {}
+    if not (
+        isinstance(adapters, dict) and all(isinstance(k, str) and _is_root(v) for k, v in adapters.items())
+    ):
+        log.warning("replica %s reported lora_adapters = %r, ignored", url, adapters)
+        adapters = {}
+    out["lora_adapters"] = adapters
     prefill = info.get("prefill_tokens_per_s")
     out["prefill_tokens_per_s"] = (
         None if prefill is None else reported_number(prefill, "prefill_tokens_per_s", url)
@@ -67,6 +74,23 @@ def checked_info(info: object, url: str) -> dict[str, Any] | None:
         if (rate := reported_number(value, f"load_tokens_per_s[{tier!r}]", url)) is not None
     }
     return out
+
+
+def _is_root(value: object) -> bool:
+    """A block-hash chain root as the engine publishes it: 64 hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def adapter_holders(backends: list[Backend], model: object) -> tuple[list[Backend], bytes | None]:
+    """When ``model`` (a request's `model`) names a LoRA adapter that some replicas have loaded: those
+    replicas and the adapter's chain root (content-addressed, so alike on every replica); else every replica
+    and no root (the base model's chain)."""
+    if not isinstance(model, str):
+        return backends, None
+    holders = [b for b in backends if model in ((b.info or {}).get("lora_adapters") or {})]
+    if not holders:
+        return backends, None
+    return holders, bytes.fromhex(holders[0].info["lora_adapters"][model])
 
 
 def parse_load(text: str, url: str = "") -> int:

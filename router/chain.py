@@ -204,6 +204,9 @@ def _extra(keys: tuple[str, ...]) -> bytes:
     return encode_extra_keys(keys)
 
 
-def chain_of(token_ids: list[int], block_size: int, extra_keys: tuple[str, ...]) -> list[str]:
-    """Hex block hashes of the full blocks of ``token_ids``, identical to the engine's."""
-    return [h.hex() for h in hash_full_blocks(token_ids, block_size, _extra(extra_keys))]
+def chain_of(
+    token_ids: list[int], block_size: int, extra_keys: tuple[str, ...], root: bytes | None = None
+) -> list[str]:
+    """Hex block hashes of the full blocks of ``token_ids``, identical to the engine's; ``root``: the chain
+    root of the request's LoRA adapter (what the replica publishes for it), None for the base model."""
+    return [h.hex() for h in hash_full_blocks(token_ids, block_size, _extra(extra_keys), parent=root)]

@@ -103,3 +103,23 @@ def test_backend_dns_follows_the_services_records(monkeypatch):
         assert got == {"http://10.0.0.9:8000", "http://10.0.0.6:8000"}
 
     asyncio.run(scenario())
+
+
+def test_an_adapters_requests_go_to_the_replicas_that_have_it_with_its_chain():
+    from pagoda.engine.kv_cache.hashing import adapter_chain_root, hash_full_blocks
+    from pagoda.router.backends import adapter_holders, checked_info
+    from pagoda.router.chain import chain_of
+
+    root = adapter_chain_root("sql-weights")
+    info = {"block_size": 4, "extra_keys": ["m"], "lora_adapters": {"sql": root.hex()}}
+    holder = Backend("http://a", healthy=True, info=checked_info(info, "http://a"))
+    other = Backend("http://b", healthy=True, info=checked_info({"block_size": 4, "extra_keys": ["m"]}, "b"))
+    assert adapter_holders([holder, other], "sql") == ([holder], root)
+    assert adapter_holders([holder, other], "base-model") == ([holder, other], None)
+    assert adapter_holders([other], "sql") == ([other], None)  # nobody has it: every replica (it answers 404)
+    ids = list(range(10))
+    assert chain_of(ids, 4, ("m",), root) == [h.hex() for h in hash_full_blocks(ids, 4, ("m",), parent=root)]
+    assert chain_of(ids, 4, ("m",), root) != chain_of(ids, 4, ("m",))
+    # a malformed adapter list is ignored, the rest of the answer kept
+    bad = checked_info({**info, "lora_adapters": {"sql": "not-a-hash"}}, "http://c")
+    assert bad["lora_adapters"] == {} and bad["block_size"] == 4
