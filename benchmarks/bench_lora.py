@@ -108,7 +108,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(MAX_LORAS):
             path = Path(tmp) / f"adapter-{i}"
-            write_adapter(path, lora.engine.model, args.rank, seed=i)
+            write_adapter(path, lora.engine.core.model, args.rank, seed=i)
             lora.engine.load_lora_adapter(f"adapter-{i}", str(path))
     prompts = prompts_of(base.get_tokenizer(), REQUESTS, args.prompt_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)

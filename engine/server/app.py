@@ -13,6 +13,7 @@ from pagoda.engine.engine_client import EngineClient
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, ErrorResponseModel, bad_request, install_error_handlers
 from pagoda.engine.server.kv_routes import install_kv_routes
+from pagoda.engine.server.lora_routes import install_lora_routes
 from pagoda.engine.server.memory_status import install_memory_status
 from pagoda.engine.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.engine.server.serving import OpenAIServing
@@ -69,15 +70,20 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
 
     @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> P.ModelList:
-        return P.ModelList(
-            data=[
-                P.ModelCard(id=name, root=serving.model_name, max_model_len=serving.max_model_len)
-                for name in serving.model_names
-            ]
-        )
+        base = serving.model_name
+        cards = [
+            P.ModelCard(id=name, root=base, max_model_len=serving.max_model_len)
+            for name in serving.model_names
+        ]
+        cards += [
+            P.ModelCard(id=a.name, root=a.path, parent=base, max_model_len=serving.max_model_len)
+            for a in engine.lora_adapters.values()
+        ]
+        return P.ModelList(data=cards)
 
     app.state.draining = False  # set on SIGTERM (cli/serve.py): routers stop sending, in-flight work ends
     install_kv_routes(app, engine)
+    install_lora_routes(app, engine, serving.model_names, ERROR_RESPONSES)
     if engine.info.memory_profile:
         install_memory_status(app, engine.info.memory_profile)
 

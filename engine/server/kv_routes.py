@@ -76,6 +76,8 @@ def router_info(engine: EngineClient, rates: RateTracker) -> dict[str, Any]:
         "tiers": list(info.tiers),
         "max_model_len": info.max_model_len,
         "epoch": info.kv_events_epoch,
+        # each served LoRA adapter's chain root: a router hashes its requests' prompts from it
+        "lora_adapters": {name: a.cache_root for name, a in engine.lora_adapters.items()},
         **rates.to_dict(),
     }
 

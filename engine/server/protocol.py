@@ -118,6 +118,17 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(StrictModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096, description="A PEFT directory on the replica")
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[TokenId]
@@ -199,6 +210,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -95,14 +95,21 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist. This server serves: {', '.join(self.model_names)}.",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter that a request's `model` names, None for the base model; 404 for a name that
+        nothing here serves."""
+        if model is None or model in self.model_names:
+            return None
+        adapters = self.engine.lora_adapters
+        if model in adapters:
+            return model
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist. This server serves: "
+            f"{', '.join([*self.model_names, *adapters])}.",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_admission(self, new_requests: int) -> None:
         if not self.engine.is_alive:
@@ -253,12 +260,20 @@ class OpenAIServing:
     # ------------------------------------------------------------ engine
 
     async def submit(
-        self, base_id: str, prompts: list[Prepared], params: SamplingParams, priority: int, names: dict
+        self,
+        base_id: str,
+        prompts: list[Prepared],
+        params: SamplingParams,
+        priority: int,
+        names: dict,
+        lora: str | None,
     ) -> list[RequestStream]:
         """Admit every prompt of the request in one hand-off to the engine (one engine-loop pass)."""
         self.check_admission(len(prompts))
         batch = [
-            NewRequest(base_id if len(prompts) == 1 else f"{base_id}-{i}", p.token_ids, params, priority)
+            NewRequest(
+                base_id if len(prompts) == 1 else f"{base_id}-{i}", p.token_ids, params, priority, lora
+            )
             for i, p in enumerate(prompts)
         ]
         try:
@@ -352,7 +367,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ endpoints
 
     async def create_completion(self, req: P.CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         items = self.completion_items(req.prompt)
@@ -362,12 +377,12 @@ class OpenAIServing:
         longest = max(len(p.token_ids) for p in prompts)
         params = self.sampling_params(req, longest, req.max_tokens, req.logprobs, names)
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, prompts, params, req.priority, names)
-        created = int(time.time())
+        streams = await self.submit(base_id, prompts, params, req.priority, names, lora)
+        created, model = int(time.time()), lora or self.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._completion_stream(base_id, created, req, prompts, streams, include_usage),
+                self._completion_stream(base_id, created, model, req, prompts, streams, include_usage),
                 on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         finals = await self.collect(request, streams)
@@ -392,16 +407,14 @@ class OpenAIServing:
                     )
                 )
         _finish_usage(usage, [o.num_cached_tokens for o in finals])
-        body = P.CompletionResponse(
-            id=base_id, created=created, model=self.model_name, choices=choices, usage=usage
-        )
+        body = P.CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
     async def _completion_stream(
-        self, base_id: str, created: int, req: P.CompletionRequest, prompts: list[Prepared],
+        self, base_id: str, created: int, model: str, req: P.CompletionRequest, prompts: list[Prepared],
         streams: list[RequestStream], include_usage: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
-        base = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": base_id, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
         choices = _ChoiceDeltas(want_logprobs=req.logprobs is not None)
         cached: dict[int, int] = {}
@@ -441,7 +454,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_chat_chars(req.messages)
         self.check_admission(1)  # refuse early under overload, before spending CPU
         prepared = await self.off_loop(
@@ -455,12 +468,12 @@ class OpenAIServing:
         names = {"logprobs": "top_logprobs", "max_tokens": mt_name, "prompt": "messages"}
         params = self.sampling_params(req, len(prepared.token_ids), max_tokens, k, names)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, [prepared], params, req.priority, names)
-        created = int(time.time())
+        streams = await self.submit(base_id, [prepared], params, req.priority, names, lora)
+        created, model = int(time.time()), lora or self.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._chat_stream(base_id, created, req, prepared, streams, k, include_usage),
+                self._chat_stream(base_id, created, model, req, prepared, streams, k, include_usage),
                 on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         (final,) = await self.collect(request, streams)
@@ -479,20 +492,15 @@ class OpenAIServing:
             )
         _finish_usage(usage, [final.num_cached_tokens])
         body = P.ChatCompletionResponse(
-            id=base_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=base_id, created=created, model=model, choices=choices, usage=usage
         )
         return JSONResponse(body.model_dump())
 
     async def _chat_stream(
-        self, base_id: str, created: int, req: P.ChatCompletionRequest, prepared: Prepared,
+        self, base_id: str, created: int, model: str, req: P.ChatCompletionRequest, prepared: Prepared,
         streams: list[RequestStream], k: int | None, include_usage: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
-        base = {
-            "id": base_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-        }
+        base = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
         choices = _ChoiceDeltas(want_logprobs=k is not None)
         cached = 0

@@ -22,7 +22,7 @@ def test_adapters_match_peft_alone_and_in_a_mixed_batch(lora_llm, reference, ada
     alone = lora_llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, lora="gamma", use_tqdm=False)
     assert alone[0].outputs[0].token_ids == expected[("gamma", 0)]
 
-    loads = lora_llm.engine.lora.slots.loads
+    loads = lora_llm.engine.core.lora.slots.loads
     mixed = lora_llm.generate(
         [{"prompt_token_ids": prompts[p]} for _, p in cases],
         GREEDY,
@@ -31,7 +31,7 @@ def test_adapters_match_peft_alone_and_in_a_mixed_batch(lora_llm, reference, ada
     )
     assert {case: out.outputs[0].token_ids for case, out in zip(cases, mixed, strict=True)} == expected
     # three adapters through two slots: the batch had to swap one in while others ran
-    assert lora_llm.engine.lora.slots.loads - loads >= 2
+    assert lora_llm.engine.core.lora.slots.loads - loads >= 2
 
 
 def test_an_adapters_kv_is_never_reused_by_another_or_the_base_model(lora_llm):

@@ -1,0 +1,133 @@
+"""LoRA adapters through `pagoda serve` (the engine core in its own process) with the official openai client:
+a request picks an adapter by `model` and gets what transformers + peft say, /v1/models lists adapters with
+their parent, adapters load and unload through the routes behind the API key, and the replica's router_info
+root is the one its adapter blocks are cached under."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pagoda.router.chain import chain_of
+from pagoda_testkit.lora import reference_tokens
+from pagoda_testkit.processes import free_port, wait_healthy
+
+KEY = "lora-test-key"
+NEW_TOKENS = 6
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(adapters, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("lora-server") / "server.log"
+    cmd = [
+        str(Path(sys.executable).parent / "pagoda"), "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "256",
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--lora-modules", f"beta={adapters['beta']}", "--api-key", KEY,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, lambda: log.read_text(errors="replace")[-5000:], 600, poll_s=1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir):
+    from pagoda.engine.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+def complete(c: openai.OpenAI, model: str, prompt: list[int]) -> tuple[str, str]:
+    """(the response's model, its greedy text)"""
+    out = c.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    return out.model, out.choices[0].text
+
+
+def test_a_request_picks_its_adapter_by_model_name(server, reference, adapters, tok):
+    c = client(server)
+    base = c.models.list().data[0].id
+    cards = {m.id: m.model_dump() for m in c.models.list().data}
+    assert cards["beta"]["parent"] == base and cards["beta"]["root"] == str(adapters["beta"])
+    assert cards[base]["parent"] is None
+
+    prompt = tok(PROMPT).input_ids
+    want = {
+        name: tok.decode(reference_tokens(reference, name, prompt, NEW_TOKENS)) for name in (None, "beta")
+    }
+    assert want["beta"] != want[None]
+    assert complete(c, "beta", prompt) == ("beta", want["beta"])
+    assert complete(c, base, prompt) == (base, want[None])
+    with pytest.raises(openai.NotFoundError, match="alpha"):
+        complete(c, "alpha", prompt)
+
+
+def test_adapters_load_and_unload_through_the_routes(server, reference, adapters, tok):
+    c = client(server)
+
+    def post(route: str, **body) -> str:
+        return c.post(route, body=body, cast_to=httpx.Response).text
+
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").post(
+            "/load_lora_adapter",
+            body={"lora_name": "alpha", "lora_path": str(adapters["alpha"])},
+            cast_to=str,
+        )
+    assert "added successfully" in post(
+        "/load_lora_adapter", lora_name="alpha", lora_path=str(adapters["alpha"])
+    )
+    assert [m.parent for m in c.models.list().data if m.id == "alpha"] == [c.models.list().data[0].id]
+
+    prompt = tok(PROMPT).input_ids
+    assert complete(c, "alpha", prompt)[1] == tok.decode(
+        reference_tokens(reference, "alpha", prompt, NEW_TOKENS)
+    )
+
+    with pytest.raises(openai.BadRequestError, match="already been loaded"):
+        post("/load_lora_adapter", lora_name="alpha", lora_path=str(adapters["gamma"]))
+    with pytest.raises(openai.BadRequestError, match="adapter_config.json"):
+        post("/load_lora_adapter", lora_name="delta", lora_path=str(adapters["alpha"].parent))
+    assert "removed successfully" in post("/unload_lora_adapter", lora_name="alpha")
+    with pytest.raises(openai.NotFoundError):
+        complete(c, "alpha", prompt)
+    with pytest.raises(openai.NotFoundError, match="cannot be found"):
+        post("/unload_lora_adapter", lora_name="alpha")
+    assert "alpha" not in {m.id for m in c.models.list().data}
+    assert complete(c, "beta", prompt)[0] == "beta"  # the server kept serving
+
+
+def test_router_info_names_the_root_the_adapters_blocks_are_cached_under(server, tok):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(server + "/v1/router_info", headers=headers).json()
+    assert set(info["lora_adapters"]) == {"beta"}
+    prompt = tok("A prompt of a few blocks for the adapter's chain. " * 4).input_ids
+    client(server).completions.create(model="beta", prompt=prompt, max_tokens=1)
+    root = bytes.fromhex(info["lora_adapters"]["beta"])
+    chain = chain_of(prompt, info["block_size"], tuple(info["extra_keys"]), root)
+    base_chain = chain_of(prompt, info["block_size"], tuple(info["extra_keys"]))
+    device = set(httpx.get(server + "/v1/kv_snapshot", headers=headers).json()["tiers"]["device"])
+    assert len(chain) >= 2 and set(chain) <= device
+    assert not set(base_chain) & device
