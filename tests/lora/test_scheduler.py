@@ -23,7 +23,7 @@ class FakeAdapter:
 
 def request(rid: str, adapter: FakeAdapter | None, max_tokens: int) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return Request(rid, None, [1, 2, 3, 4, 5], params, max_tokens, arrival_time=float(len(rid)), lora=adapter)
+    return Request(rid, [1, 2, 3, 4, 5], params, max_tokens, arrival_time=float(len(rid)), lora=adapter)
 
 
 def step(s: Scheduler) -> list[str]:
