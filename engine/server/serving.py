@@ -266,9 +266,10 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         names: dict,
-        lora: str | None,
+        lora: str | None = None,
     ) -> list[RequestStream]:
-        """Admit every prompt of the request in one hand-off to the engine (one engine-loop pass)."""
+        """Admit every prompt of the request in one hand-off to the engine (one engine-loop pass); ``lora``:
+        the adapter they run through (None: the base model)."""
         self.check_admission(len(prompts))
         batch = [
             NewRequest(
