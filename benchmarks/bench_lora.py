@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import plot_path, print_table, write_json  # noqa: E402
+from common import plot_path, print_table, pyplot, write_json  # noqa: E402
 from pagoda.engine.llm import LLM  # noqa: E402
 from pagoda.engine.lora.adapter import TARGET_MODULES  # noqa: E402
 from pagoda.engine.lora.model import module_shapes  # noqa: E402
@@ -169,13 +169,8 @@ def report(args, results: dict[str, list[dict]], load_before, load_after) -> Non
     }
     path = write_json("bench_lora", payload)
     print(f"wrote {path}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(med)

@@ -42,3 +42,16 @@ def _fmt(value) -> str:
 def plot_path(name: str) -> Path:
     RESULTS.mkdir(exist_ok=True)
     return RESULTS / f"{name}.png"
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (and a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    return plt

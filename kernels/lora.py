@@ -26,6 +26,18 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _segment_tile(seg_start_ptr, seg_slot_ptr, length, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of its segment: the segment's first row and slot, the tile's rows (within the
+    segment) and columns, and which of them exist."""
+    g = tl.program_id(0)
+    start = tl.load(seg_start_ptr + g).to(tl.int64)
+    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return start, slot, rows, cols, rows < length, cols < N
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [slots, K, N]
@@ -41,18 +53,12 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    g = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    tile_n = tl.program_id(2)
-    length = tl.load(seg_len_ptr + g)
-    if tile_m * BLOCK_M >= length:
+    length = tl.load(seg_len_ptr + tl.program_id(0))
+    if tl.program_id(1) * BLOCK_M >= length:
         return
-    start = tl.load(seg_start_ptr + g).to(tl.int64)
-    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < length
-    col_ok = cols < N
+    start, slot, rows, cols, row_ok, col_ok = _segment_tile(
+        seg_start_ptr, seg_slot_ptr, length, N, BLOCK_M, BLOCK_N
+    )
     x_rows = x_ptr + (start + rows)[:, None] * x_row_stride
     a_slot = a_ptr + slot * K * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -85,18 +91,12 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    g = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    tile_n = tl.program_id(2)
-    length = tl.load(seg_len_ptr + g)
-    if tile_m * BLOCK_M >= length:
+    length = tl.load(seg_len_ptr + tl.program_id(0))
+    if tl.program_id(1) * BLOCK_M >= length:
         return
-    start = tl.load(seg_start_ptr + g).to(tl.int64)
-    slot = tl.load(seg_slot_ptr + g).to(tl.int64)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < length
-    col_ok = cols < N
+    start, slot, rows, cols, row_ok, col_ok = _segment_tile(
+        seg_start_ptr, seg_slot_ptr, length, N, BLOCK_M, BLOCK_N
+    )
     h_rows = h_ptr + (start + rows)[:, None] * h_width + h_offset
     b_slot = b_ptr + slot * R * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
