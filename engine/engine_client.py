@@ -61,7 +61,6 @@ class EngineInfo:
     cache_config: dict[str, Any] = field(default_factory=dict)  # vllm:cache_config_info labels
     cpu_kernels: dict[str, str] | None = None  # the CPU kernels' info labels (variant, origin); None on a GPU
     memory_profile: dict[str, Any] = field(default_factory=dict)  # GET /pagoda/memory
-    max_loras: int = 0  # LoRA adapter slots; 0: the engine serves no adapters (no --enable-lora)
     lora_adapters: tuple[LoRAAdapterInfo, ...] = ()  # loaded at start (--lora-modules)
 
 

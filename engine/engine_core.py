@@ -318,7 +318,6 @@ class EngineCore:
                 else None
             ),
             memory_profile=self.memory_profile(),
-            max_loras=int(cfg.max_loras) if self.lora is not None else 0,
             lora_adapters=tuple(adapter_info(a) for a in self.lora_adapters()),
         )
 
