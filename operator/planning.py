@@ -16,6 +16,7 @@ from pagoda.engine.sizing import (
     ModelShape,
     Plan,
     SizingError,
+    UnsupportedGPUError,
     plan,
     shape_from_config,
     well_known_shape,
@@ -393,6 +394,7 @@ def decide(
 
     plans: list[tuple[GPUPool, Plan]] = []
     failures: list[str] = []
+    unsupported = 0  # pools whose GPU the engine image's torch build cannot run
     for pool in candidates:
         if pool.gpus_per_node < spec.gpu.count:
             failures.append(
@@ -404,8 +406,11 @@ def decide(
             p = plan(shape, info, hints(spec, spec.gpu.count))
         except SizingError as exc:
             failures.append(f"{pool.product_label}: {exc}")
+            unsupported += isinstance(exc, UnsupportedGPUError)
             continue
         plans.append((pool, p))
+    if not plans and unsupported == len(candidates):
+        raise SpecError("gpu.product", "; ".join(failures), reason="UnsupportedGPU")
     if not plans:
         raise SpecError("model.source", f"{shape.name} cannot be served on the GPUs present: " + "; ".join(failures),
                         reason="ModelTooLarge")  # fmt: skip

@@ -43,13 +43,8 @@ from pagoda.engine.sizing.engine_plan import (
     shard_range,
 )
 from pagoda.engine.sizing.errors import UnsupportedOnGPU
-from pagoda.engine.sizing.gpus import check_dtypes
+from pagoda.engine.sizing.gpus import TORCH_WHEEL_ARCHS, check_dtypes, torch_supports
 
-# CUDA architectures of the torch wheels the engine image installs (torch 2.13 on PyPI, CUDA 12.8 / 13.0
-# builds: PyTorch's RELEASE.md support matrix, Volta dropped from 2.11 on). A GPU runs code built for its
-# major version and a minor at most its own (8.9 runs sm_86 code). Read from torch itself where it is a
-# CUDA build; this CPU-only test machine's torch lists none.
-TORCH_WHEEL_ARCHS = ((7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0))
 DEFAULT_MODEL = (
     "default"  # --model default: the embedded SmolLM2-135M-Instruct, as `pagoda serve` without one
 )
@@ -57,15 +52,13 @@ MAX_GPUS = 64  # the planner's largest tensor-parallel size: let it choose the s
 
 
 def torch_cuda_archs() -> tuple[tuple[int, int], ...]:
+    """The CUDA architectures the installed torch lists; the engine image's where it lists none (a CPU
+    build, as on the test machines)."""
     import torch
 
     listed = [a.removeprefix("sm_") for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
     archs = tuple((int(a[:-1]), int(a[-1])) for a in listed if a.isdigit())
     return archs or TORCH_WHEEL_ARCHS
-
-
-def torch_supports(cc: tuple[int, int], archs: tuple[tuple[int, int], ...]) -> bool:
-    return any(major == cc[0] and minor <= cc[1] for major, minor in archs)
 
 
 @dataclass(frozen=True)

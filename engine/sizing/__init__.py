@@ -4,9 +4,10 @@ Pure Python (no torch) so the operator and the engine share one set of rules.
 """
 
 from pagoda.engine.sizing.engine_plan import EnginePlan, MemoryProfile, engine_plan
-from pagoda.engine.sizing.errors import SizingError, StartupFitError
+from pagoda.engine.sizing.errors import SizingError, StartupFitError, UnsupportedGPUError
 from pagoda.engine.sizing.fit import fit_max_model_len, num_blocks_for
 from pagoda.engine.sizing.gpus import (
+    ENGINE_MIN_COMPUTE,
     GPU_CATALOGUE,
     GPUInfo,
     GPUSpec,
@@ -34,10 +35,12 @@ from pagoda.engine.sizing.shapes import (
 from pagoda.engine.sizing.units import human_bytes, parse_bytes
 
 __all__ = [
+    "ENGINE_MIN_COMPUTE",
     "GPU_CATALOGUE",
     "EnginePlan",
     "MemoryProfile",
     "StartupFitError",
+    "UnsupportedGPUError",
     "engine_plan",
     "GPUInfo",
     "GPUSpec",

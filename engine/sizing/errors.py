@@ -24,3 +24,7 @@ class StartupFitError(SizingError):
 class UnsupportedOnGPU(SizingError):
     """A dtype or KV dtype this GPU cannot run (FP8 below compute capability 8.9): a configuration error
     (`pagoda serve` and `pagoda kernels warm` exit with code 2), never something memory would fix."""
+
+
+class UnsupportedGPUError(UnsupportedOnGPU):
+    """The GPU itself is one the engine image's torch build has no kernels for (compute capability too old)."""

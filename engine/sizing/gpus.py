@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from pagoda.engine.sizing.errors import SizingError, UnsupportedOnGPU
+from pagoda.engine.sizing.errors import SizingError, UnsupportedGPUError, UnsupportedOnGPU
 
 FP8_MIN_COMPUTE = (8, 9)  # Ada, Hopper, Blackwell have FP8 tensor cores; vLLM refuses FP8 KV on A100
 BF16_MIN_COMPUTE = (8, 0)  # Ampere and newer have bfloat16 tensor cores; vLLM refuses bfloat16 on a T4
@@ -22,6 +22,12 @@ SHARED_MEMORY_PER_BLOCK = {
     (7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
     (9, 0): 232_448, (10, 0): 232_448, (12, 0): 101_376,
 }  # fmt: skip
+# The torch build of the engine image (images/engine/Dockerfile, docs/images.md) and the CUDA architectures
+# it carries kernels for (PyTorch's RELEASE.md support matrix: CUDA 12.8 builds, Volta dropped from 2.11
+# on). A GPU runs code built for its major version and a minor at most its own (8.9 runs sm_86 code).
+ENGINE_TORCH_BUILD = "torch 2.13.0+cu128 (CUDA 12.8)"
+TORCH_WHEEL_ARCHS = ((7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0))
+ENGINE_MIN_COMPUTE = TORCH_WHEEL_ARCHS[0]
 
 # How far a reported memory may stray from the catalogue value and still be the same card.
 MEMORY_TOLERANCE = 0.06
@@ -222,6 +228,23 @@ class GPUInfo:
     @classmethod
     def from_spec(cls, spec: GPUSpec, count: int = 1) -> GPUInfo:
         return cls(spec, spec.labels[0], spec.memory_mib, count, spec.compute_capability)
+
+
+def torch_supports(cc: tuple[int, int], archs: tuple[tuple[int, int], ...] = TORCH_WHEEL_ARCHS) -> bool:
+    return any(major == cc[0] and minor <= cc[1] for major, minor in archs)
+
+
+def check_engine_runs_on(gpu: GPUInfo) -> None:
+    """Raise UnsupportedGPUError for a GPU the engine image's torch build cannot run (an unknown compute
+    capability passes: the engine's own start-up says more)."""
+    cc = gpu.compute_capability
+    if cc != (0, 0) and not torch_supports(cc):
+        archs = ", ".join(f"{major}.{minor}" for major, minor in TORCH_WHEEL_ARCHS)
+        raise UnsupportedGPUError(
+            f"{gpu.name} has compute capability {cc[0]}.{cc[1]}; the engine image's {ENGINE_TORCH_BUILD} has "
+            f"kernels for compute capability {archs} (Turing and newer): use another GPU, or gpu.count: 0 "
+            "for CPU pods"
+        )
 
 
 def gpu_info(name_or_label: str, count: int = 1) -> GPUInfo:

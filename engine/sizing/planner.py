@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
 from pagoda.engine.sizing.errors import SizingError
-from pagoda.engine.sizing.gpus import GPUInfo
+from pagoda.engine.sizing.gpus import GPUInfo, check_engine_runs_on
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
 
@@ -285,6 +285,7 @@ def _common_lengths(shape: ModelShape, h: Hints, warnings: list[str]) -> tuple[i
 
 
 def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
+    check_engine_runs_on(gpu)
     reasons: dict[str, str] = {}
     warnings = list(gpu.warnings)
     memory = gpu.memory_bytes

@@ -24,7 +24,7 @@ def test_int8_bytes_per_token_count_one_byte_per_element_plus_float32_scales():
     assert kv_element_scale_bytes("fp8") == 0 and kv_element_scale_bytes("auto") == 0
 
 
-@pytest.mark.parametrize("gpu", ["A100-80GB", "A100", "A10G", "T4", "V100", "V100-32GB"])
+@pytest.mark.parametrize("gpu", ["A100-80GB", "A100", "A10G", "T4"])
 def test_int8_is_offered_without_fp8_only_when_capacity_is_preferred(gpu):
     info = gpu_info(gpu, 1)
     assert not info.fp8

@@ -53,6 +53,14 @@ GPU_NODES: dict[str, dict[str, str]] = {
         "minor": "0",
         "family": "ampere",
     },
+    "v100": {  # Volta: the engine image's torch build cannot run it
+        "product": "Tesla-V100-SXM2-32GB",
+        "memory": "32510",
+        "count": "8",
+        "major": "7",
+        "minor": "0",
+        "family": "volta",
+    },
     "l40s": {
         "product": "NVIDIA-L40S",
         "memory": "46068",
