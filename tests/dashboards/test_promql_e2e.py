@@ -147,22 +147,6 @@ async def _populate(cluster) -> None:
     await cluster.create(unservable)
 
 
-def _kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "emu", "cluster": {"server": server}}],
-                "users": [{"name": "emu", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
-                "current-context": "emu",
-            }
-        )
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def operator(tmp_path_factory, dash):
     """The real `pagoda-operator` process, with the args the Helm chart gives it, on the emulated cluster."""
@@ -179,7 +163,9 @@ def operator(tmp_path_factory, dash):
     import pagoda_testkit as testkit
 
     with testkit.ClusterThread(_populate) as cluster:
-        env = dict(os.environ, KUBECONFIG=str(_kubeconfig(work / "kubeconfig", cluster.url)), POD_ID="op-0")
+        kubeconfig = work / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(testkit.kubeconfig(cluster.url)))
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_ID="op-0")
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:

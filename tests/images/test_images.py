@@ -1,7 +1,9 @@
-"""The Dockerfiles: hadolint, what they promise (non-root, labels, no secrets), and their entrypoints start.
+"""The Dockerfiles: hadolint, what they promise (non-root, labels, no secrets, versions that agree), and
+their entrypoints start.
 
-No Docker engine runs here, so the entrypoint commands the images use are started from the virtual
-environment, with the same arguments the image (and, for the operator, the Helm chart) passes.
+`make image-check` (images/check.py, after `make test` in CI) builds the images and starts them for real;
+these run everywhere, so the entrypoint commands the images use are started from the virtual environment
+with the same arguments the image (and, for the operator, the Helm chart) passes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -92,28 +93,66 @@ def test_runs_as_fixed_non_root_user_with_labels_and_no_secrets(image):
     assert "PIP_NO_CACHE_DIR=1" in path.read_text()
 
 
-def test_engine_image_is_cuda_runtime_with_torch_and_the_engine_and_router_extras():
-    """The operator runs both `pagoda serve` and `pagoda router` from the engine image: the router's extra
-    (aiohttp) must be installed there too, or every routed InferenceDeployment's router pod crash-loops."""
-    text = IMAGES["engine"].read_text()
-    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-", text)
-    torch_pin = next(
-        d
-        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
-            "engine"
-        ]
-        if d.startswith("torch")
-    )
-    assert f'pip install "{torch_pin}"' in text
-    assert '"./[engine,router]"' in text and "HF_HUB_OFFLINE=1" in text
+def _arg(path: Path, name: str) -> str:
+    return re.search(rf"^ARG {name}=(\S+)$", path.read_text(), re.M).group(1)
+
+
+def test_engine_image_flavour_cuda_driver_and_planner_agree():
+    """The GPU flavour's torch build, the base image's CUDA and the documented driver say the same thing, and
+    the planner refuses GPUs that build cannot run."""
+    from pagoda.engine.sizing.gpus import ENGINE_MIN_COMPUTE, ENGINE_TORCH_BUILD
+
+    base, flavour = _arg(IMAGES["engine"], "BASE_IMAGE"), _arg(IMAGES["engine"], "TORCH_FLAVOUR")
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-base-ubuntu24\.04", base)
+    assert cuda and flavour == f"cu{cuda[1]}{cuda[2]}", (base, flavour)
+    torch_pin = next(d for d in _extras()["engine"] if d.startswith("torch"))
+    version = torch_pin.removeprefix("torch==")
+    assert ENGINE_TORCH_BUILD == f"torch {version}+{flavour} (CUDA {cuda[1]}.{cuda[2]})"
+    assert ENGINE_MIN_COMPUTE == (7, 5)  # CUDA 12.8 builds of torch: Turing (sm_75) to Blackwell
+    for doc in (ROOT / "docs" / "images.md", ROOT / "charts" / "pagoda" / "README.md"):
+        text = doc.read_text()
+        for fact in (f"torch {version}+{flavour}", f"CUDA {cuda[1]}.{cuda[2]}", "driver 570", "7.5"):
+            assert fact in text, f"{doc.name} does not say {fact!r}"
+
+
+def _extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_one_triton_pin_for_pyproject_tests_and_image():
+    """Triton is pinned once (the `triton` extra): the tests install it through `dev`, the engine image through
+    its extras, and it is the version torch's own wheel asks for."""
+    import importlib.metadata
+
+    extras = _extras()
+    pins = [d for deps in extras.values() for d in deps if d.startswith("triton")]
+    assert pins == extras["triton"] and len(pins) == 1 and pins[0].startswith("triton=="), pins
+    assert "pagoda[triton]" in extras["dev"]
+    assert importlib.metadata.version("triton") == pins[0].removeprefix("triton==")
+    assert '"/src[engine,router,triton]"' in IMAGES["engine"].read_text()
+
+
+def test_engine_image_carries_what_triton_and_the_cpu_kernels_need_at_run_time():
+    """The run-time image has a C compiler, libc and Python headers (Triton's driver module is built on the
+    first kernel launch), a writable Triton cache on the operator's /tmp volume, the torch, engine, router
+    and triton pieces, and the prebuilt CPU kernels checked at build time."""
+    final = _final_stage(IMAGES["engine"])
+    installs = " ".join(rest for w, rest in final if w == "RUN" and "apt-get install" in rest)
+    for package in ("gcc", "libc6-dev", "python3-dev", "python3-venv"):
+        assert f" {package}" in installs, package
+    env = " ".join(rest for w, rest in final if w == "ENV")
+    assert "TRITON_CACHE_DIR=/tmp/" in env and "HF_HUB_OFFLINE=1" in env and "HOME=/tmp" in env
+    code = " ".join(rest for w, rest in final if w == "RUN")
+    assert "--no-index --find-links /wheels" in code and "python -m pagoda.kernels.cpu.build --check" in code
+    assert "torch.__version__.endswith('+${TORCH_FLAVOUR}')" in code
     assert _exec_form(IMAGES["engine"], "ENTRYPOINT") == ["pagoda", "serve"]
 
 
 def test_operator_image_has_no_torch():
-    text = IMAGES["operator"].read_text()
     code = " ".join(rest for _, rest in _instructions(IMAGES["operator"]))  # comments dropped
-    assert "python:3.11-slim" in text
-    assert '"./[operator,download]"' in code and "[engine]" not in code and "torch" not in code
+    assert _arg(IMAGES["operator"], "BASE_IMAGE") == "debian:bookworm-slim"
+    assert '"/src[operator,download]"' in code and "[engine" not in code and "torch" not in code
+    assert "gcc" not in code
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = extras["dependencies"] + extras["optional-dependencies"]["operator"]
     deps += extras["optional-dependencies"]["download"]  # the model download Job runs this image
@@ -135,6 +174,8 @@ def test_dockerignore_allows_only_what_the_images_copy():
                 for src in rest.split()[:-1]:
                     assert src in allowed, f"{path}: COPY {src} is excluded by .dockerignore"
                     assert (ROOT / src).exists(), src
+            for mount in re.findall(r"--mount=type=bind,source=([^,\s]+)", rest):
+                assert mount in allowed, f"{path}: the bind mount of {mount} is excluded by .dockerignore"
     for secret in ("**/.env", "**/*.pem", "**/*.key", "**/*.gguf", "**/__pycache__/"):
         assert secret in lines, secret
 
@@ -212,19 +253,6 @@ def test_engine_entrypoint_starts_and_answers_health(tmp_path):
         _stop(proc)
 
 
-def _chart_operator_args() -> list[str]:
-    helm = ROOT / ".tools" / "bin" / "helm"
-    helm_path = str(helm) if helm.exists() else shutil.which("helm")
-    if not helm_path:
-        pytest.fail("helm not found: run `make install`", pytrace=False)
-    out = subprocess.run(
-        [helm_path, "template", "pagoda", str(ROOT / "charts" / "pagoda"), "-s", "templates/deployment.yaml"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    dep = yaml.safe_load(out)
-    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
-
-
 def test_operator_entrypoint_help():
     cmd = _command("operator", {}, ["--help"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -244,30 +272,13 @@ async def _populate(cluster) -> None:
 def test_operator_entrypoint_with_the_chart_args_serves_metrics(tmp_path):
     """`pagoda-operator` + the args the chart renders, against an emulated cluster: it reconciles and serves
     /metrics on the chart's port, and the liveness path the chart probes answers."""
-    args = _chart_operator_args()
-    port, health = _free_port(), _free_port()
-    replace = {
-        "--metrics-port=": f"--metrics-port={port}",
-        "--liveness=": f"--liveness=http://127.0.0.1:{health}/healthz",
-    }
-    args = [next((new for old, new in replace.items() if a.startswith(old)), a) for a in args]
-    assert set(replace) <= {a.split("=")[0] + "=" for a in args}, args
     import pagoda_testkit as testkit
 
+    port, health = _free_port(), _free_port()
+    args = testkit.chart_operator_args(metrics_port=port, health_port=health)
     with testkit.ClusterThread(_populate) as cluster:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "emu", "cluster": {"server": cluster.url}}],
-                    "users": [{"name": "emu", "user": {"token": "test-token"}}],
-                    "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
-                    "current-context": "emu",
-                }
-            )
-        )
+        kubeconfig.write_text(yaml.safe_dump(testkit.kubeconfig(cluster.url)))
         log = tmp_path / "operator.log"
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_ID="pagoda-operator-test")
         with log.open("w") as out:

@@ -219,6 +219,7 @@ class ClusterThread:
     def __init__(self, populate: Callable[[Cluster], Awaitable[None]]) -> None:
         self.populate = populate
         self.url: str | None = None
+        self.cluster: Cluster | None = None  # read it from other threads only to poll objects
         self.ready = threading.Event()
         self.stop: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -236,7 +237,7 @@ class ClusterThread:
         self.stop = asyncio.Event()
         async with emulated_cluster() as cluster:
             await self.populate(cluster)
-            self.url = cluster.url
+            self.url, self.cluster = cluster.url, cluster
             self.ready.set()
             await self.stop.wait()
 
@@ -251,6 +252,41 @@ class ClusterThread:
         if self.stop is not None:
             self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
+
+
+def kubeconfig(url: str) -> dict[str, Any]:
+    """A kubeconfig for a process outside the test (the operator's entrypoint) to reach the emulator at ``url``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emu", "cluster": {"server": url}}],
+        "users": [{"name": "emu", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
+        "current-context": "emu",
+    }
+
+
+def chart_operator_args(metrics_port: int, health_port: int) -> list[str]:
+    """The operator container's args as the Helm chart renders them (real helm), with the metrics and liveness
+    ports replaced."""
+    import shutil
+    import subprocess
+
+    helm = ROOT / ".tools" / "bin" / "helm"
+    helm_path = str(helm) if helm.exists() else shutil.which("helm")
+    if not helm_path:
+        raise RuntimeError("helm not found: run `make install`")
+    out = subprocess.run(
+        [helm_path, "template", "pagoda", str(ROOT / "charts" / "pagoda"), "-s", "templates/deployment.yaml"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    args = yaml.safe_load(out)["spec"]["template"]["spec"]["containers"][0]["args"]
+    replace = {
+        "--metrics-port=": f"--metrics-port={metrics_port}",
+        "--liveness=": f"--liveness=http://127.0.0.1:{health_port}/healthz",
+    }
+    assert set(replace) <= {a.split("=")[0] + "=" for a in args}, args
+    return [next((new for old, new in replace.items() if a.startswith(old)), a) for a in args]
 
 
 @contextlib.asynccontextmanager
