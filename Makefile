@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve images bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy clean
+.PHONY: install test lint serve image-check bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy clean
 
 CPU_KERNELS := kernels/cpu/lib/build.json
 
@@ -46,9 +46,10 @@ lint: install
 serve: install
 	$(VENV)/bin/pagoda serve --host 0.0.0.0 --port 8000
 
-images:
-	docker build -f images/engine/Dockerfile -t pagoda-engine:$$($(PY) -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])') .
-	docker build -f images/operator/Dockerfile -t pagoda-operator:$$($(PY) -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])') .
+# Builds the engine (CPU flavour) and operator images with buildah and starts them the way the operator's pod
+# spec runs them (images/check.py; needs root). `buildah images` lists them afterwards.
+image-check: install
+	$(PY) images/check.py
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py
