@@ -45,7 +45,8 @@ BASE_RECIPE = (
 MIRROR = "http://deb.debian.org/debian"
 ENV = dict(os.environ, STORAGE_DRIVER="vfs")
 TIMINGS: list[tuple[str, float]] = []
-CONTAINER_PREFIX = "pagoda-image-check-"  # working containers; a run removes those an interrupted one left
+# working containers (ours, and those `buildah bud` names after the base): a run removes what an interrupted one left
+CONTAINER_PREFIXES = ("pagoda-image-check-", "pagoda-base-working-container")
 
 
 def say(msg: str) -> None:
@@ -111,7 +112,7 @@ def storage_conf() -> None:
 
 def remove_leftover_containers() -> None:
     for line in output(buildah("containers", "--noheading", "--format", "{{.ContainerName}}")).splitlines():
-        if line.startswith(CONTAINER_PREFIX):
+        if line.startswith(CONTAINER_PREFIXES):
             subprocess.run(buildah("umount", line), capture_output=True, env=ENV)
             run(buildah("rm", line), stdout=subprocess.DEVNULL)
 
@@ -142,7 +143,7 @@ def base_image() -> None:
             for entry in (rootfs / cache).glob("*"):
                 if entry.is_file():
                     entry.unlink()
-        ctr = output(buildah("from", "scratch"))
+        ctr = output(buildah("from", "--name", f"{CONTAINER_PREFIXES[0]}base", "scratch"))
         try:
             mnt = output(buildah("mount", ctr))
             run(["cp", "-a", f"{rootfs}/.", mnt])
@@ -156,29 +157,43 @@ def base_image() -> None:
 
 def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
     """One layer per image (--layers=false: vfs stores every layer as a full copy); the image the tag named
-    before is removed, so reruns leave no dangling copies behind."""
+    before is removed, so reruns leave no dangling copies behind. Output lines carry the seconds since start."""
     previous = image_id(tag)
     cmd = buildah("bud", "--isolation", "chroot", "--layers=false", "-f", dockerfile, "-t", tag)
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
-    run([*cmd, str(ROOT)], cwd=ROOT)
+    start = time.monotonic()
+    with subprocess.Popen([*cmd, str(ROOT)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace") as proc:  # fmt: skip
+        for line in proc.stdout:
+            print(f"[{time.monotonic() - start:4.0f} s] {line}", end="", flush=True)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
     if previous and previous != image_id(tag):
         run(buildah("rmi", previous), stdout=subprocess.DEVNULL)
+
+
+def image_rootfs(image: str) -> str:
+    """The image's root filesystem in buildah's vfs storage. vfs keeps every layer as a whole tree, so the top
+    layer's directory is the image's root: mounted read-only, it spares the 2 GB copy a container would make."""
+    graphroot = output(buildah("info", "--format", "{{.store.GraphRoot}}"))
+    wanted = image_id(image)
+    images = json.loads(Path(graphroot, "vfs-images", "images.json").read_text())
+    layer = next(entry["layer"] for entry in images if entry["id"] == wanted)
+    return str(Path(graphroot, "vfs", "dir", layer))
 
 
 # ---- running an image like its pod ---------------------------------------------------------------------
 
 
 class Sandbox:
-    """An image's root filesystem, mounted by buildah, and a network namespace holding only loopback."""
+    """An image's root filesystem (read-only, straight from buildah's storage) and a network namespace holding
+    only loopback."""
 
     def __init__(self, image: str) -> None:
         self.image = image
         self.config = json.loads(output(buildah("inspect", "--type", "image", image)))["OCIv1"]["config"]
-        self.ctr = output(
-            buildah("from", "--pull-never", "--name", f"{CONTAINER_PREFIX}{os.getpid()}", image)
-        )
-        self.rootfs = output(buildah("mount", self.ctr))
+        self.rootfs = image_rootfs(image)
         self.netns = subprocess.Popen(
             ["unshare", "--net", "--", "sh", "-c", "ip link set lo up && exec sleep 86400"]
         )
@@ -246,8 +261,6 @@ class Sandbox:
     def close(self) -> None:
         self.netns.kill()
         self.netns.wait()
-        subprocess.run(buildah("umount", self.ctr), capture_output=True, env=ENV)
-        subprocess.run(buildah("rm", self.ctr), capture_output=True, env=ENV)
 
 
 @contextlib.contextmanager
@@ -458,8 +471,8 @@ def emulator_client(kubeconfig: str, ready: str, done: str) -> None:
 
 def sizes(images: list[str]) -> None:
     for image in images:
-        size = json.loads(output(buildah("images", "--json", image)))[0]["size"]
-        say(f"size {image}: {size / 1e6:.0f} MB")
+        size = json.loads(output(buildah("images", "--json", image)))[0]["size"]  # "2.24 GB": uncompressed
+        say(f"size {image}: {size}")
 
 
 def main() -> int:
@@ -494,15 +507,11 @@ def main() -> int:
         )
     with step(f"build {operator}"):
         build("images/operator/Dockerfile", operator, {"BASE_IMAGE": BASE, "VERSION": version()})
-    with step(f"container of {engine} (vfs copies its root filesystem)"):
-        box = Sandbox(engine)
-    try:
+    with sandbox(engine) as box:
         with step("engine: /health, chat completion, prebuilt kernels"):
             check_engine(box, logs)
         with step("engine: Triton's run-time C build"):
             check_triton_build(box, logs)
-    finally:
-        box.close()
     with step("operator: InferenceDeployment -> StatefulSet"):
         check_operator(operator, logs)
     sizes([engine, operator])
