@@ -7,12 +7,12 @@ filesystem through unshare + chroot: the image's user, environment and working d
 read-only, a fresh tmpfs on /tmp as the only writable place, and a network namespace with nothing but
 loopback; the checks run inside that namespace (nsenter).
 
-Steps: tools, base image, wheels (this host's pip configuration, images/fetch_wheels.py), the engine image
-(CPU flavour) and the operator image; then the engine answers /health and a chat completion through the
-official `openai` client, /metrics names a prebuilt kernel variant and nothing was compiled at run time;
-Triton's own run-time C build (the path of its GPU driver module) works inside the engine image; the
-operator reconciles a sample InferenceDeployment into its StatefulSet on the test kit's Kubernetes
-emulator. Prints each step's time and the image sizes. Needs root (buildah's storage, namespaces).
+Steps: tools; the base image and the wheels (this host's pip configuration, images/fetch_wheels.py), side by
+side; the engine image (CPU flavour) and the operator image, side by side; then the engine answers /health and
+a chat completion through the official `openai` client, /metrics names a prebuilt kernel variant and nothing
+was compiled at run time; Triton's own run-time C build (the path of its GPU driver module) works inside the
+engine image; the operator reconciles a sample InferenceDeployment into its StatefulSet on the test kit's
+Kubernetes emulator. Prints each step's time and the image sizes. Needs root (buildah's storage, namespaces).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +61,23 @@ def step(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        TIMINGS.append((name, time.monotonic() - start))
-        say(f"--- {name}: {TIMINGS[-1][1]:.0f} s")
+        seconds = time.monotonic() - start
+        TIMINGS.append((name, seconds))
+        say(f"--- {name}: {seconds:.0f} s")
+
+
+def side_by_side(tasks: dict[str, Callable[[], None]]) -> None:
+    """Run ``tasks`` at once, each a step of its own: a download or a single-threaded pip install leaves the
+    second core and the disk idle. The first failure is raised once all have ended."""
+
+    def timed(name: str, task: Callable[[], None]) -> None:
+        with step(name):
+            task()
+
+    with ThreadPoolExecutor(len(tasks)) as pool:
+        futures = [pool.submit(timed, name, task) for name, task in tasks.items()]
+    for future in futures:
+        future.result()
 
 
 def buildah(*args: str) -> list[str]:
@@ -155,18 +171,26 @@ def base_image() -> None:
             subprocess.run(buildah("rm", ctr), capture_output=True, env=ENV)
 
 
+def wheels() -> None:
+    """Every wheel both images install, downloaded once into images/wheels (emptied first: the builds install
+    from it with --no-index, so nothing stale may linger)."""
+    shutil.rmtree(fetch_wheels.WHEELS, ignore_errors=True)
+    fetch_wheels.download("cpu")
+
+
 def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
     """One layer per image (--layers=false: vfs stores every layer as a full copy); the image the tag named
-    before is removed, so reruns leave no dangling copies behind. Output lines carry the seconds since start."""
+    before is removed, so reruns leave no dangling copies behind. Output lines carry the image's name and the
+    seconds since its build started."""
     previous = image_id(tag)
     cmd = buildah("bud", "--isolation", "chroot", "--layers=false", "-f", dockerfile, "-t", tag)
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
-    start = time.monotonic()
+    label, start = tag.rsplit("/", 1)[-1], time.monotonic()
     with subprocess.Popen([*cmd, str(ROOT)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, errors="replace") as proc:  # fmt: skip
         for line in proc.stdout:
-            print(f"[{time.monotonic() - start:4.0f} s] {line}", end="", flush=True)
+            print(f"[{label} {time.monotonic() - start:4.0f} s] {line}", end="", flush=True)
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     if previous and previous != image_id(tag):
@@ -494,19 +518,16 @@ def main() -> int:
         tools()
         storage_conf()
         remove_leftover_containers()
-    with step("base image (debootstrap bookworm)"):
-        base_image()
-    with step("wheels (host pip configuration)"):
-        shutil.rmtree(fetch_wheels.WHEELS, ignore_errors=True)
-        fetch_wheels.download("cpu")
-    with step(f"build {engine}"):
-        build(
-            "images/engine/Dockerfile",
-            engine,
-            {"BASE_IMAGE": BASE, "TORCH_FLAVOUR": "cpu", "VERSION": version()},
+    with step("base image and wheels"):
+        side_by_side(
+            {"base image (debootstrap bookworm)": base_image, "wheels (host pip configuration)": wheels}
         )
-    with step(f"build {operator}"):
-        build("images/operator/Dockerfile", operator, {"BASE_IMAGE": BASE, "VERSION": version()})
+    common = {"BASE_IMAGE": BASE, "VERSION": version()}
+    with step("both images"):
+        side_by_side({
+            f"build {engine}": lambda: build("images/engine/Dockerfile", engine, {**common, "TORCH_FLAVOUR": "cpu"}),
+            f"build {operator}": lambda: build("images/operator/Dockerfile", operator, common),
+        })  # fmt: skip
     with sandbox(engine) as box:
         with step("engine: /health, chat completion, prebuilt kernels"):
             check_engine(box, logs)
