@@ -46,6 +46,8 @@ BASE_RECIPE = (
 MIRROR = "http://deb.debian.org/debian"
 ENV = dict(os.environ, STORAGE_DRIVER="vfs")
 TIMINGS: list[tuple[str, float]] = []
+# images a tag named before this run rebuilt it: removed once built, so none is left dangling
+REPLACED: list[str] = []
 # working containers (ours, and those `buildah bud` names after the base): a run removes what an interrupted one left
 CONTAINER_PREFIXES = ("pagoda-image-check-", "pagoda-base-working-container")
 
@@ -143,7 +145,8 @@ def image_id(name: str) -> str | None:
 
 def base_image() -> None:
     """Debian bookworm from Debian's own packages, as buildah's local image BASE (kept between runs)."""
-    if image_id(BASE):
+    previous = image_id(BASE)
+    if previous:
         labels = json.loads(output(buildah("inspect", "--type", "image", BASE)))["OCIv1"]["config"]
         if (labels.get("Labels") or {}).get("pagoda.base.recipe") == BASE_RECIPE:
             say(f"{BASE} is cached")
@@ -169,6 +172,8 @@ def base_image() -> None:
             run(buildah("commit", "--quiet", ctr, BASE), stdout=subprocess.DEVNULL)
         finally:
             subprocess.run(buildah("rm", ctr), capture_output=True, env=ENV)
+    if previous:
+        REPLACED.append(previous)
 
 
 def wheels() -> None:
@@ -179,9 +184,8 @@ def wheels() -> None:
 
 
 def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
-    """One layer per image (--layers=false: vfs stores every layer as a full copy); the image the tag named
-    before is removed, so reruns leave no dangling copies behind. Output lines carry the image's name and the
-    seconds since its build started."""
+    """One layer per image (--layers=false: vfs stores every layer as a full copy). Output lines carry the
+    image's name and the seconds since its build started."""
     previous = image_id(tag)
     cmd = buildah("bud", "--isolation", "chroot", "--layers=false", "-f", dockerfile, "-t", tag)
     for key, value in args.items():
@@ -194,7 +198,15 @@ def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     if previous and previous != image_id(tag):
-        run(buildah("rmi", previous), stdout=subprocess.DEVNULL)
+        REPLACED.append(previous)
+
+
+def remove_replaced() -> None:
+    """The images this run's tags replaced, the base last (the old images built on it go first)."""
+    for image in reversed(REPLACED):
+        proc = subprocess.run(buildah("rmi", image), capture_output=True, text=True, env=ENV)
+        if proc.returncode:
+            say(f"could not remove the replaced image {image}: {proc.stderr.strip()}")
 
 
 def image_rootfs(image: str) -> str:
@@ -528,6 +540,8 @@ def main() -> int:
             f"build {engine}": lambda: build("images/engine/Dockerfile", engine, {**common, "TORCH_FLAVOUR": "cpu"}),
             f"build {operator}": lambda: build("images/operator/Dockerfile", operator, common),
         })  # fmt: skip
+    with step("remove the images this run replaced"):
+        remove_replaced()
     with sandbox(engine) as box:
         with step("engine: /health, chat completion, prebuilt kernels"):
             check_engine(box, logs)
