@@ -129,7 +129,7 @@ class EngineConfig:
     kv_window_tokens: int | None = _opt(
         None,
         "most recent tokens kept under streaming eviction (blocks between sinks and window are freed); "
-        "default: max-model-len minus the sink blocks",
+        "default: max-model-len minus twice the sink blocks (the sinks are kept as written and as rotated)",
     )
     enable_partial_prefix_reuse: bool = _opt(
         True,

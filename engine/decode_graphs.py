@@ -150,6 +150,7 @@ class DecodeGraphs:
             and len(step.sample_idx) == n
             and step.block_tables.shape[1] <= self.max_blocks
             and int(step.context_lens.max()) < self.max_model_len
+            and int(step.positions.max()) < self.max_model_len  # attention sinks go past what was recorded
         )
 
     @torch.inference_mode()
@@ -164,7 +165,7 @@ class DecodeGraphs:
         host["input_ids"][:n] = step.input_ids
         host["positions"][:n] = positions
         host["slot_mapping"][:n] = (
-            tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+            tables[np.arange(n), context_lens // bs].astype(np.int64) * bs + context_lens % bs
         )
         host["seq_lens"][:n] = context_lens + 1
         host["context_lens"][:n] = context_lens

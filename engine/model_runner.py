@@ -326,7 +326,7 @@ class ModelRunner:
                 data = self.gather_blocks([op.block_id for op in run])
                 saved.extend((op.block_hash, data[j]) for j, op in enumerate(run))
             elif kind is RotateBlock:
-                self._rotate([op.block_id for op in run], [op.delta for op in run])
+                self._rotate([op.src for op in run], [op.dst for op in run], [op.delta for op in run])
             else:
                 self._scatter([op.block_id for op in run], [op.data for op in run])
         return saved
@@ -347,11 +347,11 @@ class ModelRunner:
         scales = cache.scales.index_select(1, ids).unsqueeze(-1).view(torch.int8)  # [2, n, bs, H, 4]
         return torch.cat((kv, scales), dim=-1)
 
-    def _rotate(self, block_ids: list[int], deltas: list[int]) -> None:
-        """Attention sinks: re-rotate the keys of blocks that moved down the cache (RotateBlock ops)."""
+    def _rotate(self, src: list[int], dst: list[int], deltas: list[int]) -> None:
+        """Attention sinks: the sinks' keys, rotated from their written blocks to follow the window."""
         inv_freq = self.model.rotary.inv_freq
         for cache in self.kv_caches:
-            rotate_keys_(cache.kv, cache.scales, block_ids, deltas, inv_freq)
+            rotate_keys_(cache.kv, cache.scales, src, dst, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[n, *block_shape] on the host (pinned on CUDA)."""
@@ -473,9 +473,10 @@ class ModelRunner:
         bs = self.block_size
         tables, pos, qlens = step.block_tables, step.positions, step.query_lens
         row = np.repeat(np.arange(len(qlens)), qlens)
-        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])
+        cache_pos = step.context_lens[row] + np.arange(len(row)) - qsl[row]  # where each new token goes
+        slots = tables[row, cache_pos // bs].astype(np.int64) * bs + cache_pos % bs
         dev = self.device
         seq_lens = step.context_lens + qlens
         qlist, slist = qlens.tolist(), seq_lens.tolist()
@@ -492,6 +493,7 @@ class ModelRunner:
             query_lens_list=qlist,
             seq_lens_list=slist,
             is_decode_only=all(q == 1 for q in qlist),
+            max_position=int(pos.max()) if len(pos) else 0,
         )
         return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
 
@@ -501,7 +503,8 @@ class StepInput:
     """A step's batch as plain arrays: what the forward needs, small enough to send to other ranks."""
 
     input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
+    # [T] int64 rotary positions: cache positions, after attention-sink evictions plus the evicted tokens
+    positions: np.ndarray
     query_lens: np.ndarray  # [S] int64, new tokens per sequence
     context_lens: np.ndarray  # [S] int64, tokens already cached per sequence
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
@@ -522,7 +525,8 @@ def prepare_step(
     for sched in scheduled:
         start, n = sched.start, sched.num_new_tokens
         tokens.extend(sched.seq.cache_tokens(start, n))
-        positions.append(np.arange(start, start + n, dtype=np.int64))
+        # rotary positions: cache positions, plus the tokens attention sinks evicted before them
+        positions.append(np.arange(start, start + n, dtype=np.int64) + sched.position_offset)
         qlens.append(n)
         ctx.append(start)
         offset += n
@@ -544,8 +548,8 @@ def prepare_step(
 
 
 def _blocks_of(op: KVOp) -> set[int]:
-    if isinstance(op, CopyBlock):
+    if isinstance(op, CopyBlock | RotateBlock):
         return {op.src, op.dst}
-    if isinstance(op, SaveBlock | LoadBlock | RotateBlock):
+    if isinstance(op, SaveBlock | LoadBlock):
         return {op.block_id}
     raise TypeError(f"unknown KV op {op!r}")

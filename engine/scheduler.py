@@ -63,6 +63,8 @@ class ScheduledSeq:
     # from this row's logits (the sequence itself, plus its fork children when an n > 1 prompt completes).
     block_table: list[int] = field(default_factory=list)
     sample_seqs: list[Sequence] = field(default_factory=list)
+    # Attention sinks: tokens evicted from the cache since it was built; rotary positions add it.
+    position_offset: int = 0
     # Tokens this chunk starts from (the sequence's computed count when scheduled).
     start: int = field(init=False)
 
@@ -279,6 +281,7 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         for sched in out.scheduled:
             sched.block_table = self.kv.get_block_table(sched.seq.seq_id)
+            sched.position_offset = self.kv.get_position_offset(sched.seq.seq_id)
             if sched.samples:
                 sched.sample_seqs = [sched.seq]
                 req = sched.request
@@ -323,7 +326,7 @@ class Scheduler:
 
     def _evict_middle(self, req: Request, seq: Sequence, num_new: int) -> None:
         """Attention sinks: when the step would take the sequence's cache past its budget, free whole
-        blocks of computed tokens right after the sinks (the manager re-rotates the blocks that move down)."""
+        blocks of computed tokens right after the sinks (the manager rotates the sinks to follow)."""
         sink, cap = req.kv_streaming
         over = seq.num_computed_tokens + num_new - cap
         if over <= 0:

@@ -35,6 +35,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     # True when every sequence contributes exactly one new token (a pure decode step).
     is_decode_only: bool = False
+    # The largest rotary position of the step (host side); None: below max_seq_len. Above it only after
+    # attention-sink evictions, whose positions go on counting past the evicted tokens.
+    max_position: int | None = None
 
 
 @dataclass

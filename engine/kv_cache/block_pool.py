@@ -204,14 +204,6 @@ class BlockPool:
         self.events.stored("device", block_hash)
         return True
 
-    def uncache(self, block: Block) -> None:
-        """Drop a referenced block's index entry (its KV is about to change in place: attention sinks)."""
-        if block.ref_cnt <= 0 or block.block_hash is None:
-            raise AssertionError(f"only referenced cached blocks can be uncached, got {block}")
-        del self.cached[block.block_hash]
-        self.events.removed("device", block.block_hash)
-        block.block_hash = None
-
     def insert_external(self, block_hash: BlockHash) -> Block | None:
         """Allocate a block and register it under ``block_hash``, for KV loaded from another tier.
 

@@ -34,10 +34,14 @@ class _SeqState:
     num_tokens: int = 0  # tokens whose slots were handed out: the next write starts here
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its first full blocks
     num_cached: int = 0  # leading blocks already offered to the cache index
-    # Attention sinks: after an eviction only the first cache_limit blocks (the sinks) may be cached, the
-    # rest hold KV that depended on dropped context.
-    cache_limit: int | None = None
     root: BlockHash | None = None  # parent of the first block: None, or a LoRA adapter's chain root
+    # Attention sinks: after an eviction nothing more is cached (cache_limit 0): later blocks hold KV that
+    # depended on dropped context, and the table's sinks are rotated copies. The sinks as written stay
+    # aside (sink_sources, referenced, still cached) as the source of every rotation; position_offset
+    # counts the tokens evicted since the table was built.
+    cache_limit: int | None = None
+    sink_sources: list[Block] = field(default_factory=list)
+    position_offset: int = 0
 
 
 class KVCacheManager:
@@ -117,6 +121,12 @@ class KVCacheManager:
         """The parent of ``seq_id``'s first block (its LoRA adapter's root, or None)."""
         state = self._seqs.get(seq_id)
         return None if state is None else state.root
+
+    def get_position_offset(self, seq_id: str) -> int:
+        """Attention sinks: tokens evicted from ``seq_id``'s cache since its table was built, which its rotary
+        positions add to cache positions (0 for any other sequence)."""
+        state = self._seqs.get(seq_id)
+        return 0 if state is None else state.position_offset
 
     def get_block_hashes(self, seq_id: str) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``seq_id`` known so far (for the offload tiers)."""
@@ -315,11 +325,14 @@ class KVCacheManager:
 
     def drop_blocks(self, seq_id: str, first: int, count: int) -> bool:
         """Attention sinks: free table entries ``first .. first + count`` (whole blocks of computed tokens
-        between the sinks and the window). The blocks after them move down the cache by ``count`` blocks: a
-        RotateBlock op re-rotates their keys to the new positions, after a CopyBlock into a private block for
-        any that another table shares, and any that were cached leave the index (their KV no longer matches
-        their hash). From now on only the first ``first`` blocks may be cached. False, with nothing
-        changed, when the pool has no room for those copies."""
+        between the sinks and the window). The blocks after them keep their KV, keys included: rotary
+        positions go on counting past the evicted tokens (``get_position_offset``), so every distance inside
+        the window stays the true one. The ``first`` sink blocks must then look that many tokens further
+        back than they were written: the first eviction sets the written blocks aside (still referenced and
+        cached, a prefix others may share) and gives the table private copies, and every eviction writes
+        into those copies the written keys rotated by the whole offset (CopyBlock, then RotateBlock), so no
+        key is rotated twice. From then on nothing more of the table is cached. False, with nothing
+        changed, when the pool has no room for the copies."""
         state = self._state(seq_id)
         if count < 1 or first < 0 or first + count > len(state.blocks):
             raise ValueError(
@@ -327,30 +340,30 @@ class KVCacheManager:
             )
         if state.num_tokens < (first + count) * self.block_size:
             raise ValueError("only whole blocks of tokens already written can be dropped")
+        sinks = state.blocks[:first]
+        # The first eviction copies every sink block; later ones only a copy another table shares (a fork).
+        copies = [i for i, b in enumerate(sinks) if not state.sink_sources or b.ref_cnt > 1]
         dropped = state.blocks[first : first + count]
-        moved = state.blocks[first + count :]
-        # Freeing the dropped blocks first may give the copies their room.
-        gained = sum(1 for b in dropped if b.ref_cnt == 1)
-        shared = [i for i, b in enumerate(moved) if b.ref_cnt > 1]
-        if len(shared) > self.block_pool.num_free_blocks + gained:
+        gained = sum(1 for b in dropped if b.ref_cnt == 1)  # freeing them first may make the copies' room
+        if len(copies) > self.block_pool.num_free_blocks + gained:
             return False
         del state.blocks[first : first + count]
         self.block_pool.free_blocks(reversed(dropped))
         self._ops.drop_copies_into({b.block_id for b in dropped if b.ref_cnt == 0})
-        fresh = self.block_pool.get_new_blocks(len(shared))
-        for i, dst in zip(shared, fresh, strict=True):
-            src = moved[i]
-            self._ops.append(CopyBlock(src.block_id, dst.block_id))
-            state.blocks[first + i] = dst
-            self.block_pool.free_blocks([src])
-        delta = -count * self.block_size
-        for block in state.blocks[first:]:
-            if block.block_hash is not None:
-                self.block_pool.uncache(block)
-                self.partial_index.remove(block.block_id)
-            self._ops.append(RotateBlock(block.block_id, delta))
+        if not state.sink_sources:
+            state.sink_sources = list(sinks)  # their references move from the table to here
+        fresh = self.block_pool.get_new_blocks(len(copies))
+        for i, dst in zip(copies, fresh, strict=True):
+            src = state.blocks[i]
+            self._ops.append(CopyBlock(src.block_id, dst.block_id))  # the values; the keys come next
+            state.blocks[i] = dst
+            if src not in state.sink_sources:
+                self.block_pool.free_blocks([src])
+        state.position_offset += count * self.block_size
+        for src, dst in zip(state.sink_sources, state.blocks[:first], strict=True):
+            self._ops.append(RotateBlock(src.block_id, dst.block_id, state.position_offset))
         state.num_tokens -= count * self.block_size
-        state.cache_limit = first if state.cache_limit is None else min(state.cache_limit, first)
+        state.cache_limit = 0
         state.num_cached = min(state.num_cached, first)
         del state.hashes[first:]
         return True
@@ -399,6 +412,7 @@ class KVCacheManager:
         if existing is not None and existing.blocks:
             raise ValueError(f"child_id {child_id!r} already has blocks")
         self.block_pool.touch(parent.blocks)
+        self.block_pool.touch(parent.sink_sources)
         self._seqs[child_id] = _SeqState(
             blocks=list(parent.blocks),
             num_tokens=parent.num_tokens,
@@ -406,6 +420,8 @@ class KVCacheManager:
             num_cached=parent.num_cached,
             cache_limit=parent.cache_limit,
             root=parent.root,
+            sink_sources=list(parent.sink_sources),
+            position_offset=parent.position_offset,
         )
 
     def free(self, seq_id: str) -> None:
@@ -414,6 +430,7 @@ class KVCacheManager:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
+            self.block_pool.free_blocks(state.sink_sources)  # a shared prefix's head: evicted last
             self._ops.drop_copies_into({b.block_id for b in state.blocks if b.ref_cnt == 0})
 
     def _state(self, seq_id: str) -> _SeqState:
@@ -432,6 +449,8 @@ class KVCacheManager:
             assert state.num_cached <= len(state.blocks), f"{seq_id}: more cached blocks than blocks"
             assert state.num_cached <= len(state.hashes), f"{seq_id}: cached blocks without hashes"
             assert len({b.block_id for b in state.blocks}) == len(state.blocks), f"{seq_id}: repeated block"
+            for block in state.sink_sources:
+                refs[block.block_id] += 1
             for i, block in enumerate(state.blocks):
                 refs[block.block_id] += 1
                 if block.block_hash is not None and i < len(state.hashes):

@@ -40,10 +40,12 @@ class LoadBlock:
 
 @dataclass(frozen=True)
 class RotateBlock:
-    """Attention sinks: re-rotate the keys of block ``block_id`` by ``delta`` positions (negative: the block
-    moved ``-delta`` positions down the cache after an eviction), so each key carries its cache position."""
+    """Attention sinks: block ``dst``'s keys become block ``src``'s keys (the sinks as written) rotated by
+    ``delta`` positions; its values are left as they are. Always from the written keys, so a sink key is
+    rotated once however many evictions moved the window on."""
 
-    block_id: int
+    src: int
+    dst: int
     delta: int
 
 
@@ -60,14 +62,14 @@ class KVOpLog:
         self.ops.append(op)
 
     def drop_copies_into(self, block_ids: set[int]) -> None:
-        """A freed block's pending copy-on-write (or re-rotation) is moot: nothing will read its result."""
+        """A freed block's pending copy-on-write (or sink rotation) is moot: nothing will read its result."""
         if block_ids and self.ops:
             self.ops = [
                 op
                 for op in self.ops
                 if not (
                     (isinstance(op, CopyBlock) and op.dst in block_ids)
-                    or (isinstance(op, RotateBlock) and op.block_id in block_ids)
+                    or (isinstance(op, RotateBlock) and op.dst in block_ids)
                 )
             ]
 

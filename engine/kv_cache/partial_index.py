@@ -4,7 +4,7 @@ A prefix hit by chained hashes stops at the last whole block that matches. The b
 share its first k tokens with a cached block that continues the same parent: this index finds that block,
 so the KV cache manager can copy it into a fresh block and count k more tokens as computed. The manager
 keeps the index in step with the block pool's cache index (add when a block is registered, remove when it
-is evicted, uncached or the cache is reset).
+is evicted or the cache is reset).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class PartialBlockIndex:
         self._parent_of[block_id] = key
 
     def remove(self, block_id: int) -> None:
-        """Forget a block (evicted, uncached); unknown ids are ignored."""
+        """Forget a block (evicted); unknown ids are ignored."""
         key = self._parent_of.pop(block_id, None)
         if key is None:
             return

@@ -28,7 +28,8 @@ class StreamingDefaults:
 
 @dataclass(frozen=True)
 class StreamingPlan:
-    """sink: tokens kept for good (whole blocks); budget: most tokens a sequence keeps in the cache."""
+    """sink: tokens kept for good (whole blocks); budget: most tokens of a sequence's block table (sinks +
+    window; the sinks as written take ``sink`` more)."""
 
     sink: int
     budget: int
@@ -70,18 +71,20 @@ def resolve_streaming(
     sink = -(-sink_tokens // block_size) * block_size
     window_req = getattr(params, "kv_window_tokens", None)
     window = defaults.kv_window_tokens if window_req is None else window_req
+    # The sinks take their blocks twice: as written, and rotated to follow the window (manager.drop_blocks).
     if window is None:
-        window = max_model_len - sink
+        window = max_model_len - 2 * sink
     if window < 2 * block_size:
         raise ValueError(
-            f"kv_window_tokens must be at least two blocks ({2 * block_size} tokens) after {sink} sink "
-            f"tokens within max_model_len {max_model_len}, got {window}"
+            f"kv_window_tokens must be at least two blocks ({2 * block_size} tokens) after twice the {sink} "
+            f"sink tokens within max_model_len {max_model_len}, got {window}"
         )
     budget = sink + window
-    if budget > max_model_len:
+    if budget + sink > max_model_len:
         raise ValueError(
-            f"kv_window_tokens plus the sink tokens ({sink}, whole blocks of {block_size}) must not exceed "
-            f"max_model_len {max_model_len}, got {window}"
+            f"kv_window_tokens plus twice the sink tokens (2 x {sink}, whole blocks of {block_size}: the sinks "
+            f"as written and as rotated to follow the window) must not exceed max_model_len {max_model_len}, "
+            f"got {window}"
         )
     if prompt_len >= budget:
         raise ValueError(

@@ -156,11 +156,33 @@ class RotaryEmbedding(nn.Module):
         self._cast = {}
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
+        """cos, sin [T, 1, head_dim] of ``positions`` (``max_position``: their largest, known on the host)."""
+        if max_position >= self.max_positions:
+            return self._cos_sin_past_table(positions, dtype)
         self._ensure(max_position + 1)
+        cos, sin = self._table(dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._cast:
             self._cast[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
-        cos, sin = self._cast[dtype]
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, head_dim]
+        return self._cast[dtype]
+
+    def _cos_sin_past_table(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Positions past the model's trained length come only from attention sinks, whose positions go on
+        counting past evicted tokens (relative distances stay within the cache). Those rows are computed,
+        in float64 reduced modulo 2 pi (a float32 product loses the angle's fraction there), so the table
+        stays bounded; the rows below still come from the table, so a sequence's rotary does not depend on
+        what else is in its batch."""
+        self._ensure(self.max_positions)
+        inside = positions < self.max_positions
+        cos_t, sin_t = self._table(dtype)
+        at = positions.clamp(max=self.max_positions - 1)
+        freqs = torch.remainder(positions.double()[:, None] * self.inv_freq.double()[None, :], 2 * math.pi)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = torch.where(inside[:, None], cos_t[at], emb.cos().float().to(dtype))
+        sin = torch.where(inside[:, None], sin_t[at], emb.sin().float().to(dtype))
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {len(self.layers)}")
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, meta.max_seq_len, x.dtype)
+        top = meta.max_seq_len if meta.max_position is None else meta.max_position
+        cos, sin = self.rotary.cos_sin(positions, top, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, cache, meta)

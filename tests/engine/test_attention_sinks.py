@@ -98,12 +98,14 @@ def test_bad_sizes_are_refused_at_the_door(llm):
 
 def test_sliding_window_model_keeps_its_own_window(tiny_model):
     """Mistral with sliding_window=24: once the sinks fall out of its window, eviction must not change a
-    single greedy token (re-rotated keys keep their relative positions), against a run with room to spare."""
+    single greedy token (the window keeps its keys and true distances), against a run with room to spare.
+    A 48-token window keeps at least 33 tokens after an eviction, more than the model's 24; the sinks take
+    their 16 tokens twice (as written and rotated), so that needs a max_model_len of 80."""
     path = str(tiny_model("mistral"))
     prompt = list(range(3, 23))
     n = 4 * MAX_LEN
-    streaming = LLM(path, device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=4 << 20,
-                    skip_tokenizer_init=True, kv_eviction="streaming")  # fmt: skip
+    streaming = LLM(path, device="cpu", dtype="float32", max_model_len=MAX_LEN + 16, kv_cache_memory_bytes=4 << 20,
+                    skip_tokenizer_init=True, kv_eviction="streaming", kv_window_tokens=48)  # fmt: skip
     roomy = LLM(
         path,
         device="cpu",

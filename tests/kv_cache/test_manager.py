@@ -387,3 +387,36 @@ def test_copy_then_free_then_load_into_the_same_block_keeps_the_loaded_kv():
             mem[op.block_id] = op.data
     assert mem[copy.dst] == "loaded"
     m.check_invariants()
+
+
+def test_sink_eviction_keeps_the_written_sinks_and_rotates_private_copies():
+    """Attention sinks (one sink block): the written sink stays cached and referenced aside, the table gets
+    a copy whose keys are rotated from it by the whole offset at every eviction; the window keeps its blocks
+    and cache entries; a fork's evictions copy a shared sink copy before rotating it."""
+    from pagoda.engine.kv_cache.ops import RotateBlock
+
+    m = KVCacheManager(num_blocks=12, block_size=BS)
+    tokens = list(range(4 * BS))
+    run_prefill(m, "p", tokens)
+    written, w1, w2, w3 = m.get_block_table("p")
+    m.take_ops()
+    assert m.drop_blocks("p", 1, 1)  # the block after the sink goes
+    sink_copy = m.get_block_table("p")[0]
+    assert m.get_block_table("p") == [sink_copy, w2, w3] and sink_copy != written
+    assert m.take_ops() == [CopyBlock(written, sink_copy), RotateBlock(written, sink_copy, BS)]
+    assert m.get_position_offset("p") == BS
+    assert m.block_pool.blocks[written].ref_cnt == 1 and m.block_pool.blocks[written].block_hash is not None
+    assert m.block_pool.blocks[w2].block_hash is not None  # unchanged KV: still a valid prefix block
+    m.check_invariants()
+    m.fork("p", "c")
+    assert m.drop_blocks("c", 1, 1)  # the child's sink copy is shared: copied, then rotated from the written
+    c_copy = m.get_block_table("c")[0]
+    assert c_copy not in (sink_copy, written)
+    assert m.take_ops() == [CopyBlock(sink_copy, c_copy), RotateBlock(written, c_copy, 2 * BS)]
+    assert m.drop_blocks("p", 1, 1)  # the parent's copy is its own again: rotated in place, never re-rotated
+    assert m.take_ops() == [RotateBlock(written, sink_copy, 2 * BS)]
+    m.check_invariants()
+    m.free("p")
+    m.free("c")
+    m.check_invariants()
+    assert m.num_used_blocks == 0 and m.find_cached_prefix(tokens) == 3 * BS  # the prefix is still cached

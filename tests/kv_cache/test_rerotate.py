@@ -1,5 +1,6 @@
-"""Re-rotating cached keys (attention sinks): a key written at position p and rotated by -d equals the key
-written at p - d, in float32 and, within quantization error, in an INT8 cache with per-token scales."""
+"""Rotating attention-sink keys: the keys of a block written at position p, rotated by d into another block,
+equal the keys written at p + d, in float32 and, within quantization error, in an INT8 cache with per-token
+scales; the written block and every value stay as they are."""
 
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ def _rotated(raw: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) 
     return apply_rotary(raw, cos, sin)
 
 
-def test_rotating_by_minus_d_equals_writing_d_positions_earlier():
+def test_rotating_by_d_equals_writing_d_positions_later():
     torch.manual_seed(0)
     rope = RotaryEmbedding(DIM, 10000.0, None, 512, torch.device("cpu"))
     raw = torch.randn(2 * BS, HEADS, DIM)  # two blocks of keys
-    start, d = 100, 48
+    start, d = 10, 48
     kv = torch.zeros(2, 5, BS, HEADS, DIM)
     kv[0, [1, 3]] = _rotated(raw, torch.arange(start, start + 2 * BS), rope).view(2, BS, HEADS, DIM)
-    values = kv[1].clone()
-    rotate_keys_(kv, None, [1, 3], [-d, -d], rope.inv_freq)
-    want = _rotated(raw, torch.arange(start - d, start - d + 2 * BS), rope).view(2, BS, HEADS, DIM)
-    torch.testing.assert_close(kv[0, [1, 3]], want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(kv[1], values)  # values are never rotated
-    assert torch.count_nonzero(kv[0, [0, 2, 4]]) == 0  # other blocks untouched
+    kv[1] = torch.randn(5, BS, HEADS, DIM)
+    before = kv.clone()
+    rotate_keys_(kv, None, [1, 3], [4, 2], [d, d], rope.inv_freq)
+    want = _rotated(raw, torch.arange(start + d, start + d + 2 * BS), rope).view(2, BS, HEADS, DIM)
+    torch.testing.assert_close(kv[0, [4, 2]], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv[1], before[1])  # values are never rotated
+    assert torch.equal(kv[0, [0, 1, 3]], before[0, [0, 1, 3]])  # the written keys and other blocks stay
 
 
 def test_int8_keys_are_requantized_with_fresh_scales():
@@ -38,12 +40,12 @@ def test_int8_keys_are_requantized_with_fresh_scales():
     scales[0, 2] = keys.abs().amax(-1) / 127
     kv = torch.zeros(2, 3, BS, HEADS, DIM, dtype=torch.int8)
     kv[0, 2] = (keys / scales[0, 2].unsqueeze(-1)).round().to(torch.int8)
-    rotate_keys_(kv, scales, [2], [-32], rope.inv_freq)
-    got = kv[0, 2].float() * scales[0, 2].unsqueeze(-1)
-    want = apply_rotary(keys, *[t[:BS] for t in _cos_sin(rope, -32)])
+    rotate_keys_(kv, scales, [2], [1], [32], rope.inv_freq)
+    got = kv[0, 1].float() * scales[0, 1].unsqueeze(-1)
+    want = apply_rotary(keys, *[t[:BS] for t in _cos_sin(rope, 32)])
     err = (got - want).abs().amax(-1) / want.abs().amax(-1)
     assert float(err.max()) < 2 / 127  # quantized twice: within two steps of the scale
-    assert torch.all(scales[0, 2] > 0)
+    assert torch.all(scales[0, 1] > 0)
 
 
 def _cos_sin(rope: RotaryEmbedding, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +63,7 @@ def test_int8_requantization_rounds_like_the_cache_write():
     kv = torch.zeros(2, 1, BS, HEADS, DIM, dtype=torch.int8)
     scales = torch.zeros(2, 1, BS, HEADS)
     kv[0, 0], scales[0, 0] = q, s
-    rotate_keys_(kv, scales, [0], [0], torch.ones(DIM // 2))
+    rotate_keys_(kv, scales, [0], [0], [0], torch.ones(DIM // 2))
     assert torch.equal(kv[0, 0], q)
     assert torch.equal(scales[0, 0], s)
 
@@ -71,7 +73,7 @@ def test_fp8_keys_near_the_top_of_the_range_saturate_instead_of_turning_nan():
     top = torch.finfo(dtype).max
     kv = torch.zeros(2, 1, BS, HEADS, DIM, dtype=dtype)
     kv[0, 0] = torch.full((BS, HEADS, DIM), top).to(dtype)  # rotating mixes pairs: |x| grows to sqrt(2) x
-    rotate_keys_(kv, None, [0], [7], torch.ones(DIM // 2))
+    rotate_keys_(kv, None, [0], [0], [7], torch.ones(DIM // 2))
     got = kv[0, 0].float()
     assert not torch.isnan(got).any()
     assert float(got.abs().max()) <= top

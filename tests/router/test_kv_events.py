@@ -108,17 +108,3 @@ def test_block_pool_publishes_cache_evict_and_reset():
         ("cleared", "device", ""),
     ]
     assert log.counts()["device"] == 0
-
-
-def test_uncache_publishes_a_removal():
-    pool = BlockPool(1)
-    pool.events = log = KVEventLog()
-    (a,) = pool.get_new_blocks(1)
-    pool.cache_block(a, h(1))
-    pool.uncache(a)  # attention sinks rewrite the block in place: it no longer holds h(1)
-    assert log.counts()["device"] == 0
-    assert [tuple(e) for b in log.since(0)["batches"] for e in b["events"]][-1] == (
-        "removed",
-        "device",
-        h(1).hex(),
-    )
