@@ -77,7 +77,7 @@ def test_keys_stay_one_rotation_from_what_was_computed(dtype, bound):
     plan = resolve_streaming(params, StreamingDefaults(), MAX_LEN, BS, len(prompt))
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=MAX_LEN),
                       CacheConfig(num_blocks=NUM_BLOCKS, block_size=BS))  # fmt: skip
-    sched.add_request(Request("r", None, prompt, params, 10**6, 0.0, kv_streaming=plan.as_tuple))
+    sched.add_request(Request("r", prompt, params, 10**6, 0.0, kv_streaming=plan.as_tuple))
     runner = ModelRunner(
         KeysOnly(), num_layers=1, num_kv_heads=HEADS, head_dim=DIM, device=torch.device("cpu")
     )
