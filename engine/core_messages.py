@@ -54,6 +54,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # with the final output only
+    # Per prompt token (None for the first), with the request's first output when params.prompt_logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -86,8 +86,9 @@ def adapter_info(adapter: LoRAAdapter) -> LoRAAdapterInfo:
 
 
 class EngineCore:
-    """One model replica's compute and state. ``tokenizer`` only adds its EOS id to the model's (a core
-    built without one loads it, unless ``skip_tokenizer_init``); ``publish_kv_events`` keeps the block-event
+    """One model replica's compute and state. ``tokenizer`` adds its EOS id to the model's and gives the
+    grammar engine its vocabulary (a core built without one loads it, unless ``skip_tokenizer_init``: then
+    no structured outputs); ``publish_kv_events`` keeps the block-event
     log routers follow (engine/kv_cache/events.py)."""
 
     def __init__(
@@ -107,7 +108,7 @@ class EngineCore:
         self._closed = False
         self.workers = self._start_tensor_parallel(path)
         try:
-            self._build(config, path, mc, getattr(tokenizer, "eos_token_id", None))
+            self._build(config, path, mc, tokenizer)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
@@ -116,7 +117,7 @@ class EngineCore:
         self.kv_publisher = KVEventPublisher(self.scheduler) if publish_kv_events else None
         self.info = self._engine_info()
 
-    def _build(self, config: EngineConfig, path, mc: ModelConfig, tokenizer_eos: int | None) -> None:
+    def _build(self, config: EngineConfig, path, mc: ModelConfig, tokenizer: Any) -> None:
         """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
@@ -128,6 +129,7 @@ class EngineCore:
         self.fingerprint = model_fingerprint(path)
         self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         eos = set(mc.eos_token_ids)
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None:
             eos.add(tokenizer_eos)
         self.eos_token_ids = sorted(eos)
@@ -211,6 +213,7 @@ class EngineCore:
                 extra_keys=identity,
             ),
             offload,
+            self._structured_outputs(tokenizer),
         )
         self.streaming_defaults = StreamingDefaults(
             config.kv_eviction,
@@ -238,6 +241,15 @@ class EngineCore:
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
             self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
+
+    def _structured_outputs(self, tokenizer: Any):
+        """The grammar engine over this model's vocabulary (None without a tokenizer); it compiles on a
+        thread of its own, never on the loop that steps this core."""
+        if tokenizer is None:
+            return None
+        from pagoda.engine.structured_output.manager import StructuredOutputManager
+
+        return StructuredOutputManager(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _start_tensor_parallel(self, path) -> TPWorkers | None:
         """With tensor_parallel_size N > 1: check the model splits N ways, start ranks 1..N-1 and join
@@ -477,6 +489,8 @@ class EngineCore:
         if self.workers is not None:
             self.workers.shutdown()
             destroy_tensor_parallel()
+        if self.scheduler.structured is not None:
+            self.scheduler.structured.close()
         offload = self.scheduler.offload
         if offload is None:
             return
@@ -515,6 +529,9 @@ class EngineCore:
         self._cpu_threads_for(sched)
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result)
+        for req in sched.grammar_failed:
+            self._record_finished(req)
+            outputs.append(self._make_output(req, list(req.seqs), {}, {}))
         outputs.extend(self._outputs(updates))  # records this step's finished requests for the stats
         if not stats:
             self._pending_finished.clear()
@@ -561,7 +578,12 @@ class EngineCore:
             if metrics.finished_time is None:
                 metrics.finished_time = now()
             metrics.num_preemptions = req.num_preemptions
-        return CoreOutput(req.request_id, deltas, req.finished, req.num_cached_tokens, metrics)
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and deltas:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return CoreOutput(
+            req.request_id, deltas, req.finished, req.num_cached_tokens, metrics, prompt_logprobs
+        )
 
     def _iteration_stats(self, sched: SchedulerOutput, updates: list[SeqUpdate]) -> IterationStats:
         it = IterationStats(
@@ -618,7 +640,7 @@ class EngineCore:
         offload = self.scheduler.offload
         return SchedulerStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
             num_blocks_total=kv.num_blocks,
             num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,

@@ -12,14 +12,21 @@ into a 400 and the offline API raises as it is.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagoda.engine.chat_messages import template_knows_tools, template_messages
 from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.engine_client import EngineInfo
 from pagoda.engine.kv_cache.streaming import resolve_streaming
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.structured_output import check_spec
+
+# chat_template_kwargs may not replace what input processing itself passes to the template.
+RESERVED_TEMPLATE_ARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
+                          "chat_template", "conversation", "documents", "return_dict"}  # fmt: skip
 
 
 class InputError(ValueError):
@@ -46,11 +53,17 @@ def max_chars_per_token(tokenizer: Any) -> int:
 
 
 class InputProcessor:
-    """Checks and resolves requests against one engine's `EngineInfo`; ``tokenizer`` None: token ids only."""
+    """Checks and resolves requests against one engine's `EngineInfo`; ``tokenizer`` None: token ids only.
+    ``chat_template`` (a server's --chat-template) replaces the model's."""
 
-    def __init__(self, info: EngineInfo, tokenizer: Any = None) -> None:
+    def __init__(self, info: EngineInfo, tokenizer: Any = None, chat_template: str | None = None) -> None:
         self.info = info
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        source = chat_template or getattr(tokenizer, "chat_template", None)
+        self.template_source = source if isinstance(source, str) else json.dumps(source)
+        # Tools go to a template that knows them in its own way; Pagoda renders them for one that does not.
+        self.knows_tools = template_knows_tools(self.template_source)
         self.max_model_len = info.max_model_len
         # An id must be both decodable and a row of the logits.
         self.vocab_size = min(len(tokenizer), info.vocab_size) if tokenizer is not None else info.vocab_size
@@ -82,29 +95,50 @@ class InputProcessor:
         )
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, continue_final: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The model's chat template applied to ``messages`` (dicts with role and content)."""
+        """The chat template applied to ``messages`` (dicts with role and content; assistant tool calls and
+        tool results kept), with the client's ``tools`` and ``template_kwargs``."""
         tokenizer = self._need_tokenizer("chat messages", "messages")
         if continue_final and (not messages or messages[-1].get("role") != "assistant"):
             raise InputError(
                 "continue_final_message needs the last message to be the assistant's", "messages"
             )
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+        if reserved:
+            raise InputError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+            )
+        messages, extra = template_messages(messages, tools, self.knows_tools)
         try:
             return tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
                 tokenize=False,
+                chat_template=self.chat_template,
+                **extra,
+                **kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - templates raise on shapes they do not accept
             raise InputError(f"The messages do not fit the model's chat template: {exc}", "messages") from exc
 
     def chat_token_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, continue_final: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], str]:
         """Render and tokenize a conversation: (token ids, the rendered prompt)."""
-        text = self.render_chat(messages, add_generation_prompt, continue_final)
+        text = self.render_chat(messages, add_generation_prompt, continue_final, tools, template_kwargs)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_prompt(ids, "messages")
         return ids, text
@@ -157,6 +191,17 @@ class InputProcessor:
             raise InputError(
                 "stop strings need the tokenizer; the engine was started with skip_tokenizer_init", "stop"
             )
+        spec = params.structured_outputs
+        if spec is not None:
+            if self.tokenizer is None:
+                raise InputError(
+                    "structured outputs need the tokenizer; the engine was started with skip_tokenizer_init",
+                    "structured_outputs",
+                )
+            try:
+                check_spec(spec)
+            except ValueError as exc:
+                raise InputError(str(exc), "structured_outputs", "invalid_grammar") from exc
 
     # ------------------------------------------------------------ the request
 

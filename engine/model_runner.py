@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from pagoda.engine.distributed.workers import CaptureGraphs, Profile, Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.memory import cpu_kv_cache_bytes
-from pagoda.engine.sampler import SamplingRow, sample
+from pagoda.engine.sampler import SamplingRow, logprob_entries, sample
 from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagoda.engine.sizing.engine_plan import gpu_kv_budget
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token as plan_kv_bytes_per_token
@@ -391,6 +391,7 @@ class ModelRunner:
         result = RunnerOutput()
         order, slots = self._batch_order(out.scheduled)
         step = None if out.empty else prepare_step(out.scheduled, order, slots)
+        prompt_rows = prompt_logprob_rows(out.scheduled, step, order) if step is not None else []
         if self.peers is not None and (out.kv_ops or step is not None):
             self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
@@ -400,6 +401,10 @@ class ModelRunner:
         if step is None:
             return result
         logits = self.run(step)
+        if prompt_rows:
+            num_sample = len(step.sample_idx)
+            result.prompt_logprobs = self._prompt_logprobs(logits[num_sample:], out.scheduled, prompt_rows)
+            logits = logits[:num_sample]
         rows, row_index = [], []
         # each sampling sequence's logits row: the step's rows follow `order`
         sampling = [i for i in (order or range(len(out.scheduled))) if out.scheduled[i].samples]
@@ -423,7 +428,7 @@ class ModelRunner:
         if rows:
             if row_index != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(row_index, device=logits.device)]
-            sampled = sample(logits, rows)
+            sampled = sample(logits, rows, out.token_bitmask)
             result.token_ids = sampled.token_ids
             result.logprobs = sampled.logprobs
             result.top_logprobs = sampled.top_logprobs
@@ -437,6 +442,20 @@ class ModelRunner:
             return None, None
         slots = self.lora.slots_for([s.request.lora for s in scheduled])
         return sorted(range(len(scheduled)), key=lambda i: (slots[i] < 0, slots[i])), slots
+
+    @staticmethod
+    def _prompt_logprobs(
+        logits: torch.Tensor, scheduled: list[ScheduledSeq], plan: list[tuple[int, list[int]]]
+    ) -> list[tuple[int, list[dict]]]:
+        """Logprob entries of the prompt tokens each planned chunk predicts (rows of ``logits`` in plan order)."""
+        out, start = [], 0
+        for index, targets in plan:
+            req = scheduled[index].request
+            rows = logits[start : start + len(targets)].log_softmax(dim=-1)
+            start += len(targets)
+            ids = torch.tensor([req.prompt_token_ids[t] for t in targets], device=rows.device)
+            out.append((index, logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(targets))))
+        return out
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Float32 logits for the last token of every sequence that samples this step (in the order of
@@ -452,8 +471,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
         """The forward of one step's batch (what every tensor-parallel rank runs); returns the logits of the
-        sampling rows (on the rank that gathers them; an empty tensor elsewhere)."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(step):
+        sampling rows, then of the prompt-logprob rows (on the rank that gathers them; an empty tensor
+        elsewhere)."""
+        prompt_rows = len(step.logprob_idx) > 0
+        if not prompt_rows and self.decode_graphs is not None and self.decode_graphs.fits(step):
             return self.model.compute_logits(self.decode_graphs.run(step))
         input_ids, positions, meta = self._metadata(step)
         if self.lora is not None:
@@ -463,10 +484,11 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.set_batch(None)
-        if len(step.sample_idx) == 0:
+        rows = np.concatenate([step.sample_idx, step.logprob_idx]) if prompt_rows else step.sample_idx
+        if len(rows) == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        if len(step.sample_idx) != hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(step.sample_idx).to(hidden.device)]
+        if prompt_rows or len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.from_numpy(rows).to(hidden.device)]
         return self.model.compute_logits(hidden)
 
     def _metadata(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -510,6 +532,8 @@ class StepInput:
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
     sample_idx: np.ndarray  # [R] int64, flat index of the last token of each sampling sequence
     lora_rows: np.ndarray | None = None  # [T] int64, each token's LoRA slot (-1: base model); None: no LoRA
+    # [L] int64, flat index of each token whose next-token logprobs the prompt's logprobs need
+    logprob_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def prepare_step(
@@ -545,6 +569,28 @@ def prepare_step(
         sample_idx=np.asarray(sample_idx, dtype=np.int64),
         lora_rows=None if lora_slots is None else np.repeat(lora_slots, qlens),
     )
+
+
+def prompt_logprob_rows(
+    scheduled: list[ScheduledSeq], step: StepInput, order: list[int] | None = None
+) -> list[tuple[int, list[int]]]:
+    """Plan the step's prompt-logprob rows and set ``step.logprob_idx``: per chunk of a request still
+    computing its prompt logprobs, in the step's ``order`` (prepare_step's), (index in ``scheduled``, the
+    prompt positions whose token the chunk predicts: position t is predicted by the chunk's row of t - 1)."""
+    plan, flat, offset = [], [], 0
+    for i in order if order is not None else range(len(scheduled)):
+        sched = scheduled[i]
+        req, start, n = sched.request, sched.start, sched.num_new_tokens
+        if req.needs_prompt_logprobs and sched.seq.index == 0:
+            first = max(start + 1, len(req.prompt_logprobs), 1)
+            last = min(start + n, len(req.prompt_token_ids) - 1)
+            targets = list(range(first, last + 1))
+            if targets:
+                plan.append((i, targets))
+                flat.extend(offset + t - 1 - start for t in targets)
+        offset += n
+    step.logprob_idx = np.asarray(flat, dtype=np.int64)
+    return plan
 
 
 def _blocks_of(op: KVOp) -> set[int]:

@@ -96,6 +96,7 @@ class OutputProcessor:
                     finished=finished,
                     num_cached_tokens=out.num_cached_tokens,
                     metrics=out.metrics,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
             )
         return deltas, stops

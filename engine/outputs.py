@@ -58,6 +58,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # Prompt logprobs (params.prompt_logprobs): one entry per prompt token, None for the first; in the
+    # request's first delta only.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the delta ``later`` (same request, a later step) into this output, in place."""
@@ -85,6 +88,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         if later.metrics is not None:
             self.metrics = later.metrics
         self.extra.update(later.extra)

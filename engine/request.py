@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pagoda.engine.outputs import RequestMetrics
+from pagoda.engine.outputs import Logprob, RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -45,6 +45,8 @@ class Sequence:
     kv_sink: int = 0
     kv_dropped: int = 0
     num_evictions: int = 0
+    # Structured outputs: this sequence's grammar matcher (engine/structured_output), None without one.
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,12 @@ class Request:
     kv_streaming: tuple[int, int] | None = None
     # The LoRA adapter it runs through (pagoda.engine.lora.registry.LoRAAdapter), None for the base model.
     lora: Any = None
+    # Structured outputs: the compile Future until the grammar is ready, then the compiled grammar.
+    grammar: Any = None
+    # Prompt logprobs (params.prompt_logprobs): one entry per prompt token computed so far (None for the
+    # first, which nothing predicts); handed out once, with the request's first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -141,6 +149,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to compute (cached KV gives no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def sort_key(self) -> tuple:

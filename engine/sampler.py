@@ -1,6 +1,8 @@
 """Turns a step's logits into next tokens, batched over rows with per-row parameters.
 
-Order: penalties -> min_tokens masking -> (greedy | temperature -> top-k -> top-p -> min-p -> sample).
+Order: penalties -> logit_bias -> min_tokens masking -> grammar mask -> (greedy | temperature -> top-k ->
+top-p -> min-p -> sample). A row with a grammar skips min_tokens masking: where the grammar has ended, its
+stop token is the only token it allows.
 Seeded rows draw from their own generator so a seeded request gives the same tokens whatever else is in
 the batch; unseeded rows share one batched draw. Log-probabilities are those of the raw model
 distribution, as vLLM reports them.
@@ -20,6 +22,7 @@ import torch
 from pagoda.engine import cpu_sampling
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.structured_output import TokenBitmask, apply_token_bitmask
 
 
 @dataclass
@@ -46,6 +49,7 @@ def _changes_logits(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.repetition_penalty != 1.0
+        or bool(p.logit_bias)
         or bool((p.presence_penalty or p.frequency_penalty) and row.output_token_ids)
         or bool(len(row.output_token_ids) < p.min_tokens and row.stop_ids)
     )
@@ -66,10 +70,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             out = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[i].index_add_(0, ids, bias)
 
 
-def _mask_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def _mask_stops(logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: set[int]) -> None:
     for i, row in enumerate(rows):
+        if i in grammar_rows:
+            continue
         if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
             logits[i, torch.tensor(row.stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
 
@@ -120,14 +130,16 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _choose(logits: torch.Tensor, rows: list[SamplingRow], mask: TokenBitmask | None) -> torch.Tensor:
     """Token id per row (on the logits' device)."""
     changed = [_changes_logits(r) for r in rows]
     work = logits
-    if any(changed):
+    if any(changed) or mask is not None:
         work = logits.clone()
         _apply_penalties(work, rows)
-        _mask_stops(work, rows)
+        _mask_stops(work, rows, set(mask.rows) if mask is not None else set())
+        if mask is not None:
+            apply_token_bitmask(work, mask)
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
     if len(greedy) == len(rows):
         return work.argmax(dim=-1)
@@ -152,13 +164,33 @@ def _plain_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult
     return SampleResult(token_ids=token_ids, logprobs=picked, top_logprobs=[None] * len(rows))
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits: [N, vocab] on any device (computed in float32); rows: one per logits row."""
+def logprob_entries(log_probs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``log_probs`` [N, vocab]: the chosen token's Logprob (its rank among all tokens) and the
+    row's top ``ks[row]`` tokens, in rank order."""
+    sel = chosen.unsqueeze(1)
+    chosen_lp = log_probs.gather(1, sel)
+    ranks = ((log_probs > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_vals, top_ids = (t.tolist() for t in log_probs.topk(max(max(ks, default=0), 1), dim=-1))
+    out = []
+    for j, (tid, lp) in enumerate(zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), strict=True)):
+        entry = {tid: Logprob(lp, ranks[j])}
+        for r in range(ks[j]):
+            if top_ids[j][r] not in entry:
+                entry[top_ids[j][r]] = Logprob(top_vals[j][r], r + 1)
+        out.append(entry)
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], mask: TokenBitmask | None = None) -> SampleResult:
+    """logits: [N, vocab] on any device (computed in float32); rows: one per logits row; ``mask``: the
+    grammar masks of the rows that have one."""
     logits = logits.float()
-    fast = _plain_greedy(logits, rows)
+    if mask is not None and not mask.rows:
+        mask = None
+    fast = _plain_greedy(logits, rows) if mask is None else None
     if fast is not None:
         return fast
-    chosen = _choose(logits, rows)
+    chosen = _choose(logits, rows, mask)
     token_ids = chosen.tolist()
 
     picked: list[float | None] = [None] * len(rows)
@@ -174,16 +206,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     if full:
         idx = torch.tensor(full, device=logits.device)
         raw = logits.index_select(0, idx).log_softmax(dim=-1)
-        sel = chosen.index_select(0, idx).unsqueeze(1)
-        chosen_lp = raw.gather(1, sel)
-        ranks = ((raw > chosen_lp).sum(dim=-1) + 1).tolist()
-        kmax = max(rows[i].params.logprobs for i in full)
-        top_vals, top_ids = (t.tolist() for t in raw.topk(max(kmax, 1), dim=-1))
-        for j, (i, lp) in enumerate(zip(full, chosen_lp.squeeze(1).tolist(), strict=True)):
-            picked[i] = lp
-            entry = {token_ids[i]: Logprob(lp, ranks[j])}
-            for r in range(rows[i].params.logprobs):
-                if top_ids[j][r] not in entry:
-                    entry[top_ids[j][r]] = Logprob(top_vals[j][r], r + 1)
+        entries = logprob_entries(raw, chosen.index_select(0, idx), [rows[i].params.logprobs for i in full])
+        for i, entry in zip(full, entries, strict=True):
+            picked[i] = entry[token_ids[i]].logprob
             tops[i] = entry
     return SampleResult(token_ids=token_ids, logprobs=picked, top_logprobs=tops)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.engine.structured_output.spec import GrammarSpec
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a token's bias
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +27,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top log-probabilities per generated token
+    prompt_logprobs: int | None = None  # number of top log-probabilities per prompt token (vLLM's field)
+    # Added to the logits before sampling (OpenAI semantics: token id -> bias in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # What the output must match (engine/structured_output); compiled by the engine off its loop.
+    structured_outputs: GrammarSpec | None = None
     skip_special_tokens: bool = True
     # Attention sinks for this request (None = the server's --kv-eviction / --kv-sink-tokens /
     # --kv-window-tokens): "streaming" keeps sinks + a recent window and may generate past max_model_len.
@@ -68,6 +77,11 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be non-negative")
+        for value in (self.logit_bias or {}).values():
+            if isinstance(value, bool) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                bad("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
         if self.kv_eviction not in (None, "none", "streaming"):
@@ -83,8 +97,8 @@ class SamplingParams:
         The schema only bounds ids by int32; an id past the vocabulary would index past the logits inside
         the engine step and fail every request in the batch, so it has to be refused at the door.
         """
-        for name in ("stop_token_ids",):
-            ids = getattr(self, name) or []
+        for name in ("stop_token_ids", "logit_bias"):
+            ids = list(getattr(self, name) or [])
             bad = next(
                 (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
                 None,

@@ -20,6 +20,7 @@ sequence through `finish_seq`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,7 +29,14 @@ from pagoda.engine.kv_cache.manager import KVCacheManager
 from pagoda.engine.kv_cache.ops import KVOp
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.request import Request, SeqStatus, Sequence, now
+from pagoda.engine.structured_output import TokenBitmask
 from pagoda.engine.waiting_queue import waiting_queue
+
+log = logging.getLogger("pagoda.engine.scheduler")
+
+# A prompt whose logprobs are asked for is computed at most this many tokens a step: its logits rows
+# ([tokens, vocab] float32) are what the step holds for it (49,152 x 256 x 4 B = 48 MiB for the default model).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -86,6 +94,10 @@ class SchedulerOutput:
     prefix_hits: int = 0
     # Prompt lengths of the requests admitted for the first time this step.
     new_request_prompt_lens: list[int] = field(default_factory=list)
+    # Structured outputs: the token masks of the sampling rows that have a grammar (None: no such row).
+    token_bitmask: TokenBitmask | None = None
+    # Requests whose grammar failed to compile this step (finished with "abort"; the engine reports them).
+    grammar_failed: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -100,6 +112,8 @@ class RunnerOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    # Prompt logprobs: (index into the scheduled list, one entry per prompt token the chunk predicted).
+    prompt_logprobs: list[tuple[int, list[dict[int, Logprob]]]] = field(default_factory=list)
     saved: list[tuple[BlockHash, object]] = field(default_factory=list)
     save_seconds: float = 0.0
 
@@ -116,9 +130,10 @@ class SeqUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, offload=None) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, offload=None, structured=None) -> None:
         """``offload``: a pagoda.engine.offload.OffloadManager or None. Lower tiers extend prefix hits;
-        swap preemption saves a preempted sequence's blocks to them instead of leaving them to recompute."""
+        swap preemption saves a preempted sequence's blocks to them instead of leaving them to recompute.
+        ``structured``: a StructuredOutputManager (None: requests with a grammar are refused)."""
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -134,6 +149,10 @@ class Scheduler:
             should_save=offload.should_save if offload is not None else None,
         )
         self.waiting = waiting_queue(config.policy)
+        self.structured = structured
+        # Requests whose grammar is still compiling: not in the waiting queue, so admission never waits on
+        # them; each schedule() moves the ready ones over.
+        self.compiling: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.total_preemptions = 0
@@ -142,8 +161,39 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        spec = req.params.structured_outputs
+        if spec is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need the tokenizer; this engine has none")
+            req.grammar = self.structured.submit(spec)
+            self.requests[req.request_id] = req
+            self.compiling.append(req)
+            return
         self.requests[req.request_id] = req
         self.waiting.add(req)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return len(self.waiting) + len(self.compiling)
+
+    def _take_compiled(self, out: SchedulerOutput) -> None:
+        """Queue the requests whose grammar is ready (each sequence gets its matcher); finish those whose
+        compile failed."""
+        for req in [r for r in self.compiling if r.grammar.done()]:
+            self.compiling.remove(req)
+            try:
+                req.grammar = req.grammar.result()
+            except Exception:  # noqa: BLE001 - the door checked the spec: a compiler bug ends this request only
+                log.exception("the grammar of request %s failed to compile", req.request_id)
+                for seq in req.seqs:
+                    seq.finish_reason = "abort"
+                self._finish_request(req)
+                out.grammar_failed.append(req)
+                continue
+            for seq in req.seqs:
+                seq.grammar = self.structured.matcher(req.grammar)
+            self.waiting.add(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -182,6 +232,8 @@ class Scheduler:
         """Free every block of a finished or aborted request, wherever it is."""
         if req in self.running:
             self.running.remove(req)
+        elif req in self.compiling:
+            self.compiling.remove(req)
         else:
             self.waiting.remove(req)
         for seq in req.seqs:
@@ -201,6 +253,8 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.compiling:
+            self._take_compiled(out)
         budget = self.max_num_batched_tokens
         self.waiting.order_running(self.running)
         preempted_now = False
@@ -290,8 +344,15 @@ class Scheduler:
                     # draws its own first token from the same logits row.
                     for child in req.fork_children():
                         self.kv.fork(sched.seq.seq_id, child.seq_id)
+                        if sched.seq.grammar is not None:
+                            child.grammar = sched.seq.grammar.fork()
                         sched.sample_seqs.append(child)
         out.kv_ops = self.kv.take_ops()
+        if self.structured is not None:
+            rows = [s for sched in out.scheduled for s in sched.sample_seqs]
+            out.token_bitmask = self.structured.bitmask(
+                [(i, s.grammar) for i, s in enumerate(rows) if s.grammar is not None]
+            )
         return out
 
     def _lora_fits(self, req: Request) -> bool:
@@ -302,7 +363,16 @@ class Scheduler:
         return req.lora.id in running or len(running) < self.config.max_loras
 
     def _num_new_tokens(self, req: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Tokens to compute for seq this step; looks the prefix cache up for a sequence without blocks."""
+        """Tokens to compute for seq this step; looks the prefix cache up for a sequence without blocks
+        (not while the request's prompt logprobs are still to compute: cached KV gives no logits)."""
+        if req.needs_prompt_logprobs:
+            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
+            if not seq.has_blocks:
+                self.kv.get_computed_tokens(seq.seq_id, [])
+                seq.has_blocks = True
+                seq.num_computed_tokens = 0
+            remaining = seq.num_cache_tokens - seq.num_computed_tokens
+            return min(remaining, budget)
         if not seq.has_blocks:
             # After an attention-sink eviction the cache holds (and a restart recomputes) only the kept
             # tokens, at their cache positions: that is what the prefix cache is asked about. A LoRA
@@ -379,6 +449,11 @@ class Scheduler:
             self.kv.cache_blocks(seq.seq_id, tokens, seq.num_computed_tokens)
             for child in sched.sample_seqs[1:]:
                 child.num_computed_tokens = seq.num_computed_tokens
+        for index, entries in result.prompt_logprobs:
+            req = out.scheduled[index].request
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+            req.prompt_logprobs.extend(entries)
         updates: list[SeqUpdate] = []
         i = 0
         t_now = now()
@@ -422,6 +497,8 @@ class Scheduler:
                 seq.finish_reason, seq.stop_reason = "stop", tok
             elif not params.ignore_eos and tok in req.eos_token_ids:
                 seq.finish_reason = "stop"
+        if seq.grammar is not None and not seq.finished:
+            self._advance_grammar(req, seq, tok)
         # Attention sinks keep the cache within max_model_len however long the sequence grows.
         at_len = req.kv_streaming is None and seq.num_tokens >= self.config.max_model_len
         if not seq.finished and (n_out >= req.max_tokens or at_len):
@@ -429,6 +506,15 @@ class Scheduler:
         if seq.finished:
             self._free_seq(seq)
         return SeqUpdate(req, seq, tok, top, gap)
+
+    def _advance_grammar(self, req: Request, seq: Sequence, tok: int) -> None:
+        """Feed the token to the sequence's matcher; the grammar's end (its stop token accepted) ends the
+        sequence, whatever ignore_eos says (nothing else could follow)."""
+        if not self.structured.accept(seq.grammar, tok):
+            log.error("request %s: the grammar refused token %d that its mask allowed", req.request_id, tok)
+            seq.finish_reason = "abort"
+        elif self.structured.finished(seq.grammar):
+            seq.finish_reason = "stop"
 
     # ---- views --------------------------------------------------------------------------------------
     def kv_waste(self) -> float:

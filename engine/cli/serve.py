@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pagoda.engine import envs
@@ -30,6 +31,7 @@ from pagoda.engine.cli.exit_codes import (
 )
 from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagoda.engine.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from pagoda.engine.tool_parsers.parsers import PARSERS as TOOL_PARSERS
 
 __all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "main", "parse_args", "parse_bytes", "parse_max_model_len"]
 
@@ -104,6 +106,22 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
         default=True,
         help="run the engine core in a process of its own; --no-engine-process: on a thread of the server's",
     )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) to use instead of the model's",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *TOOL_PARSERS],
+        help="how tool calls are read from outputs; auto: from the chat template (hermes when it has none)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice auto is always on",
+    )
     add_dry_run_args(p)
     return p
 
@@ -132,6 +150,7 @@ def parse_args(argv: list[str], *, exit_on_error: bool = True) -> argparse.Names
     if args.model and args.model_flag and args.model != args.model_flag:
         raise UnknownFlagError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
     args.model = args.model or args.model_flag
+    args.chat_template = read_chat_template(args.chat_template)
     return args
 
 
@@ -154,7 +173,21 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         uvicorn_log_level=args.uvicorn_log_level,
         engine_process=args.engine_process,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file's path or the template's text (as vLLM takes it)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise UnknownFlagError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def _make_uvicorn_server(config: Any) -> Any:

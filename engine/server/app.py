@@ -68,8 +68,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         return await serving.create_chat_completion(body, request)
 
-    @app.get("/v1/models", response_model=P.ModelList)
-    async def models() -> P.ModelList:
+    def model_cards() -> list[P.ModelCard]:
+        """The served names of the base model, then the loaded LoRA adapters."""
         base = serving.model_name
         cards = [
             P.ModelCard(id=name, root=base, max_model_len=serving.max_model_len)
@@ -79,7 +79,16 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
             P.ModelCard(id=a.name, root=a.path, parent=base, max_model_len=serving.max_model_len)
             for a in engine.lora_adapters.values()
         ]
-        return P.ModelList(data=cards)
+        return cards
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models() -> P.ModelList:
+        return P.ModelList(data=model_cards())
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=ERROR_RESPONSES)
+    async def model(model_id: str) -> P.ModelCard:
+        serving.check_model(model_id)
+        return next(card for card in model_cards() if card.id == model_id)
 
     app.state.draining = False  # set on SIGTERM (cli/serve.py): routers stop sending, in-flight work ends
     install_kv_routes(app, engine)
@@ -136,7 +145,12 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
                 raise bad_request("messages must not be empty", "messages")
             serving.check_chat_chars(body.messages)
             text = await serving.off_loop(
-                serving.render_chat, body.messages, body.add_generation_prompt, False
+                serving.render_chat,
+                body.messages,
+                body.add_generation_prompt,
+                False,
+                body.tools,
+                body.chat_template_kwargs,
             )
             ids = await serving.off_loop(serving.encode, text, "messages", False)
         else:

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
 Requests are strict: an unknown field is a 400 naming it, so a client asking for something Pagoda does not
-do (tools, JSON mode, ...) learns it instead of getting a silently different answer. Bounds on fields keep
-a fuzzer (or a typo) from reaching the engine with values it cannot honour.
+do learns it instead of getting a silently different answer. Fields that current OpenAI SDKs send as hints
+(`HINT_FIELDS`: they never change the output) are accepted and ignored. Bounds on fields keep a fuzzer (or a
+typo) from reaching the engine with values it cannot honour. docs/api.md lists every field's status.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+# Accepted and ignored: hints that do not change what is generated (logged once each, at debug level).
+HINT_FIELDS = (
+    "user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "reasoning_effort", "guided_decoding_backend",
+)  # fmt: skip
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -27,6 +34,32 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 class SamplingFields(StrictModel):
@@ -50,18 +83,36 @@ class SamplingFields(StrictModel):
     priority: Int64 = 0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Pagoda extension (extra body): attention sinks for this request; see --kv-eviction.
     kv_eviction: Literal["none", "streaming"] | None = None
     kv_sink_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     kv_window_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
-    # Accepted for compatibility; they change nothing.
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Only empty is supported.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> bias added to its logit."
+    )
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Structured outputs: OpenAI's response_format and vLLM's fields (at most one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=1024)
+    guided_grammar: str | None = None
+    # Hints (HINT_FIELDS): accepted, ignored.
+    user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    guided_decoding_backend: str | None = None
+
+    def hints_set(self) -> list[str]:
+        return [name for name in HINT_FIELDS if getattr(self, name, None) is not None]
 
 
 class CompletionRequest(SamplingFields):
@@ -71,11 +122,26 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = Field(None, max_length=0, description="Only empty is supported (no insertion).")
 
 
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -84,6 +150,22 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template's input: text content, tool calls and ids kept."""
+        d: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.name:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -93,8 +175,25 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text"]
+class FunctionDef(StrictModel):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -102,12 +201,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tool_choice: Literal["none"] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Tools are not supported.")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(StrictModel):
@@ -116,6 +215,8 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(StrictModel):
@@ -144,6 +245,14 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -157,6 +266,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -185,6 +295,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -202,6 +313,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ModelCard(BaseModel):

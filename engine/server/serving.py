@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,19 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, bad_request, error_body
 from pagoda.engine.server.settings import ServerSettings
+from pagoda.engine.server.structured import requested_spec, tool_choice_spec
+from pagoda.engine.structured_output import GrammarSpec, check_spec
+from pagoda.engine.tool_parsers import (
+    PARSERS,
+    NamedCall,
+    RequiredCalls,
+    ToolCallStream,
+    ToolParser,
+    extract,
+    parser_for_template,
+)
+
+log = logging.getLogger("pagoda.server")
 
 MAX_PROMPTS = 256
 TOKENIZER_THREADS = 2
@@ -37,7 +51,7 @@ T = TypeVar("T")
 SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs", "kv_eviction", "kv_sink_tokens", "kv_window_tokens",
+    "logprobs", "kv_eviction", "kv_sink_tokens", "kv_window_tokens", "logit_bias", "prompt_logprobs",
 }  # fmt: skip
 
 
@@ -72,7 +86,7 @@ class OpenAIServing:
         self.engine = engine
         self.info = engine.info
         self.tokenizer = engine.tokenizer
-        self.inputs = InputProcessor(engine.info, engine.tokenizer)
+        self.inputs = InputProcessor(engine.info, engine.tokenizer, settings.chat_template)
         self.max_model_len = self.info.max_model_len
         self.model_names = list(settings.served_model_names) or [self.info.model_name]
         self.settings = settings
@@ -81,6 +95,11 @@ class OpenAIServing:
         self.max_prompt_chars = self.inputs.max_prompt_chars
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize")
+        name = settings.tool_call_parser
+        if name == "auto":
+            name = parser_for_template(self.inputs.template_source if self.inputs.knows_tools else None)
+        self.tool_parser: ToolParser = PARSERS[name]()
+        self._hints_logged: set[str] = set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -144,21 +163,56 @@ class OpenAIServing:
         return self.inputs.decode([token_id])
 
     def render_chat(
-        self, messages: list[P.ChatMessage], add_generation_prompt: bool, continue_final: bool
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool,
+        continue_final: bool,
+        tools: list[P.Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        return self.inputs.render_chat(_message_dicts(messages), add_generation_prompt, continue_final)
+        return self.inputs.render_chat(
+            [m.template_dict() for m in messages],
+            add_generation_prompt,
+            continue_final,
+            [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            template_kwargs,
+        )
 
-    def chat_prompt(
-        self, messages: list[P.ChatMessage], add_generation_prompt: bool, continue_final: bool
-    ) -> Prepared:
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> Prepared:
         """Render and tokenize (on the worker pool): the prompt of a chat completion."""
         ids, text = self.inputs.chat_token_ids(
-            _message_dicts(messages), add_generation_prompt, continue_final
+            [m.template_dict() for m in req.messages],
+            req.add_generation_prompt,
+            req.continue_final_message,
+            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            req.chat_template_kwargs,
         )
         return Prepared(ids, text)
 
     def check_chat_chars(self, messages: list[P.ChatMessage]) -> None:
-        self.check_chars(sum(len(m.text()) + len(m.name or "") for m in messages), "messages")
+        self.check_chars(
+            sum(
+                len(m.text()) + len(m.name or "") + sum(len(c.function.arguments) for c in m.tool_calls or [])
+                for m in messages
+            ),
+            "messages",
+        )
+
+    def note_hints(self, req: P.SamplingFields) -> None:
+        """Hint fields are accepted and ignored; say so once per field, at debug level."""
+        for name in req.hints_set():
+            if name not in self._hints_logged:
+                self._hints_logged.add(name)
+                log.debug("the request field %r is a hint this server accepts and ignores", name)
+
+    @staticmethod
+    def check_grammar(spec: tuple[str, GrammarSpec] | None) -> None:
+        """A spec that cannot compile is a 400 naming the field that sent it (on the worker pool)."""
+        if spec is not None:
+            try:
+                check_spec(spec[1])
+            except ValueError as exc:
+                raise bad_request(f"Invalid {spec[0]}: {exc}", spec[0], "invalid_grammar") from exc
 
     def completion_items(self, prompt: Any) -> list[str | list[int]]:
         """The prompts of a completion request, checked for shape and length before any tokenizing."""
@@ -200,6 +254,8 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         names: dict,
+        spec: GrammarSpec | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if max_tokens is not None and req.min_tokens > max_tokens:
@@ -239,6 +295,9 @@ class OpenAIServing:
             kv_eviction=req.kv_eviction,
             kv_sink_tokens=req.kv_sink_tokens,
             kv_window_tokens=req.kv_window_tokens,
+            logit_bias=self.logit_bias(req.logit_bias),
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+            structured_outputs=spec,
         )
         try:
             params = SamplingParams(**kwargs)
@@ -246,6 +305,19 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise self.value_error(exc, names) from exc
         return params
+
+    @staticmethod
+    def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI sends token ids as strings; the vocabulary check comes with the other ids'."""
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                out[int(key)] = float(value)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        return out
 
     def value_error(self, exc: Exception, names: dict | None = None) -> APIError:
         message = str(exc)
@@ -369,14 +441,27 @@ class OpenAIServing:
 
     async def create_completion(self, req: P.CompletionRequest, request: Request) -> Response:
         lora = self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        self.note_hints(req)
+        best_of = req.best_of or req.n
+        if best_of < req.n:
+            raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
+        if best_of > req.n and req.stream:
+            raise bad_request("best_of larger than n cannot be streamed", "best_of")
         items = self.completion_items(req.prompt)
         self.check_admission(len(items))  # refuse early under overload, before spending CPU
+        spec = requested_spec(req)
+        await self.off_loop(self.check_grammar, spec)
         prompts = await self.off_loop(self.completion_prompts, items, req.echo)
-        names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt"}
+        names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt", "n": "best_of"}
         longest = max(len(p.token_ids) for p in prompts)
-        params = self.sampling_params(req, longest, req.max_tokens, req.logprobs, names)
+        # echo + logprobs: the prompt's tokens get their logprobs too (OpenAI's semantics)
+        prompt_k = req.logprobs if req.echo and req.logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            prompt_k = max(prompt_k or 0, req.prompt_logprobs)
+        params = self.sampling_params(
+            req, longest, req.max_tokens, req.logprobs, names, spec[1] if spec else None, prompt_k
+        )
+        params.n = best_of
         base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, prompts, params, req.priority, names, lora)
         created, model = int(time.time()), lora or self.model_name
@@ -390,26 +475,65 @@ class OpenAIServing:
         choices, usage = [], P.UsageInfo()
         for i, (prepared, out) in enumerate(zip(prompts, finals, strict=True)):
             usage.prompt_tokens += len(prepared.token_ids)
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                usage.completion_tokens += len(c.token_ids)
-                echo = prepared.text if req.echo else ""
-                logprobs = (
-                    self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
-                    if req.logprobs is not None
-                    else None
-                )
+            usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            kept = sorted(out.outputs, key=lambda c: c.index)
+            if best_of > req.n:  # the n most likely of best_of
+                kept = sorted(kept, key=lambda c: -(c.cumulative_logprob or 0.0))[: req.n]
+            for j, c in enumerate(kept):
+                text, logprobs = c.text, None
+                if req.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                if req.echo:
+                    text = prepared.text + c.text
+                    if logprobs is not None:
+                        logprobs = self.echo_logprobs(prepared, out.prompt_logprobs, req.logprobs, logprobs)
                 choices.append(
                     P.CompletionChoice(
-                        index=i * req.n + c.index,
-                        text=echo + c.text,
+                        index=i * req.n + j,
+                        text=text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=self.prompt_logprobs(out.prompt_logprobs)
+                        if req.prompt_logprobs is not None
+                        else None,
                     )
                 )
         _finish_usage(usage, [o.num_cached_tokens for o in finals])
         body = P.CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(body.model_dump(exclude_none=False))
+
+    def echo_logprobs(
+        self, prepared: Prepared, entries: list | None, k: int, generated: P.CompletionLogprobs
+    ) -> P.CompletionLogprobs:
+        """The logprobs of an echoed prompt followed by those of the generated tokens (offsets shifted)."""
+        ids = prepared.token_ids
+        lps = list(entries or [])
+        head = self.completion_logprobs(ids, [e or {} for e in lps], k, 0)
+        if lps and lps[0] is None:  # nothing predicts the first prompt token
+            head.token_logprobs[0], head.top_logprobs[0] = None, None
+        shift = len(prepared.text)
+        head.tokens += generated.tokens
+        head.token_logprobs += generated.token_logprobs
+        head.top_logprobs += generated.top_logprobs
+        head.text_offset += [o + shift for o in generated.text_offset]
+        return head
+
+    def prompt_logprobs(self, entries: list | None) -> list[dict[str, P.PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: logprob, rank, text}."""
+        if entries is None:
+            return None
+        return [
+            None
+            if e is None
+            else {
+                str(t): P.PromptLogprob(
+                    logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self._token_for(t, lp)
+                )
+                for t, lp in e.items()
+            }
+            for e in entries
+        ]
 
     async def _completion_stream(
         self, base_id: str, created: int, model: str, req: P.CompletionRequest, prompts: list[Prepared],
@@ -417,23 +541,32 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": base_id, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
+        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        num_prompt = sum(len(p.token_ids) for p in prompts)
         choices = _ChoiceDeltas(want_logprobs=req.logprobs is not None)
         cached: dict[int, int] = {}
+        prompt_lps: dict[int, list | None] = {}
         try:
             async for i, out in _merge(streams):
                 cached[i] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
                     key = (i, c.index)
-                    prefix = prompts[i].text if req.echo and key not in choices.started else ""
+                    first = key not in choices.started
+                    prefix = prompts[i].text if req.echo and first else ""
                     chunk = choices.take(key, c, prefix)
                     if chunk is None:
                         continue
                     text, token_ids, entries = chunk
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self.completion_logprobs(
-                            token_ids, entries, req.logprobs, choices.text_offset(key, text)
-                        ).model_dump()
+                        lp = self.completion_logprobs(
+                            token_ids, entries, req.logprobs, choices.text_offset(key, text) + len(prefix)
+                        )
+                        if prefix:
+                            lp = self.echo_logprobs(prompts[i], prompt_lps.get(i), req.logprobs, lp)
+                        logprobs = lp.model_dump()
                     choice = {
                         "index": i * req.n + c.index,
                         "text": text,
@@ -441,40 +574,78 @@ class OpenAIServing:
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if c.finish_reason else None,
                     }
-                    yield sse({**base, "choices": [choice], **extra})
+                    if req.prompt_logprobs is not None and first:
+                        lps = self.prompt_logprobs(prompt_lps.get(i))
+                        choice["prompt_logprobs"] = [
+                            None if e is None else {t: v.model_dump() for t, v in e.items()}
+                            for e in lps or []
+                        ]
+                    usage = self.usage_so_far(num_prompt, choices.num_tokens) if continuous else None
+                    yield sse({**base, "choices": [choice], **extra, **({"usage": usage} if usage else {})})
         except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            usage = P.UsageInfo(
-                prompt_tokens=sum(len(p.token_ids) for p in prompts), completion_tokens=choices.num_tokens
-            )
+            usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=choices.num_tokens)
             _finish_usage(usage, list(cached.values()))
             yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
 
+    @staticmethod
+    def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+        """stream_options.continuous_usage_stats: the usage so far, in every chunk."""
+        return P.UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        ).model_dump(exclude_none=True)
+
+    def tool_setup(
+        self, req: P.ChatCompletionRequest
+    ) -> tuple[ToolParser | None, GrammarSpec | None, str | None]:
+        """(the parser of this request's tool calls, the grammar its tool_choice needs, the field that asks
+        for a grammar)."""
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if choice != "none" and not req.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        spec = requested_spec(req)
+        tool_spec = tool_choice_spec(req.tools or [], choice, req.parallel_tool_calls)
+        if tool_spec is not None and spec is not None:
+            raise bad_request(
+                f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} already structures "
+                f"the output; drop {spec[0]}",
+                spec[0],
+            )
+        if isinstance(choice, P.NamedToolChoice):
+            return NamedCall(choice.function.name), tool_spec, "tool_choice"
+        if choice == "required":
+            return RequiredCalls(), tool_spec, "tool_choice"
+        parser = self.tool_parser if choice == "auto" else None
+        return parser, spec[1] if spec else None, spec[0] if spec else None
+
     async def create_chat_completion(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         lora = self.check_model(req.model)
+        self.note_hints(req)
         self.check_chat_chars(req.messages)
         self.check_admission(1)  # refuse early under overload, before spending CPU
-        prepared = await self.off_loop(
-            self.chat_prompt, req.messages, req.add_generation_prompt, req.continue_final_message
-        )
+        parser, spec, spec_field = self.tool_setup(req)
+        await self.off_loop(self.check_grammar, (spec_field, spec) if spec is not None else None)
+        prepared = await self.off_loop(self.chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         mt_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         names = {"logprobs": "top_logprobs", "max_tokens": mt_name, "prompt": "messages"}
-        params = self.sampling_params(req, len(prepared.token_ids), max_tokens, k, names)
+        params = self.sampling_params(req, len(prepared.token_ids), max_tokens, k, names, spec)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, [prepared], params, req.priority, names, lora)
         created, model = int(time.time()), lora or self.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._chat_stream(base_id, created, model, req, prepared, streams, k, include_usage),
+                self._chat_stream(base_id, created, model, req, prepared, streams, k, include_usage, parser),
                 on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         (final,) = await self.collect(request, streams)
@@ -482,28 +653,45 @@ class OpenAIServing:
         usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids))
         for c in sorted(final.outputs, key=lambda c: c.index):
             usage.completion_tokens += len(c.token_ids)
+            content, calls = (c.text, []) if parser is None else extract(parser, c.text)
+            if calls and req.parallel_tool_calls is False:
+                calls = calls[:1]
+            finish = c.finish_reason
+            if calls and finish == "stop" and not isinstance(parser, NamedCall):
+                finish = "tool_calls"
             choices.append(
                 P.ChatChoice(
                     index=c.index,
-                    message=P.ChatResponseMessage(content=c.text),
+                    message=P.ChatResponseMessage(
+                        content=content if content or not calls else None,
+                        tool_calls=[call.to_openai() for call in calls],
+                    ),
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )
             )
         _finish_usage(usage, [final.num_cached_tokens])
         body = P.ChatCompletionResponse(
-            id=base_id, created=created, model=model, choices=choices, usage=usage
+            id=base_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
         return JSONResponse(body.model_dump())
 
     async def _chat_stream(
         self, base_id: str, created: int, model: str, req: P.ChatCompletionRequest, prepared: Prepared,
-        streams: list[RequestStream], k: int | None, include_usage: bool,
+        streams: list[RequestStream], k: int | None, include_usage: bool, parser: ToolParser | None,
     ) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
+        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        num_prompt = len(prepared.token_ids)
         choices = _ChoiceDeltas(want_logprobs=k is not None)
+        tool_streams = {i: ToolCallStream(parser) for i in range(req.n)} if parser is not None else {}
         cached = 0
         try:
             for index in range(req.n):
@@ -524,20 +712,31 @@ class OpenAIServing:
                     logprobs = (
                         self.chat_logprobs(token_ids, entries, k).model_dump() if k is not None else None
                     )
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    finish = c.finish_reason
+                    calls = tool_streams.get(c.index)
+                    if calls is not None:
+                        content, tool_deltas = calls.feed(text, final=bool(finish))
+                        delta = {"content": content} if content else {}
+                        if tool_deltas:
+                            delta["tool_calls"] = tool_deltas
+                        if calls.num_calls and finish == "stop" and not isinstance(parser, NamedCall):
+                            finish = "tool_calls"
                     choice = {
                         "index": c.index,
-                        "delta": {"content": text} if text else {},
+                        "delta": delta,
                         "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                         "stop_reason": c.stop_reason if c.finish_reason else None,
                     }
-                    yield sse({**base, "choices": [choice], **extra})
+                    usage = self.usage_so_far(num_prompt, choices.num_tokens) if continuous else None
+                    yield sse({**base, "choices": [choice], **extra, **({"usage": usage} if usage else {})})
         except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids), completion_tokens=choices.num_tokens)
+            usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=choices.num_tokens)
             _finish_usage(usage, [cached])
             yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
@@ -580,17 +779,6 @@ class _ChoiceDeltas:
         start = self._offsets.get(key, 0)
         self._offsets[key] = start + len(text)
         return start
-
-
-def _message_dicts(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as a chat template reads them ("developer" speaks as "system")."""
-    dicts = []
-    for m in messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.name:
-            d["name"] = m.name
-        dicts.append(d)
-    return dicts
 
 
 def _finish_usage(usage: P.UsageInfo, cached_tokens: list[int]) -> None:

@@ -28,6 +28,10 @@ class ServerSettings:
     log_stats_interval_s: float = 10.0
     # The engine core in a process of its own (False: on a thread of the server's process).
     engine_process: bool = True
+    # The chat template's text (--chat-template); None: the model's own.
+    chat_template: str | None = None
+    # How tool calls are read from outputs (engine/tool_parsers); "auto": from the chat template.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_queued_reqs is None:

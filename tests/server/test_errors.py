@@ -128,12 +128,17 @@ def test_400_semantic_errors_name_the_field(srv) -> None:
     assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "stop": [""]}), 400, "stop")
     assert_error(post(srv, "/v1/completions", {"prompt": [10**8]}), 400, "prompt")
     assert_error(post(srv, "/v1/completions", {"prompt": ""}), 400, "prompt")
-    assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}), 400, "echo")
+    assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}), 400, "best_of")
+    assert_error(post(srv, "/v1/completions", {"prompt": "Hi", "logit_bias": {"x": 1}}), 400, "logit_bias")
+    assert_error(
+        post(srv, "/v1/completions", {"prompt": "Hi", "logit_bias": {"10000000": 1}}), 400, "logit_bias"
+    )
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     assert_error(post(srv, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(post(srv, "/v1/chat/completions", {"messages": []}), 400, "messages")
     assert_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400)
     assert_error(post(srv, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools")
+    assert_error(post(srv, "/v1/chat/completions", {**chat, "tool_choice": "required"}), 400, "tool_choice")
 
 
 def test_400_unknown_field_missing_field_and_bad_json(srv) -> None:

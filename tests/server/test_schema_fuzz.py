@@ -24,8 +24,9 @@ def bound(body: object) -> None:
             body[key] = max(min(value, 2), -1)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2
-    if isinstance(body.get("n"), int | float) and not isinstance(body.get("n"), bool):
-        body["n"] = min(body["n"], 2)  # 88.0 is a valid n too: 88 sequences of a long prompt thrash the cache
+    for key in ("n", "best_of"):  # 88.0 is a valid n too: 88 sequences of a long prompt thrash the cache
+        if isinstance(body.get(key), int | float) and not isinstance(body.get(key), bool):
+            body[key] = min(body[key], 2)
     if isinstance(body.get("prompt"), list):
         body["prompt"] = body["prompt"][:3]
     if isinstance(body.get("min_tokens"), int) and not isinstance(body.get("min_tokens"), bool):
@@ -80,7 +81,9 @@ SAMPLING = {
     "stream": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
-    "logit_bias": st.just({}),
+    "logit_bias": st.dictionaries(TOKEN_ID.map(str), st.floats(-100, 100, **FLOAT), max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "reasoning_effort": st.sampled_from(["low", "high"]),
 }
 COMPLETION = st.fixed_dictionaries(
     {
@@ -91,7 +94,12 @@ COMPLETION = st.fixed_dictionaries(
         ),
         "max_tokens": st.integers(1, 3),  # always bounded: the 2 CPU cores decode a few tokens a second
     },
-    optional={**SAMPLING, "logprobs": st.integers(0, 20), "echo": st.booleans()},
+    optional={
+        **SAMPLING,
+        "logprobs": st.integers(0, 20),
+        "echo": st.booleans(),
+        "prompt_logprobs": st.integers(0, 5),
+    },
 )
 CHAT = st.fixed_dictionaries(
     {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),

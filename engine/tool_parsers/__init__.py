@@ -1,0 +1,21 @@
+"""Tool calling: reading the calls out of a model's output, per model family (`--tool-call-parser`)."""
+
+from pagoda.engine.tool_parsers.parsers import (
+    PARSERS,
+    NamedCall,
+    RequiredCalls,
+    ToolParser,
+    parser_for_template,
+)
+from pagoda.engine.tool_parsers.stream import ToolCall, ToolCallStream, extract
+
+__all__ = [
+    "PARSERS",
+    "NamedCall",
+    "RequiredCalls",
+    "ToolCall",
+    "ToolCallStream",
+    "ToolParser",
+    "extract",
+    "parser_for_template",
+]
