@@ -14,6 +14,8 @@ import xgrammar as xgr
 from pagoda.engine.structured_output.spec import GrammarSpec, choice_ebnf
 
 COMPILED_CACHE_BYTES = 256 << 20
+# json_object (OpenAI's JSON mode) is an object with any members, not any JSON value.
+ANY_OBJECT = '{"type": "object"}'
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:16:08] /project/cpp/x.cc:83: " before the reason
 
 
@@ -27,7 +29,7 @@ def parse(spec: GrammarSpec) -> Any:
         if spec.kind == "json":
             return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
         if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return xgr.Grammar.from_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":
@@ -53,7 +55,7 @@ class XGrammarBackend:
         if spec.kind == "json":
             return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
         if spec.kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+            return self.compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
             return self.compiler.compile_regex(spec.value)
         if spec.kind == "choice":
