@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve image-check bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy clean
+.PHONY: install test lint serve image-check bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured clean
 
 CPU_KERNELS := kernels/cpu/lib/build.json
 
@@ -76,6 +76,10 @@ bench-kv-accuracy: install
 .PHONY: bench-lora
 bench-lora: install
 	$(PY) benchmarks/bench_lora.py $(ARGS)
+
+# the grammar token mask's cost per decode step at batch 1 and 32 (docs/api.md)
+bench-structured: install
+	$(PY) benchmarks/bench_structured.py
 
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
