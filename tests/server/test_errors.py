@@ -137,7 +137,9 @@ def test_400_semantic_errors_name_the_field(srv) -> None:
     assert_error(post(srv, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(post(srv, "/v1/chat/completions", {"messages": []}), 400, "messages")
     assert_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400)
-    assert_error(post(srv, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools[0].function")
+    assert_error(
+        post(srv, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools[0].function"
+    )
     assert_error(post(srv, "/v1/chat/completions", {**chat, "tool_choice": "required"}), 400, "tool_choice")
 
 
