@@ -345,7 +345,7 @@ class Scheduler:
                     for child in req.fork_children():
                         self.kv.fork(sched.seq.seq_id, child.seq_id)
                         if sched.seq.grammar is not None:
-                            child.grammar = sched.seq.grammar.fork()
+                            child.grammar = self.structured.fork(sched.seq.grammar)
                         sched.sample_seqs.append(child)
         out.kv_ops = self.kv.take_ops()
         if self.structured is not None:

@@ -39,6 +39,11 @@ class StructuredOutputManager:
     def matcher(self, compiled: Any) -> Any:
         return self.backend.matcher(compiled)
 
+    @staticmethod
+    def fork(matcher: Any) -> Any:
+        """An independent copy of a matcher's state (a child sequence of an n > 1 request)."""
+        return matcher.fork()
+
     def bitmask(self, matchers: list[tuple[int, Any]]) -> TokenBitmask | None:
         """The masks of the sampling rows that have a matcher: ``matchers`` is (row, matcher) pairs."""
         if not matchers:

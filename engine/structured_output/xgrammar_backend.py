@@ -16,6 +16,10 @@ from pagoda.engine.structured_output.spec import GrammarSpec, choice_ebnf
 COMPILED_CACHE_BYTES = 256 << 20
 # json_object (OpenAI's JSON mode) is an object with any members, not any JSON value.
 ANY_OBJECT = '{"type": "object"}'
+# Repetition bounds beyond this are refused at the door: compile time grows with them (a string of at least
+# 3,000 characters took 2.5 s, alone on the compile thread, holding every other grammar back).
+MAX_REPETITION = 1024
+_REPETITION = re.compile(r"\{(\d+), (-?\d+)\}")
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:16:08] /project/cpp/x.cc:83: " before the reason
 
 
@@ -24,7 +28,19 @@ def _reason(exc: Exception) -> str:
 
 
 def parse(spec: GrammarSpec) -> Any:
-    """The grammar of ``spec`` (no vocabulary needed); ValueError with xgrammar's reason."""
+    """The grammar of ``spec`` (no vocabulary needed); ValueError with xgrammar's reason, or when a
+    repetition bound exceeds MAX_REPETITION."""
+    grammar = _parse(spec)
+    for low, high in _REPETITION.findall(str(grammar)):
+        if int(low) > MAX_REPETITION or int(high) > MAX_REPETITION:
+            raise ValueError(
+                f"the {spec.kind} repeats something {max(int(low), int(high))} times; at most "
+                f"{MAX_REPETITION} can be compiled in reasonable time"
+            )
+    return grammar
+
+
+def _parse(spec: GrammarSpec) -> Any:
     try:
         if spec.kind == "json":
             return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)

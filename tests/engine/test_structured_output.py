@@ -148,6 +148,29 @@ def test_a_compiling_grammar_never_holds_the_batch(llm) -> None:
     jsonschema.validate(json.loads(whole["g"].outputs[0].text), PERSON)
 
 
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm) -> None:
+    engine = llm.engine
+    sched = engine.scheduler
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("compiler bug"))
+    real_submit = sched.structured.submit
+    sched.structured.submit = lambda spec: failed
+    try:
+        spec = GrammarSpec.json_schema(PERSON)
+        engine.add_request("bad", "Hi", SamplingParams(max_tokens=4, n=2, structured_outputs=spec))
+        engine.add_request("ok", "Hi", SamplingParams(max_tokens=2, temperature=0))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        sched.structured.submit = real_submit
+    assert [c.finish_reason for c in done["bad"].outputs] == ["abort"]
+    assert done["ok"].outputs[0].finish_reason == "length"
+    sched.check_invariants()
+
+
 def test_bad_specs_are_refused_with_the_reason() -> None:
     for spec, words in [
         (GrammarSpec.json_schema({"type": "strin"}), "strin"),
@@ -155,6 +178,8 @@ def test_bad_specs_are_refused_with_the_reason() -> None:
         (GrammarSpec("grammar", "root ::= missing"), "missing"),
         (GrammarSpec("json", "{not json"), "JSON"),
         (GrammarSpec("choice", "[]"), "choice"),
+        (GrammarSpec.json_schema({"type": "string", "minLength": 5000}), "5000 times"),
+        (GrammarSpec("regex", "[a-z]{2000}"), "2000 times"),
     ]:
         with pytest.raises(ValueError, match=words):
             check_spec(spec)
