@@ -4,9 +4,10 @@
 
 Default model on the CPU (float32), every sequence decoding under a JSON schema that never ends early (an
 array of up to 500 short strings). Per decode step it times the three parts of the mask's work: filling
-the bitmask rows (xgrammar's matcher, in the scheduler), applying them to the logits (the sampler's torch
-code), and advancing the matchers by the sampled tokens; and the step itself, with the grammar and without
-(the same prompts, unconstrained). The peer: xgrammar's own CPU kernel applying the same bitmask.
+the bitmask rows (xgrammar's matcher, in the scheduler), applying them to the logits (the sampler's call,
+xgrammar's kernel behind Pagoda's row selection), and advancing the matchers by the sampled tokens; and the
+step itself, with the grammar and without (the same prompts, unconstrained). The peer: xgrammar's kernel
+called directly on a full-batch bitmask (what Pagoda's row selection adds on top of it).
 Prints a table, writes bench-results/bench_structured.json and .png.
 """
 
@@ -22,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import plot_path, print_table, write_json  # noqa: E402
+from common import plot_path, print_table, pyplot, write_json  # noqa: E402
 from pagoda.engine import sampler as sampler_module  # noqa: E402
 from pagoda.engine.llm import LLM  # noqa: E402
 from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
@@ -148,13 +149,8 @@ def main() -> None:
     print_table("Token-mask cost per decode step (median), default model, CPU float32", headers, rows)
     path = write_json("bench_structured", {"device": "cpu", "steps": args.steps, "schema": SCHEMA, **results})
     print(f"\nwrote {path}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results)

@@ -2,8 +2,8 @@
 
 Row r of a bitmask is ceil(vocab / 32) int32 words; bit j of word w allows token 32 * w + j; disallowed
 tokens get -inf. xgrammar applies it with the kernel of the logits' device (C++ on the CPU, CUDA or Triton
-on a GPU; 0.15 ms for one 49,152-token row on the CPU, where the same work in torch ops took tens of ms
-under load), so the CPU and the GPU sampler run this same call.
+on a GPU; far faster than torch ops on the CPU, docs/api.md), so the CPU and the GPU sampler run this same
+call.
 """
 
 from __future__ import annotations

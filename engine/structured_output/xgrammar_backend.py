@@ -1,7 +1,7 @@
 """The grammar engine: xgrammar (parsing, compiling against the vocabulary, matching, token bitmasks).
 
-Compiled grammars are cached by xgrammar's compiler (keyed by the grammar's text and options, bounded in
-bytes), so the same schema sent again compiles in microseconds. JSON is compact (`any_whitespace=False`):
+Compiled grammars are cached by xgrammar's compiler (keyed by the grammar's text, bounded in bytes), so the
+same schema sent again compiles in microseconds. JSON is compact (`any_whitespace=False`):
 a free-whitespace grammar lets a small model pad with newlines until max_tokens.
 """
 
@@ -68,15 +68,8 @@ class XGrammarBackend:
         self.words = (vocab_size + 31) // 32  # int32 words of one row of a token bitmask
 
     def compile(self, spec: GrammarSpec) -> Any:
-        if spec.kind == "json":
-            return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
-        if spec.kind == "json_object":
-            return self.compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
-            return self.compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return self.compiler.compile_grammar(choice_ebnf(spec.choices()))
-        return self.compiler.compile_grammar(spec.value)
+        """The compiled grammar (the compiler's cache is keyed by the grammar's text)."""
+        return self.compiler.compile_grammar(parse(spec))
 
     def matcher(self, compiled: Any) -> Any:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)

@@ -126,6 +126,19 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def client(server):
+    """The official openai client on the default server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
 def start_pagoda(tmp_path_factory: pytest.TempPathFactory):
     """A function that starts an extra `pagoda serve` with given flags; all are stopped at the end."""
     started: list[Server] = []

@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=300, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def tokens(server, **body) -> list[int]:

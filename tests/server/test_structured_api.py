@@ -45,16 +45,6 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=150)
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=300, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_parse_with_a_pydantic_model(client, model) -> None:
     r = client.chat.completions.parse(
         model=model, messages=ASK, response_format=Person, max_tokens=40, temperature=0
@@ -150,9 +140,8 @@ def test_logit_bias_bans_and_forces(client, model, server) -> None:
     r = client.completions.create(
         model=model, prompt=prompt, max_tokens=2, temperature=0, logit_bias={"42": 100}
     )
-    assert (
-        r.choices[0].text == client.post("/detokenize", body={"tokens": [42, 42]}, cast_to=object)["prompt"]
-    )
+    forced = httpx.post(server.url + "/detokenize", json={"tokens": [42, 42]}).json()["prompt"]
+    assert r.choices[0].text == forced
 
 
 def test_echo_with_logprobs_and_prompt_logprobs(client, model, server) -> None:
@@ -181,6 +170,16 @@ def test_echo_with_logprobs_and_prompt_logprobs(client, model, server) -> None:
     assert chat.model_extra["prompt_logprobs"][0] is None
 
 
+def test_best_of_returns_the_most_likely_of_its_samples(client, model) -> None:
+    """The same seed draws the same samples for n=3 and best_of=3: best_of keeps the one whose cumulative
+    logprob is highest."""
+    ask = {"model": model, "prompt": "Once upon a time", "max_tokens": 3, "temperature": 1.0, "seed": 7}
+    every = client.completions.create(n=3, logprobs=0, **ask).choices
+    best = client.completions.create(n=1, best_of=3, **ask).choices
+    assert len({c.text for c in every}) > 1
+    assert [c.text for c in best] == [max(every, key=lambda c: sum(c.logprobs.token_logprobs)).text]
+
+
 def test_hints_accepted_and_output_changing_unknowns_refused(client, model) -> None:
     r = client.chat.completions.create(
         model=model, messages=ASK, max_tokens=2, temperature=0, reasoning_effort="low", prompt_cache_key="k",
@@ -203,6 +202,53 @@ def test_model_by_id_and_continuous_usage(client, model) -> None:
     )  # fmt: skip
     counts = [c.usage.completion_tokens for c in stream if c.usage is not None]
     assert counts == sorted(counts) and counts[-1] == 4 and len(counts) >= 4
+
+
+# A template that knows tools, with a variable of its own; no default system prompt (the model's has one).
+TEMPLATE = """{%- if persona %}<|im_start|>system
+You are {{ persona }}.<|im_end|>
+{% endif -%}
+{%- if tools %}<|im_start|>system
+Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>
+{% endif -%}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>{% endfor %}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def test_chat_template_flag_and_template_kwargs(start_pagoda, tmp_path) -> None:
+    """--chat-template replaces the model's template (tools go to it as it knows them), and
+    chat_template_kwargs reach it; the prompt generated from is the one /tokenize renders."""
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    srv = start_pagoda("--chat-template", str(path), "--max-model-len", "256")
+    client = openai.OpenAI(base_url=srv.base_url, api_key="unused", timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+
+    def rendered(**body) -> tuple[int, str]:
+        ids = httpx.post(srv.url + "/tokenize", json={"messages": ASK, **body}).json()["tokens"]
+        return len(ids), httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    assert rendered()[1] == f"<|im_start|>user\n{ASK[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    kwargs = {"persona": "a pirate"}
+    count, text = rendered(tools=[WEATHER, TIME], chat_template_kwargs=kwargs)
+    assert text.startswith("<|im_start|>system\nYou are a pirate.<|im_end|>\n")
+    assert "Tools: get_weather get_time" in text
+    r = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": kwargs},
+    )
+    assert r.usage.prompt_tokens == count
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=1, extra_body={"chat_template_kwargs": {"tools": []}}
+        )
+    assert err.value.body["param"] == "chat_template_kwargs"
 
 
 def test_tool_call_round_trip(client, model, server) -> None:
@@ -288,7 +334,9 @@ SCHEMA = st.recursive(
     lambda inner: st.one_of(
         st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(0, 3)),
         st.builds(
-            _object, st.dictionaries(NAMES, inner, min_size=1, max_size=3), st.lists(NAMES, max_size=3)
+            _object,
+            st.dictionaries(NAMES, inner, min_size=1, max_size=3),
+            st.lists(NAMES, max_size=3, unique=True),
         ),
         st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=2, max_size=2)),
     ),
