@@ -2,8 +2,8 @@
 
     make bench-structured       # or: python benchmarks/bench_structured.py [--steps 20] [--batches 1 32]
 
-Default model on the CPU (float32), every sequence decoding under a JSON schema that never ends early (an
-array of up to 500 short strings). Per decode step it times the three parts of the mask's work: filling
+Default model on the CPU (float32), every sequence decoding under a JSON schema that cannot end within the
+timed steps (an array of at least 1,000 short strings; the run checks every timed step masked every row). Per decode step it times the three parts of the mask's work: filling
 the bitmask rows (xgrammar's matcher, in the scheduler), applying them to the logits (the sampler's call,
 xgrammar's kernel behind Pagoda's row selection), and advancing the matchers by the sampled tokens; and the
 step itself, with the grammar and without (the same prompts, unconstrained). The peer: xgrammar's kernel
@@ -30,16 +30,17 @@ from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
 from pagoda.engine.structured_output import GrammarSpec  # noqa: E402
 from pagoda.engine.structured_output.mask import TokenBitmask, apply_token_bitmask  # noqa: E402
 
-SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 500}
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1000}
 
 
 class Timer:
     """Wraps a callable; sums the seconds spent in it since the last take()."""
 
     def __init__(self, fn) -> None:
-        self.fn, self.total = fn, 0.0
+        self.fn, self.total, self.calls = fn, 0.0, []
 
     def __call__(self, *args, **kwargs):
+        self.calls.append(args)
         start = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
@@ -48,6 +49,7 @@ class Timer:
 
     def take(self) -> float:
         total, self.total = self.total, 0.0
+        self.calls.clear()
         return total
 
 
@@ -82,9 +84,12 @@ def run_batch(llm: LLM, batch: int, steps: int, grammar: bool) -> dict:
             start = time.perf_counter()
             engine.step()
             rows["step"].append(time.perf_counter() - start)
+            masked = sum(len(args[0]) for args in fill.calls)
             rows["fill"].append(fill.take())
             rows["apply"].append(apply.take())
             rows["accept"].append(accept.take())
+            if grammar and masked != batch:
+                raise RuntimeError(f"a timed step masked {masked} rows, not {batch}: a grammar ended early")
     finally:
         sched.structured.bitmask, sched.structured.accept = fill.fn, accept.fn
         sampler_module.apply_token_bitmask = apply.fn
