@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import plot_path, print_table, pyplot, write_json  # noqa: E402
+from common import print_table, pyplot, save_plot, write_json  # noqa: E402
 from pagoda.engine import sampler as sampler_module  # noqa: E402
 from pagoda.engine.llm import LLM  # noqa: E402
 from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
@@ -175,9 +175,7 @@ def main() -> None:
     ax.set_ylabel("ms per decode step (median)")
     ax.set_title("What the grammar's token mask costs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(plot_path("bench_structured"))
-    print(f"wrote {plot_path('bench_structured')}")
+    save_plot(fig, "bench_structured")
 
 
 if __name__ == "__main__":

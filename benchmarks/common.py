@@ -55,3 +55,11 @@ def pyplot():
         print("matplotlib is not installed: no plot")
         return None
     return plt
+
+
+def save_plot(fig, name: str) -> None:
+    """Lay ``fig`` out and write it to bench-results/NAME.png."""
+    fig.tight_layout()
+    path = plot_path(name)
+    fig.savefig(path)
+    print(f"wrote {path}")
