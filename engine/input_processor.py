@@ -130,15 +130,10 @@ class InputProcessor:
             raise InputError(f"The messages do not fit the model's chat template: {exc}", "messages") from exc
 
     def chat_token_ids(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
+        self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
     ) -> tuple[list[int], str]:
-        """Render and tokenize a conversation: (token ids, the rendered prompt)."""
-        text = self.render_chat(messages, add_generation_prompt, continue_final, tools, template_kwargs)
+        """Render (render_chat's arguments) and tokenize a conversation: (token ids, the rendered prompt)."""
+        text = self.render_chat(messages, *args, **kwargs)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_prompt(ids, "messages")
         return ids, text
