@@ -94,7 +94,16 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's: every core); 1 keeps the "
+        "ratios meaningful on a machine that other jobs keep busy, where OpenMP teams stall",
+    )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     common = dict(
         device=args.device,
