@@ -96,7 +96,7 @@ def test_every_rank_profiles_and_the_least_budget_sizes_every_cache(tiny_model):
     two, llm = _greedy(path, 2, prompts, profile_on_cpu=True)
     try:
         engine = llm.engine
-        profile = engine.plan.profile
+        profile = engine.core.plan.profile
         assert profile.source == "host" and len(profile.rank_kv_cache_bytes) == 2
         assert profile.kv_cache_bytes == min(profile.rank_kv_cache_bytes) > 0
         assert engine.num_blocks == profile.kv_cache_bytes // (engine.kv_bytes_per_token * 16)
