@@ -58,7 +58,8 @@ def test_every_routed_example_passes_the_routers_dry_run_as_a_process(name: str)
 
 def test_every_policy_model_kind_and_api_key_passes_the_routers_dry_run() -> None:
     """In process through pagoda.router.cli (the same parser and validation the process runs)."""
-    cli = pytest.importorskip("pagoda.router.cli")
+    from pagoda.router import cli
+
     sources = ("default", "hf://Qwen/Qwen2.5-7B-Instruct", "pvc://models/llama", "file:///models/m")
     seen = 0
     for policy, source, key in itertools.product(ROUTING_POLICIES, sources, (None, "s")):
@@ -128,7 +129,8 @@ def routed_specs(draw: st.DrawFn) -> dict[str, Any]:
 def test_generated_specs_render_a_router_the_router_accepts_and_a_valid_autoscaler(
     spec: dict[str, Any],
 ) -> None:
-    cli = pytest.importorskip("pagoda.router.cli")
+    from pagoda.router import cli
+
     try:
         parsed = parse_spec(spec)
     except SpecError as exc:  # a target rounded onto a bound: refused with a condition, never rendered
@@ -159,7 +161,6 @@ def test_generated_specs_render_a_router_the_router_accepts_and_a_valid_autoscal
 def test_the_operator_refuses_what_the_router_would_refuse_in_process() -> None:
     """operator/contract.py: the same parser and validation before any router pod exists (Ready=False,
     reason RouterWouldRefuse), with the router's own words."""
-    pytest.importorskip("pagoda.router.cli")
     from pagoda.operator.contract import ROUTER_REASON, check_router_args
 
     args = router_container(example("llama-3.1-8b-l40s-routed-autoscaled.yaml"))["args"]

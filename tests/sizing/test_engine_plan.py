@@ -94,7 +94,8 @@ def test_dtype_and_kv_bytes(monkeypatch, tmp_path) -> None:
 
 def test_kv_heads_per_rank_matches_the_engines_sharding() -> None:
     """The pure rule must give what the tensor-parallel engine allocates on each rank."""
-    parallel_state = pytest.importorskip("pagoda.engine.distributed.parallel_state")
+    from pagoda.engine.distributed import parallel_state
+
     for heads in range(1, 17):
         for kv in (k for k in range(1, heads + 1) if heads % k == 0):
             for tp in range(1, heads + 1):
