@@ -16,21 +16,35 @@ TOPK = 5
 TOL = 1e-3
 
 
-def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Greedy decoding with the HF model's own forward and KV cache, no logits processors (EOS included,
-    as our side runs with ignore_eos); returns the tokens and each step's raw log-probabilities."""
-    ids = torch.tensor([prompt_ids])
+    as our side runs with ignore_eos); returns each prompt's tokens and each step's raw log-probabilities.
+
+    All prompts decode in one left-padded batch with an attention mask and each row's own positions, so a
+    row computes what it would alone: a CPU decode step is bound by reading the weights, and one read per
+    step for every prompt instead of one per prompt cuts the reference from minutes to seconds."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     past, tokens, logprobs = None, [], []
     with torch.no_grad():
         for _ in range(new_tokens):
-            out = model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
             past = out.past_key_values
-            lp = out.logits[0, -1].float().log_softmax(-1)
-            tok = int(lp.argmax())
-            tokens.append(tok)
+            lp = out.logits[:, -1].float().log_softmax(-1)
+            ids = lp.argmax(-1, keepdim=True)
+            tokens.append(ids[:, 0].tolist())
             logprobs.append(lp)
-            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-    return tokens, logprobs
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            positions = positions[:, -1:] + 1
+    return [([step[row] for step in tokens], [step[row] for step in logprobs]) for row in range(len(prompts))]
 
 
 def compare(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs) -> bool:
@@ -55,10 +69,9 @@ def run_parity(model_dir, prompts_ids: list[list[int]], hf_model) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOPK)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_ids], params, use_tqdm=False)
     exact = 0
-    for prompt, out in zip(prompts_ids, outs, strict=True):
+    for out, (hf_tokens, hf_lp) in zip(outs, hf_greedy(hf_model, prompts_ids, NEW_TOKENS), strict=True):
         comp = out.outputs[0]
         assert len(comp.token_ids) == NEW_TOKENS
-        hf_tokens, hf_lp = hf_greedy(hf_model, prompt, NEW_TOKENS)
         exact += compare(comp.token_ids, comp.logprobs, hf_tokens, hf_lp)
     return exact / len(prompts_ids)
 
