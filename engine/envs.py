@@ -14,7 +14,7 @@ read their variables here too.
 | PAGODA_ONEDNN_LINEAR | 1 | 0: CPU linears run `F.linear` instead of oneDNN's packed weights |
 | PAGODA_HOST_MALLOC_TUNING | 1 | 0: glibc may return freed heap to the system (see host_allocator.py) |
 | PAGODA_CORE_THREADS | all cores | compute threads of the engine core process (`pagoda serve`) |
-| PAGODA_CORE_SHARE_CORES | 1 | 0: the engine core process computes on every thread even for steps of at most 2 new tokens |
+| PAGODA_CORE_SHARE_CORES | 0 | 1: the engine core process computes on one thread fewer for steps of at most 2 new tokens |
 | PAGODA_ENGINE_IMAGE | unset | the operator: engine image to render instead of its default |
 | PAGODA_PROMETHEUS_URL | unset | the operator: Prometheus it reads load from |
 | PAGODA_DOWNLOAD_IMAGE | unset | the operator: image of the model-download Jobs instead of its default |
@@ -73,7 +73,7 @@ def core_threads() -> int | None:
 
 
 def core_share_cores() -> bool:
-    return _switch("PAGODA_CORE_SHARE_CORES")
+    return os.environ.get("PAGODA_CORE_SHARE_CORES", "0").strip().lower() not in _OFF
 
 
 def engine_image() -> str | None:
