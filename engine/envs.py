@@ -33,9 +33,9 @@ def _get(name: str) -> str | None:
     return value if value else None
 
 
-def _switch(name: str) -> bool:
-    """On unless set to 0 / false / no / off."""
-    return os.environ.get(name, "1").strip().lower() not in _OFF
+def _switch(name: str, default: str = "1") -> bool:
+    """On unless set to 0 / false / no / off (or unset with an off ``default``)."""
+    return os.environ.get(name, default).strip().lower() not in _OFF
 
 
 def cache_dir() -> str | None:
@@ -73,7 +73,7 @@ def core_threads() -> int | None:
 
 
 def core_share_cores() -> bool:
-    return os.environ.get("PAGODA_CORE_SHARE_CORES", "0").strip().lower() not in _OFF
+    return _switch("PAGODA_CORE_SHARE_CORES", default="0")
 
 
 def engine_image() -> str | None:

@@ -28,6 +28,15 @@ void pagoda_add_rms_norm(float *out, float *residual, const float *x, const floa
         }
         ss = _mm512_reduce_add_ps(acc);
         for (; i < n; i++) ss += r[i] * r[i];
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(r + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = hsum8(acc);
+        for (; i < n; i++) ss += r[i] * r[i];
 #else
         for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
 #endif
@@ -72,6 +81,14 @@ void pagoda_silu_mul(float *out, const float *gu, int64_t T, int64_t I, int64_t 
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
             _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
         }
 #endif
         for (; i < I; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
@@ -171,6 +188,14 @@ void pagoda_silu_mul_bf16(uint16_t *out, const uint16_t *gu, int64_t T, int64_t 
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
             _mm256_storeu_si256((__m256i *)(o + i), f32x16_to_bf16(_mm512_mul_ps(sv, bf16x16(u + i))));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = bf16x8(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm_storeu_si128((__m128i *)(o + i), f32x8_to_bf16(_mm256_mul_ps(sv, bf16x8(u + i))));
         }
 #endif
         for (; i < I; i++) {

@@ -117,6 +117,98 @@ static inline __attribute__((always_inline)) void task_avx512(
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The same task on 8 lanes (an AVX2 CPU without AVX-512); D a multiple of 8. */
+static inline __attribute__((always_inline)) void task_avx2(
+    const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
+    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, const int CT)
+{
+    const int I8 = CT == CT_I8, BF = CT == CT_BF16;
+    const int DV = D / 8;
+    const int start = window_start(len, window);
+    const int64_t tok_stride = (int64_t)Hkv * D;
+    __m256 qv[MAXG][MAXD / 8], acc[MAXG][MAXD / 8];
+    float m[MAXG], l[MAXG];
+    float sc[MAXG][MAXBS] __attribute__((aligned(32)));
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < DV; i++) {
+            qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(qs + g * D + 8 * i), _mm256_set1_ps(scale));
+            acc[g][i] = _mm256_setzero_ps();
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int esz = I8 ? 1 : BF ? 2 : 4;
+    for (int b = start / bs; b * bs < len; b++) {
+        const int64_t base = ((int64_t)bt_row[b] * bs * Hkv + h) * D;
+        const int64_t sbase = (int64_t)bt_row[b] * bs * Hkv + h;
+        const int t0 = start > b * bs ? start - b * bs : 0;
+        const int t1 = len - b * bs < bs ? len - b * bs : bs;
+        if ((b + 1) * bs < len && bt_row[b + 1] != bt_row[b] + 1) {
+            const int64_t next = ((int64_t)bt_row[b + 1] * bs * Hkv + h) * D * esz;
+            for (int t = 0; t < bs; t++)
+                for (int off = 0; off < D * esz; off += 64) {
+                    _mm_prefetch((const char *)kc + next + t * tok_stride * esz + off, _MM_HINT_T0);
+                    _mm_prefetch((const char *)vc + next + t * tok_stride * esz + off, _MM_HINT_T0);
+                }
+        }
+        for (int t = t0; t < t1; t++) {
+            __m256 kk[MAXD / 8];
+            for (int i = 0; i < DV; i++)
+                kk[i] = I8 ? i8x8((const int8_t *)kc + base + t * tok_stride + 8 * i)
+                        : BF ? bf16x8((const uint16_t *)kc + base + t * tok_stride + 8 * i)
+                             : _mm256_loadu_ps((const float *)kc + base + t * tok_stride + 8 * i);
+            for (int g = 0; g < G; g++) {
+                __m256 s = _mm256_mul_ps(qv[g][0], kk[0]);
+                for (int i = 1; i < DV; i++) s = _mm256_fmadd_ps(qv[g][i], kk[i], s);
+                sc[g][t] = hsum8(s);
+                if (I8) sc[g][t] *= ksc[sbase + (int64_t)t * Hkv];
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float bm = m[g];
+            for (int t = t0; t < t1; t++) bm = sc[g][t] > bm ? sc[g][t] : bm;
+            const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - bm);
+            const __m256 vbm = _mm256_set1_ps(bm);
+            __m256 vsum = _mm256_setzero_ps();
+            int t = t0;
+            for (; t + 8 <= t1; t += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[g][t]), vbm));
+                _mm256_storeu_ps(&sc[g][t], e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            float sum = hsum8(vsum);
+            for (; t < t1; t++) {
+                sc[g][t] = exp_neg(sc[g][t] - bm);
+                sum += sc[g][t];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = bm;
+            if (corr != 1.0f) {
+                const __m256 c = _mm256_set1_ps(corr);
+                for (int i = 0; i < DV; i++) acc[g][i] = _mm256_mul_ps(acc[g][i], c);
+            }
+        }
+        for (int t = t0; t < t1; t++) {
+            __m256 vv[MAXD / 8];
+            for (int i = 0; i < DV; i++)
+                vv[i] = I8 ? i8x8((const int8_t *)vc + base + t * tok_stride + 8 * i)
+                        : BF ? bf16x8((const uint16_t *)vc + base + t * tok_stride + 8 * i)
+                             : _mm256_loadu_ps((const float *)vc + base + t * tok_stride + 8 * i);
+            const float vscale = I8 ? vsc[sbase + (int64_t)t * Hkv] : 1.0f;
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(I8 ? sc[g][t] * vscale : sc[g][t]);
+                for (int i = 0; i < DV; i++) acc[g][i] = _mm256_fmadd_ps(p, vv[i], acc[g][i]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        for (int i = 0; i < DV; i++) _mm256_storeu_ps(os + g * D + 8 * i, _mm256_mul_ps(acc[g][i], inv));
+    }
+}
+#endif
+
 /* Portable version of the same task (any D up to MAXD). */
 static inline __attribute__((always_inline)) void task_portable(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
@@ -219,6 +311,16 @@ static inline __attribute__((always_inline)) int paged_decode(
         else if (D == 128 && G == 4) TASK(128, 4);
         else if (D == 128 && G == 8) TASK(128, 8);
         else if (D % 16 == 0) TASK(D, G);
+        else
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TASK2(DD, GG) task_avx2(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, DD, GG, bs, \
+                                scale, window, CT)
+        if (D == 64 && G == 3) TASK2(64, 3);
+        else if (D == 64 && G == 4) TASK2(64, 4);
+        else if (D == 64 && G == 1) TASK2(64, 1);
+        else if (D == 128 && G == 4) TASK2(128, 4);
+        else if (D == 128 && G == 8) TASK2(128, 8);
+        else if (D % 8 == 0) TASK2(D, G);
         else
 #endif
         task_portable(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, D, G, bs, scale, window,

@@ -218,6 +218,37 @@ def test_native_decode_matches_the_gathered_reference(
     run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block_size,window",
+    [(9, 3, 64, 16, None), (8, 2, 128, 32, 21), (6, 3, 24, 16, None), (4, 1, 40, 8, 5)],
+)
+def test_native_decode_reads_bfloat16_caches_in_every_variant(
+    heads, kv_heads, d, block_size, window, cpu_variant
+):
+    """Each variant's decode over a bfloat16 cache in scattered blocks (lengths that end mid-block and past
+    a multiple of the vector width) equals the dense reference over the same bfloat16-rounded values."""
+    from pagoda.engine.attention import cpu_decode
+
+    torch.manual_seed(d + block_size)
+    num_blocks, lens = 48, [1, 7, block_size + 3, 3 * block_size + 9]
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, d).to(torch.bfloat16)
+    order = torch.randperm(num_blocks).tolist()
+    per_seq = max(-(-n // block_size) for n in lens)
+    tables = torch.tensor(
+        [order[i * per_seq : (i + 1) * per_seq] for i in range(len(lens))], dtype=torch.int32
+    )
+    q = torch.randn(len(lens), heads, d)
+    out = torch.full_like(q, float("nan"))
+    assert cpu_decode.supports(q, kv)
+    cpu_decode.paged_decode(q, kv, tables, torch.tensor(lens, dtype=torch.int32), out, d**-0.5, window)
+    for i, n in enumerate(lens):
+        rows = [tables[i, t // block_size].item() for t in range(n)]
+        k = kv[0, rows, [t % block_size for t in range(n)]].float()
+        v = kv[1, rows, [t % block_size for t in range(n)]].float()
+        ref = dense_reference(q[i : i + 1].expand(n, -1, -1), k, v, n - 1, 1, window)
+        assert (out[i] - ref[0]).abs().max() < 1e-5, (i, n)
+
+
 # ---- the native CPU prefill kernel -----------------------------------------------------------------------
 
 
