@@ -10,6 +10,10 @@ Packing costs one more copy of each packed weight in host memory, kept beside th
 sharding, weight reloads and tests read the original). The pack follows the weight: a weight changed in
 place (a reload) is packed again on its next use. Results differ from sgemm only in summation order (about
 an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere.
+
+Products of at most four float32 rows (decode steps of a few sequences) take the kernels library's small-rows
+product instead where the loaded variant says so (`CpuKernels.small_rows`): such a product only streams the
+weight, and on AVX2 hosts oneDNN's blocked path reads it well below the machine's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pagoda.engine import envs
+from pagoda.kernels.cpu import loader
 
 _DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from a typical row count; any row count works with the packed weight.
 _ROWS_HINT = 64
+SMALL_ROWS_MAX = 4  # kernels/cpu/small_rows.c
 
 
 def enabled() -> bool:
@@ -73,6 +79,9 @@ def linear(
     """``F.linear(x, weight, bias)``, through the packed weight where it applies. A float32 ``x`` with a
     bfloat16 weight computes in float32 over the widened weight (exact products, float32 output)."""
     widen = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
+    y = small_rows(x, weight)
+    if y is not None:
+        return y if bias is None else y.add_(bias)
     if x.device.type == "cpu" and (x.dtype == weight.dtype or widen) and x.numel() > 0:
         w = packed.get(weight, x.dtype)
         if w is not None:
@@ -82,3 +91,33 @@ def linear(
     if widen:
         return F.linear(x, weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight, bias)
+
+
+def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` for at most `SMALL_ROWS_MAX` float32 rows by the native small-rows product, where the
+    loaded kernel variant prefers it to oneDNN (a decode step of a few sequences streams each weight once);
+    None where it does not apply."""
+    if (
+        x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or x.dim() != 2
+        or weight.dim() != 2
+        or x.shape[1] != weight.shape[1]
+        or not 1 <= x.shape[0] <= SMALL_ROWS_MAX
+        or x.stride(1) != 1
+        or weight.stride(1) != 1
+        or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        or not envs.onednn_linear()
+    ):
+        return None
+    kernels = loader.current()
+    if not kernels.small_rows:
+        return None
+    y = torch.empty(x.shape[0], weight.shape[0])
+    status = kernels.lib.pagoda_small_rows_f32(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0], weight.stride(0),
+        y.data_ptr(), y.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    return y if status == 0 else None

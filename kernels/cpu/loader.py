@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from pagoda.engine import envs
 from pagoda.kernels.cpu import build
-from pagoda.kernels.cpu.signatures import FEATURE_PREFILL, SIGNATURES
+from pagoda.kernels.cpu.signatures import FEATURE_PREFILL, FEATURE_SMALL_ROWS, SIGNATURES
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class CpuKernels:
     def prefill(self) -> bool:
         """Whether the library carries the causal prefill kernel (the AVX-512 variant does)."""
         return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_PREFILL)
+
+    @functools.cached_property
+    def small_rows(self) -> bool:
+        """Whether linears of at most four rows should take the library's small-rows product over oneDNN."""
+        return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_SMALL_ROWS)
 
     def describe(self) -> str:
         if self.lib is None:

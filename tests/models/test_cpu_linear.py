@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from pagoda.engine.models import cpu_linear
 from pagoda.engine.models.layers import Linear
+from pagoda.kernels.cpu import loader
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +26,8 @@ def test_packed_linear_matches_f_linear(rows, k, n, bias):
         layer.bias.copy_(torch.randn(n))
     x = torch.randn(rows, k)
     got = layer(x)
-    assert layer.packed._packed is not None  # the oneDNN path ran
+    small = rows <= cpu_linear.SMALL_ROWS_MAX and loader.current().small_rows
+    assert (layer.packed._packed is None) == small  # the oneDNN path ran, or the small-rows product
     want = F.linear(x, layer.weight, layer.bias)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
@@ -67,3 +69,33 @@ def test_other_dtypes_and_grad_take_f_linear():
     y = cpu_linear.linear(x, wg, None, packed)
     y.sum().backward()  # autograd still works: F.linear ran
     assert wg.grad is not None
+
+
+@pytest.mark.parametrize("k", [576, 1536, 23])
+def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
+    """One to four rows (strided x, a weight that is a column slice of a wider one) against a float64 product;
+    five rows, another dtype and the environment switch decline it. Only the variant that says it prefers the
+    product (AVX2) uses it inside `linear`."""
+    torch.manual_seed(k)
+    lib = cpu_variant.lib
+    w = torch.randn(300, k + 7)[:, 3 : 3 + k]
+    for rows in range(1, cpu_linear.SMALL_ROWS_MAX + 1):
+        x = torch.randn(rows, k + 5)[:, :k]
+        want = (x.double() @ w.double().T).float()
+        out = torch.full((rows, 300), float("nan"))
+        assert lib.pagoda_small_rows_f32(x.data_ptr(), rows, k, x.stride(0), w.data_ptr(), 300, w.stride(0),
+                                         out.data_ptr(), 300, 2) == 0  # fmt: skip
+        assert (out - want).abs().max().item() < 1e-4 * k**0.5
+        bias = torch.randn(300)
+        got = cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight())
+        assert (got - (want + bias)).abs().max().item() < 1e-4 * k**0.5
+    assert cpu_variant.small_rows == (cpu_variant.variant == "avx2")
+    x = torch.randn(cpu_linear.SMALL_ROWS_MAX + 1, k)
+    assert (
+        lib.pagoda_small_rows_f32(x.data_ptr(), len(x), k, k, w.data_ptr(), 300, w.stride(0), 0, 300, 2) == 1
+    )
+    assert cpu_linear.small_rows(x, w) is None
+    assert cpu_linear.small_rows(x[:2].double(), w.double()) is None
+    assert (cpu_linear.small_rows(x[:2], w) is not None) == cpu_variant.small_rows
+    monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
+    assert cpu_linear.small_rows(x[:2], w) is None
