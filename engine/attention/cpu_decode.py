@@ -8,8 +8,9 @@ prefetches the next block's rows of its head while it scores the current one (un
 one, which the hardware prefetcher follows by itself): scattered blocks cost less, contiguous ones the same.
 
 Gathering the context per layer and step used to cost more than the model's matmuls at 64 concurrent decodes
-(measurements: docs/benchmarks.md, "Numbers behind the code"). With AVX-512 and a head size that is a multiple of 16, or AVX2 and a multiple of
-8, the inner loops use intrinsics (with a vector exp); otherwise a portable loop the compiler vectorises. C source: kernels/cpu/paged_decode.c.
+(measurements: docs/benchmarks.md, "Numbers behind the code"). With AVX-512 and a head size that is a multiple
+of 16, or AVX2 and a multiple of 8, the inner loops use intrinsics (with a vector exp); otherwise a portable
+loop the compiler vectorises. C source: kernels/cpu/paged_decode.c.
 """
 
 from __future__ import annotations
