@@ -1,4 +1,4 @@
-"""Causal prefill attention on the CPU over the paged cache (float32, AVX-512), flash-attention style.
+"""Causal prefill attention on the CPU over the paged cache (float32; AVX2 or AVX-512), flash-attention style.
 
 Why: torch's CPU flash-attention kernel runs its tiles through the BLAS sgemm, which reaches a fraction of
 what the cores do on the default model's prefill shapes, and causal attention was a third of a long
@@ -7,14 +7,15 @@ cached prefix, and with a sliding window) and is faster on the same shapes (meas
 docs/benchmarks.md; `tests/models/test_torch_backend.py` checks it against the dense reference).
 
 How: one task per (chunk, KV head, range of query positions). A task first copies the K rows it will read
-into a transposed scratch, 16 keys per chunk ([d][16 keys]), so a tile's scores are broadcast-FMAs of query
-elements against key vectors with no horizontal sums. A tile is 12 query rows: the query positions times
-the query heads that share the KV head (GQA reads each K/V row once per tile). Softmax is online per 16-key
-chunk (running max and sum per row); P.V accumulates in registers, a few rows per pass. Masks (causal and
-sliding window) are applied per 16-key chunk only where a chunk crosses a row's edge.
+into a transposed scratch, one vector of keys per chunk ([d][16 keys] on AVX-512, [d][8 keys] on AVX2), so
+a tile's scores are broadcast-FMAs of query elements against key vectors with no horizontal sums. A tile is
+12 query rows: the query positions times the query heads that share the KV head (GQA reads each K/V row
+once per tile). Softmax is online per chunk (running max and sum per row); P.V accumulates in registers.
+Masks (causal and sliding window) are applied per chunk only where a chunk crosses a row's edge.
 
-Needs AVX-512 and a head size that is a multiple of 16 (at most 256) and at most 12 query heads per KV head;
-elsewhere `supports` says no and the backend keeps torch's SDPA. C source: kernels/cpu/paged_prefill.c.
+Needs AVX2 + FMA or AVX-512, a head size that is a multiple of 16 (at most 256) and at most 12 query heads
+per KV head; elsewhere `supports` says no and the backend keeps torch's SDPA. C source:
+kernels/cpu/paged_prefill.c.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _MAX_HEAD_DIM = 256
 
 
 def available() -> bool:
-    """Whether the loaded CPU kernels carry this one (the AVX-512 variant does)."""
+    """Whether the loaded CPU kernels carry this one (the AVX2 and AVX-512 variants do)."""
     return current().prefill
 
 

@@ -11,7 +11,7 @@ prefill chunks. The plan is reused by every layer of the step.
 - INT8 caches: written through `quantize_int8` (per token and KV head); decodes read them in place with the
   native kernel's INT8 variant (values widened in registers, each token's K scale on its score and V scale
   on its weight), prefill chunks and the gathered fallback multiply the gathered values by their scales.
-- Prefill chunks: the native kernel of `cpu_prefill` where the loaded variant has it (AVX-512); otherwise
+- Prefill chunks: the native kernel of `cpu_prefill` where the loaded variant has it (AVX2, AVX-512); otherwise
   one SDPA call each, over the sequence's cached prefix plus the chunk, on 4-D views (SDPA only takes its
   fused flash kernel on the CPU for 4-D inputs; 3-D ones fall to the math kernel, which materialises the
   scores: docs/benchmarks.md).

@@ -14,9 +14,17 @@ an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere
 Products of at most four float32 rows (decode steps of a few sequences) take the kernels library's small-rows
 product instead where the loaded variant says so (`CpuKernels.small_rows`): such a product only streams the
 weight, and on AVX2 hosts oneDNN's blocked path reads it well below the machine's memory bandwidth.
+
+bfloat16 products on an x86 CPU without bfloat16 multiply instructions (AVX512_BF16, AMX) compute in float32:
+there oneDNN's bfloat16 kernels widen the operands themselves, several times slower than its float32 path over
+a weight widened once (the packed copy is then float32: twice the bfloat16 weight). The products are the same
+exact float32 products of bfloat16 values, rounded to bfloat16 at the output, as oneDNN's.
 """
 
 from __future__ import annotations
+
+import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +81,26 @@ class PackedWeight:
         return self._packed
 
 
+@functools.cache
+def _no_bfloat16_multiply() -> bool:
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and not loader.cpu_flags() & {"avx512_bf16", "amx_bf16"}
+
+
+def bfloat16_widens() -> bool:
+    """Whether bfloat16 linears compute in float32 here: an x86 CPU without bfloat16 multiply instructions,
+    with the oneDNN path on (``PAGODA_ONEDNN_LINEAR=0`` keeps `F.linear` as it is)."""
+    return _no_bfloat16_multiply() and enabled()
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed weight where it applies. A float32 ``x`` with a
-    bfloat16 weight computes in float32 over the widened weight (exact products, float32 output)."""
+    bfloat16 weight computes in float32 over the widened weight (exact products, float32 output); so does a
+    bfloat16 ``x`` where `bfloat16_widens` (output rounded to bfloat16)."""
+    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and bfloat16_widens():
+        return linear(x.float(), weight, bias, packed).to(torch.bfloat16)
     widen = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
     y = small_rows(x, weight)
     if y is not None:
@@ -94,12 +117,12 @@ def linear(
 
 
 def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` for at most `SMALL_ROWS_MAX` float32 rows by the native small-rows product, where the
-    loaded kernel variant prefers it to oneDNN (a decode step of a few sequences streams each weight once);
-    None where it does not apply."""
+    """``x @ weight.T`` for at most `SMALL_ROWS_MAX` float32 rows over a float32 or bfloat16 weight by the
+    native small-rows product, where the loaded kernel variant prefers it to oneDNN (a decode step of a few
+    sequences streams each weight once); None where it does not apply."""
     if (
         x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or weight.dtype not in _DTYPES
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or x.dim() != 2
@@ -116,7 +139,12 @@ def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not kernels.small_rows:
         return None
     y = torch.empty(x.shape[0], weight.shape[0])
-    status = kernels.lib.pagoda_small_rows_f32(
+    fn = (
+        kernels.lib.pagoda_small_rows_bf16w
+        if weight.dtype == torch.bfloat16
+        else kernels.lib.pagoda_small_rows_f32
+    )
+    status = fn(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0], weight.stride(0),
         y.data_ptr(), y.stride(0), torch.get_num_threads(),
     )  # fmt: skip

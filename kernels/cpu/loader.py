@@ -51,7 +51,7 @@ class CpuKernels:
 
     @property
     def prefill(self) -> bool:
-        """Whether the library carries the causal prefill kernel (the AVX-512 variant does)."""
+        """Whether the library carries the causal prefill kernel (the AVX2 and AVX-512 variants do)."""
         return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_PREFILL)
 
     @functools.cached_property

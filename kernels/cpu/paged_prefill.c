@@ -1,10 +1,12 @@
-/* Causal prefill attention over the paged cache, flash-attention style, AVX-512 only (engine/attention/cpu_prefill.py binds it). */
+/* Causal prefill attention over the paged cache, flash-attention style (engine/attention/cpu_prefill.py binds
+   it): AVX-512 tiles over 16-key chunks, AVX2 tiles over 8-key chunks; the portable build returns 2. */
 #include "pagoda_cpu.h"
 
 #define PF_R 12        /* query rows per tile: positions x query heads of one KV head */
 #define PF_MAXD 256
 
 #if defined(__AVX512F__)
+#define PF_W 16 /* keys per chunk: one vector of scores per query row */
 static inline __attribute__((always_inline)) void pf_tile(
     const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
     int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
@@ -79,6 +81,78 @@ static inline __attribute__((always_inline)) void pf_tile(
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PF_W 8
+/* The AVX-512 tile at 8 lanes, with P.V ordered by head-dimension slice (outer) and key (inner) so the 12
+   rows' accumulators of one slice stay in the 16 ymm registers. */
+static inline __attribute__((always_inline)) void pf_tile(
+    const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
+    int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
+    float *m, float *l, const int D, const int BF)
+{
+    const int DV = D / 8;
+    const __m256i iota = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    int minpos = pos[0], maxws = ws[0], maxpos = pos[0], minws = ws[0];
+    for (int r = 1; r < R; r++) {
+        minpos = pos[r] < minpos ? pos[r] : minpos;
+        maxws = ws[r] > maxws ? ws[r] : maxws;
+        maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+        minws = ws[r] < minws ? ws[r] : minws;
+    }
+    float ps[PF_R][8] __attribute__((aligned(32)));
+    float corr[PF_R];
+    const int cl = minws / 8, ch = maxpos / 8 + 1;
+    for (int c = cl > c0 ? cl : c0; c < ch && c < c1; c++) {
+        const float *ktc = kt + (int64_t)(c - c0) * D * 8;
+        __m256 S[PF_R];
+        for (int r = 0; r < PF_R; r++) S[r] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m256 kv = _mm256_load_ps(ktc + d * 8);
+            for (int r = 0; r < PF_R; r++) S[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + r * D + d), kv, S[r]);
+        }
+        const int full = c * 8 + 7 <= minpos && c * 8 >= maxws;
+        const __m256i kidx = _mm256_add_epi32(_mm256_set1_epi32(c * 8), iota);
+        for (int r = 0; r < PF_R; r++) {
+            __m256 mk = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            if (!full) /* key <= pos and key >= window start */
+                mk = _mm256_castsi256_ps(_mm256_andnot_si256(
+                    _mm256_or_si256(_mm256_cmpgt_epi32(kidx, _mm256_set1_epi32(pos[r])),
+                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(ws[r]), kidx)),
+                    _mm256_set1_epi32(-1)));
+            const float mx = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), S[r], mk));
+            const float mnew = mx > m[r] ? mx : m[r];
+            if (mnew == -INFINITY) {
+                _mm256_store_ps(ps[r], _mm256_setzero_ps());
+                corr[r] = 1.0f;
+                continue;
+            }
+            const __m256 e = _mm256_and_ps(mk, exp8(_mm256_sub_ps(S[r], _mm256_set1_ps(mnew))));
+            _mm256_store_ps(ps[r], e);
+            corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            l[r] = l[r] * corr[r] + hsum8(e);
+            m[r] = mnew;
+        }
+        const int j1 = kend - c * 8 < 8 ? kend - c * 8 : 8;
+        int64_t vrow[8]; /* element offsets of the chunk's V rows */
+        for (int j = 0; j < j1; j++) {
+            const int key = c * 8 + j;
+            vrow[j] = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
+        }
+        for (int i = 0; i < DV; i++) {
+            __m256 acc[PF_R];
+            for (int r = 0; r < PF_R; r++) acc[r] = _mm256_mul_ps(_mm256_load_ps(O + r * D + 8 * i), _mm256_set1_ps(corr[r]));
+            for (int j = 0; j < j1; j++) {
+                const __m256 vv = BF ? bf16x8((const uint16_t *)vc + vrow[j] + 8 * i)
+                                     : _mm256_loadu_ps((const float *)vc + vrow[j] + 8 * i);
+                for (int r = 0; r < PF_R; r++) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ps[r][j]), vv, acc[r]);
+            }
+            for (int r = 0; r < PF_R; r++) _mm256_store_ps(O + r * D + 8 * i, acc[r]);
+        }
+    }
+}
+#endif
+
+#ifdef PF_W
 /* KV head h of one prefill chunk, query positions [i0, i1) of the chunk (absolute ctx + i). */
 static inline __attribute__((always_inline)) void pf_task(
     const float *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *bt_row, int ctx,
@@ -89,22 +163,22 @@ static inline __attribute__((always_inline)) void pf_task(
     const int kend = ctx + i1;
     const int first = ctx + i0;
     const int kstart = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
-    const int c0 = kstart / 16, c1 = (kend + 15) / 16;
-    for (int c = c0; c < c1; c++) { /* K of the chunks this task reads, transposed: kt[c][d][16 keys] */
-        float *dst = kt + (int64_t)(c - c0) * D * 16;
-        for (int j = 0; j < 16; j++) {
-            const int key = c * 16 + j;
+    const int c0 = kstart / PF_W, c1 = (kend + PF_W - 1) / PF_W;
+    for (int c = c0; c < c1; c++) { /* K of the chunks this task reads, transposed: kt[c][d][PF_W keys] */
+        float *dst = kt + (int64_t)(c - c0) * D * PF_W;
+        for (int j = 0; j < PF_W; j++) {
+            const int key = c * PF_W + j;
             if (key >= kstart && key < kend) {
                 const int64_t at = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
                 if (BF) {
                     const uint16_t *src = (const uint16_t *)kc + at;
-                    for (int d = 0; d < D; d++) dst[d * 16 + j] = bf16_to_f32(src[d]);
+                    for (int d = 0; d < D; d++) dst[d * PF_W + j] = bf16_to_f32(src[d]);
                 } else {
                     const float *src = (const float *)kc + at;
-                    for (int d = 0; d < D; d++) dst[d * 16 + j] = src[d];
+                    for (int d = 0; d < D; d++) dst[d * PF_W + j] = src[d];
                 }
             } else {
-                for (int d = 0; d < D; d++) dst[d * 16 + j] = 0.0f;
+                for (int d = 0; d < D; d++) dst[d * PF_W + j] = 0.0f;
             }
         }
     }
@@ -146,7 +220,7 @@ static inline __attribute__((always_inline)) int paged_prefill(
     const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale,
     int window, float *scratch, int64_t scratch_per_thread, int nthreads, const int BF)
 {
-#if defined(__AVX512F__)
+#ifdef PF_W
     const int G = H / Hkv;
     if (G * Hkv != H || G > PF_R || D > PF_MAXD || D % 16) return 1;
     const int P = PF_R / G;

@@ -125,6 +125,14 @@ static inline float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+static inline float hmax8(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* exp on 8 lanes, the same method and polynomial as exp16 (and exp_neg). */
 static inline __m256 exp8(__m256 x)
 {

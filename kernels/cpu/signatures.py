@@ -49,7 +49,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pagoda_greedy": (None, [P, I64, I64, I64, P, P, P, I]),
     # x, M, K, x_stride, w, N, w_stride, y, y_stride, nthreads
     "pagoda_small_rows_f32": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
+    "pagoda_small_rows_bf16w": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
 }
 
-FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the AVX-512 prefill kernel is compiled in
+FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the causal prefill kernel is compiled in
 FEATURE_SMALL_ROWS = 2  # pagoda_cpu_features() bit: products of a few rows take pagoda_small_rows_f32

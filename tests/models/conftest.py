@@ -7,7 +7,10 @@ import random
 import pytest
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
-from pagoda_testkit.native import cpu_variant  # noqa: F401 (a fixture: each CPU kernel variant)
+from pagoda_testkit.native import (  # noqa: F401 (fixtures: each CPU kernel variant, each with prefill)
+    cpu_variant,
+    prefill_variant,
+)
 
 torch.set_num_threads(2)
 

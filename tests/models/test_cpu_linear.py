@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,13 @@ def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
         assert lib.pagoda_small_rows_f32(x.data_ptr(), rows, k, x.stride(0), w.data_ptr(), 300, w.stride(0),
                                          out.data_ptr(), 300, 2) == 0  # fmt: skip
         assert (out - want).abs().max().item() < 1e-4 * k**0.5
+        wb = w.to(torch.bfloat16)  # a strided bfloat16 weight, widened exactly in the kernel
+        want_b = (x.double() @ wb.double().T).float()
+        out.fill_(float("nan"))
+        assert lib.pagoda_small_rows_bf16w(x.data_ptr(), rows, k, x.stride(0), wb.data_ptr(), 300, wb.stride(0),
+                                           out.data_ptr(), 300, 2) == 0  # fmt: skip
+        assert (out - want_b).abs().max().item() < 1e-4 * k**0.5
+        assert (cpu_linear.small_rows(x, wb) is not None) == cpu_variant.small_rows
         bias = torch.randn(300)
         got = cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight())
         assert (got - (want + bias)).abs().max().item() < 1e-4 * k**0.5
@@ -99,3 +108,28 @@ def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
     assert (cpu_linear.small_rows(x[:2], w) is not None) == cpu_variant.small_rows
     monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
     assert cpu_linear.small_rows(x[:2], w) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_bfloat16_linears_compute_in_float32_without_bfloat16_multiplies(rows, monkeypatch):
+    """On an x86 CPU without bfloat16 multiply instructions a bfloat16 linear is the float32 product of the
+    bfloat16 values rounded once to bfloat16 (at most one bfloat16 step from it: summation order), through a
+    float32 pack or the small-rows product; with bfloat16 multiplies it stays oneDNN's bfloat16 product."""
+    torch.manual_seed(rows)
+    bf = torch.bfloat16
+    w, bias, packed = torch.randn(96, 200).to(bf), torch.randn(96).to(bf), cpu_linear.PackedWeight()
+    x = torch.randn(rows, 200).to(bf)
+    got = cpu_linear.linear(x, w, bias, packed)
+    assert got.dtype == bf
+    want = (x.double() @ w.double().T + bias.double()).to(bf)
+    assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-7 + 1e-6).all()
+    flags = loader.cpu_flags()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    widens = x86 and not flags & {"avx512_bf16", "amx_bf16"}
+    assert cpu_linear.bfloat16_widens() == widens
+    small = rows <= cpu_linear.SMALL_ROWS_MAX and loader.current().small_rows and widens
+    if not small:  # oneDNN ran, on a float32 pack where bfloat16 widens
+        assert packed._packed is not None and packed._packed.dtype == (torch.float32 if widens else bf)
+    monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
+    assert not cpu_linear.bfloat16_widens()
+    assert torch.equal(cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight()), F.linear(x, w, bias))

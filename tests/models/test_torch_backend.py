@@ -252,17 +252,6 @@ def test_native_decode_reads_bfloat16_caches_in_every_variant(
 # ---- the native CPU prefill kernel -----------------------------------------------------------------------
 
 
-def _require_native_prefill():
-    from pagoda.engine.attention import cpu_prefill
-    from pagoda.kernels.cpu import loader
-    from pagoda_testkit.native import require_native
-
-    require_native(loader.library() is not None)
-    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= loader.cpu_flags():
-        pytest.skip("the native prefill kernel needs an AVX-512 CPU")
-    assert cpu_prefill.available(), loader.current().describe()
-
-
 @pytest.mark.parametrize(
     "heads,kv_heads,d,block_size,window",
     [
@@ -274,13 +263,14 @@ def _require_native_prefill():
         (6, 3, 16, 16, 1),  # a window of one token
     ],
 )
-def test_native_prefill_matches_the_dense_reference(heads, kv_heads, d, block_size, window, paged):
+def test_native_prefill_matches_the_dense_reference(
+    heads, kv_heads, d, block_size, window, paged, prefill_variant
+):
     """Prefill chunks with and without a cached prefix, next to decodes, through the native kernel: every
     row matches the dense per-token reference, and the kernel really ran (its output differs from a run
     with the kernel switched off only by rounding, and rows it does not own are left as written)."""
     from pagoda.engine.attention import cpu_prefill
 
-    _require_native_prefill()
     torch.manual_seed(0)
     batches = paged(num_blocks=160, block_size=block_size, seed=2)
     caches = {n: LayerKVCache(torch.zeros(2, 160, block_size, kv_heads, d)) for n in ("native", "ref")}
@@ -307,12 +297,11 @@ def test_native_prefill_matches_the_dense_reference(heads, kv_heads, d, block_si
     assert len(calls) == len(steps)
 
 
-def test_native_prefill_leaves_rows_it_does_not_own(paged):
+def test_native_prefill_leaves_rows_it_does_not_own(paged, prefill_variant):
     """Only the prefill rows are written: decode rows of the output keep what was there."""
     from pagoda.engine.attention import cpu_prefill
     from pagoda.engine.attention.torch_backend import _plan
 
-    _require_native_prefill()
     heads, kv_heads, d, bs = 9, 3, 64, 16
     batches = paged(num_blocks=32, block_size=bs, seed=3)
     cache = LayerKVCache(torch.randn(2, 32, bs, kv_heads, d))
@@ -338,13 +327,12 @@ def test_native_prefill_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,block_size,window", [(9, 3, 64, 16, None), (8, 2, 32, 8, 9)])
-def test_native_kernels_read_bfloat16_caches(heads, kv_heads, d, block_size, window, paged):
+def test_native_kernels_read_bfloat16_caches(heads, kv_heads, d, block_size, window, paged, prefill_variant):
     """A bfloat16 model's cache is read in place by both native kernels (its queries widened to float32):
     the result equals the dense reference over the same bfloat16-rounded values to float32 rounding (far
     tighter than a bfloat16 computation would be), and it is the kernels that ran."""
     from pagoda.engine.attention import cpu_decode, cpu_prefill
 
-    _require_native_prefill()
     torch.manual_seed(1)
     bf = torch.bfloat16
     batches = paged(num_blocks=64, block_size=block_size, seed=4)

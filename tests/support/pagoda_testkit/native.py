@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 
@@ -24,19 +26,41 @@ def _variant_names() -> list[str]:
     return [v.name for v in build.variants()]
 
 
-@pytest.fixture(params=_variant_names())
-def cpu_variant(request):
-    """Each build variant of the CPU kernels in turn as the process's library (every variant this CPU runs:
-    the portable baseline everywhere, so CI on an AVX-512 host tests it too); skipped, naming the missing
-    CPU features, where this CPU cannot run it."""
+def _prefill_variant_names() -> list[str]:
+    """The variants that compile the causal prefill kernel: every vector build (the baseline has none)."""
+    return [n for n in _variant_names() if n != "baseline"] or ["none"]
+
+
+@contextlib.contextmanager
+def _using_variant(name: str):
+    """The named variant as the process's library, skipped (naming the missing CPU features) where this CPU
+    cannot run it."""
     from pagoda.kernels.cpu import build, loader
 
     require_native(True)
-    variant = next(v for v in build.variants() if v.name == request.param)
+    variant = next(v for v in build.variants() if v.name == name)
     missing = sorted(variant.needs - loader.cpu_flags())
     if missing:
         pytest.skip(f"the {variant.name} kernels need a CPU with {', '.join(missing)}")
     kernels = loader.load(variant.name)
     assert kernels.lib is not None, kernels.reason
     with loader.using(kernels):
+        yield kernels
+
+
+@pytest.fixture(params=_variant_names())
+def cpu_variant(request):
+    """Each build variant of the CPU kernels in turn as the process's library (every variant this CPU runs:
+    the portable baseline everywhere, so CI on an AVX-512 host tests it too)."""
+    with _using_variant(request.param) as kernels:
+        yield kernels
+
+
+@pytest.fixture(params=_prefill_variant_names())
+def prefill_variant(request):
+    """Each variant that carries the causal prefill kernel (AVX2, AVX-512) in turn, as `cpu_variant`."""
+    if request.param == "none":
+        pytest.skip("the native prefill kernel needs an x86-64 CPU with AVX2 + FMA")
+    with _using_variant(request.param) as kernels:
+        assert kernels.prefill, kernels.describe()
         yield kernels
