@@ -100,16 +100,24 @@ static inline __attribute__((always_inline)) void pf_tile(
         minws = ws[r] < minws ? ws[r] : minws;
     }
     float ps[PF_R][8] __attribute__((aligned(32)));
-    float corr[PF_R];
+    float sc[PF_R][8] __attribute__((aligned(32)));
+    float corr[16] __attribute__((aligned(32))), rsum[PF_R];
+    float qt[PF_MAXD][PF_R]; /* the queries transposed: one pointer serves the 12 broadcasts of a d */
+    for (int r = 0; r < PF_R; r++)
+        for (int d = 0; d < D; d++) qt[d][r] = qs[r * D + d];
     const int cl = minws / 8, ch = maxpos / 8 + 1;
     for (int c = cl > c0 ? cl : c0; c < ch && c < c1; c++) {
         const float *ktc = kt + (int64_t)(c - c0) * D * 8;
-        __m256 S[PF_R];
+        __m256 S[PF_R]; /* indexed by constants only (unrolled), so it lives in registers */
+#pragma GCC unroll 12
         for (int r = 0; r < PF_R; r++) S[r] = _mm256_setzero_ps();
         for (int d = 0; d < D; d++) {
             const __m256 kv = _mm256_load_ps(ktc + d * 8);
-            for (int r = 0; r < PF_R; r++) S[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + r * D + d), kv, S[r]);
+#pragma GCC unroll 12
+            for (int r = 0; r < PF_R; r++) S[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qt[d][r]), kv, S[r]);
         }
+#pragma GCC unroll 12
+        for (int r = 0; r < PF_R; r++) _mm256_store_ps(sc[r], S[r]);
         const int full = c * 8 + 7 <= minpos && c * 8 >= maxws;
         const __m256i kidx = _mm256_add_epi32(_mm256_set1_epi32(c * 8), iota);
         for (int r = 0; r < PF_R; r++) {
@@ -119,19 +127,25 @@ static inline __attribute__((always_inline)) void pf_tile(
                     _mm256_or_si256(_mm256_cmpgt_epi32(kidx, _mm256_set1_epi32(pos[r])),
                                     _mm256_cmpgt_epi32(_mm256_set1_epi32(ws[r]), kidx)),
                     _mm256_set1_epi32(-1)));
-            const float mx = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), S[r], mk));
+            const __m256 sr = _mm256_load_ps(sc[r]);
+            const float mx = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sr, mk));
             const float mnew = mx > m[r] ? mx : m[r];
             if (mnew == -INFINITY) {
                 _mm256_store_ps(ps[r], _mm256_setzero_ps());
-                corr[r] = 1.0f;
+                corr[r] = 0.0f; /* exp(0): the row's sums stay as they are (zero) */
+                rsum[r] = 0.0f;
                 continue;
             }
-            const __m256 e = _mm256_and_ps(mk, exp8(_mm256_sub_ps(S[r], _mm256_set1_ps(mnew))));
+            const __m256 e = _mm256_and_ps(mk, exp8(_mm256_sub_ps(sr, _mm256_set1_ps(mnew))));
             _mm256_store_ps(ps[r], e);
-            corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-            l[r] = l[r] * corr[r] + hsum8(e);
+            corr[r] = m[r] == -INFINITY ? -INFINITY : m[r] - mnew; /* exp below: 0 where nothing was seen */
+            rsum[r] = hsum8(e);
             m[r] = mnew;
         }
+        for (int r = PF_R; r < 16; r++) corr[r] = 0.0f;
+        _mm256_store_ps(corr, exp8(_mm256_load_ps(corr))); /* the rows' rescale factors, 8 at a time */
+        _mm256_store_ps(corr + 8, exp8(_mm256_load_ps(corr + 8)));
+        for (int r = 0; r < PF_R; r++) l[r] = l[r] * corr[r] + rsum[r];
         const int j1 = kend - c * 8 < 8 ? kend - c * 8 : 8;
         int64_t vrow[8]; /* element offsets of the chunk's V rows */
         for (int j = 0; j < j1; j++) {
@@ -140,12 +154,15 @@ static inline __attribute__((always_inline)) void pf_tile(
         }
         for (int i = 0; i < DV; i++) {
             __m256 acc[PF_R];
+#pragma GCC unroll 12
             for (int r = 0; r < PF_R; r++) acc[r] = _mm256_mul_ps(_mm256_load_ps(O + r * D + 8 * i), _mm256_set1_ps(corr[r]));
             for (int j = 0; j < j1; j++) {
                 const __m256 vv = BF ? bf16x8((const uint16_t *)vc + vrow[j] + 8 * i)
                                      : _mm256_loadu_ps((const float *)vc + vrow[j] + 8 * i);
+#pragma GCC unroll 12
                 for (int r = 0; r < PF_R; r++) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ps[r][j]), vv, acc[r]);
             }
+#pragma GCC unroll 12
             for (int r = 0; r < PF_R; r++) _mm256_store_ps(O + r * D + 8 * i, acc[r]);
         }
     }
@@ -224,7 +241,7 @@ static inline __attribute__((always_inline)) int paged_prefill(
     const int G = H / Hkv;
     if (G * Hkv != H || G > PF_R || D > PF_MAXD || D % 16) return 1;
     const int P = PF_R / G;
-    const int pr = P * 8;
+    const int pr = P * (PF_W == 8 ? 16 : 8);
     int64_t ntask = 0;
     for (int i = 0; i < n; i++) ntask += (int64_t)Hkv * ((qlens[i] + pr - 1) / pr);
     #pragma omp parallel num_threads(nthreads)
