@@ -11,7 +11,7 @@ sharding, weight reloads and tests read the original). The pack follows the weig
 place (a reload) is packed again on its next use. Results differ from sgemm only in summation order (about
 an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere.
 
-Products of at most four float32 rows (decode steps of a few sequences) take the kernels library's small-rows
+Products of at most eight float32 rows (decode steps of a few sequences) take the kernels library's small-rows
 product instead where the loaded variant says so (`CpuKernels.small_rows`): such a product only streams the
 weight, and on AVX2 hosts oneDNN's blocked path reads it well below the machine's memory bandwidth.
 
@@ -34,7 +34,7 @@ from pagoda.kernels.cpu import loader
 _DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from a typical row count; any row count works with the packed weight.
 _ROWS_HINT = 64
-SMALL_ROWS_MAX = 4  # kernels/cpu/small_rows.c
+SMALL_ROWS_MAX = 8  # kernels/cpu/small_rows.c
 
 
 def enabled() -> bool:
