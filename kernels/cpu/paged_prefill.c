@@ -155,7 +155,8 @@ static inline __attribute__((always_inline)) void pf_tile(
         for (int i = 0; i < DV; i++) {
             __m256 acc[PF_R];
 #pragma GCC unroll 12
-            for (int r = 0; r < PF_R; r++) acc[r] = _mm256_mul_ps(_mm256_load_ps(O + r * D + 8 * i), _mm256_set1_ps(corr[r]));
+            for (int r = 0; r < PF_R; r++)
+                acc[r] = _mm256_mul_ps(_mm256_load_ps(O + r * D + 8 * i), _mm256_set1_ps(corr[r]));
             for (int j = 0; j < j1; j++) {
                 const __m256 vv = BF ? bf16x8((const uint16_t *)vc + vrow[j] + 8 * i)
                                      : _mm256_loadu_ps((const float *)vc + vrow[j] + 8 * i);
