@@ -29,6 +29,7 @@ import platform
 import torch
 import torch.nn.functional as F
 from pagoda.engine import envs
+from pagoda.engine.sizing.engine_plan import cpu_has_native_bf16
 from pagoda.kernels.cpu import loader
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -83,8 +84,7 @@ class PackedWeight:
 
 @functools.cache
 def _no_bfloat16_multiply() -> bool:
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and not loader.cpu_flags() & {"avx512_bf16", "amx_bf16"}
+    return platform.machine().lower() in ("x86_64", "amd64") and not cpu_has_native_bf16()
 
 
 def bfloat16_widens() -> bool:
