@@ -59,7 +59,8 @@ async def test_a_deployment_on_v100_nodes_gets_an_unsupported_gpu_condition(clus
         assert sts["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
         # the status patch follows the StatefulSet's creation: wait for it rather than race it
         gpu = await cluster.wait_for(
-            lambda: (cluster.get(INFD, "default", "anywhere").get("status") or {}).get("gpu"), what="status.gpu"
+            lambda: (cluster.get(INFD, "default", "anywhere").get("status") or {}).get("gpu"),
+            what="status.gpu",
         )
         reason = gpu["reason"]
         assert "Tesla-V100-SXM2-32GB" in reason and "compute capability 7.0" in reason
