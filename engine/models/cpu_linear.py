@@ -11,9 +11,10 @@ sharding, weight reloads and tests read the original). The pack follows the weig
 place (a reload) is packed again on its next use. Results differ from sgemm only in summation order (about
 an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere.
 
-Products of at most eight float32 rows (decode steps of a few sequences) take the kernels library's small-rows
-product instead where the loaded variant says so (`CpuKernels.small_rows`): such a product only streams the
-weight, and on AVX2 hosts oneDNN's blocked path reads it well below the machine's memory bandwidth.
+Products of at most 64 float32 rows (decode steps) take the kernels library's small-rows product instead where
+the loaded variant says so (`CpuKernels.small_rows`): it reads each weight in its own layout, streaming it for
+a few rows and in L2-sized chunks fetched ahead for more, where oneDNN's blocked path on AVX2 hosts waits on
+the weight's arrival from memory.
 
 bfloat16 products on an x86 CPU without bfloat16 multiply instructions (AVX512_BF16, AMX) compute in float32:
 there oneDNN's bfloat16 kernels widen the operands themselves, several times slower than its float32 path over
@@ -35,7 +36,7 @@ from pagoda.kernels.cpu import loader
 _DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking from a typical row count; any row count works with the packed weight.
 _ROWS_HINT = 64
-SMALL_ROWS_MAX = 8  # kernels/cpu/small_rows.c
+SMALL_ROWS_MAX = 64  # kernels/cpu/small_rows.c
 
 
 def enabled() -> bool:
@@ -118,8 +119,8 @@ def linear(
 
 def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` for at most `SMALL_ROWS_MAX` float32 rows over a float32 or bfloat16 weight by the
-    native small-rows product, where the loaded kernel variant prefers it to oneDNN (a decode step of a few
-    sequences streams each weight once); None where it does not apply."""
+    native small-rows product, where the loaded kernel variant prefers it to oneDNN (decode steps, where the
+    weight's arrival from memory bounds the product); None where it does not apply."""
     if (
         x.dtype != torch.float32
         or weight.dtype not in _DTYPES

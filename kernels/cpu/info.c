@@ -8,8 +8,8 @@
 const char *pagoda_cpu_variant(void) { return PAGODA_VARIANT; }
 
 /* Bit 0: the causal prefill kernel is compiled in (it needs AVX2 + FMA or AVX-512; elsewhere it returns 2).
-   Bit 1: products of a few rows should take pagoda_small_rows_f32 rather than oneDNN: the AVX2 build, where it
-   was measured faster (docs/benchmarks.md); AVX-512 hosts keep oneDNN, which was measured there. */
+   Bit 1: products of up to 64 rows should take pagoda_small_rows_f32 rather than oneDNN: the AVX2 build, where
+   it was measured faster (docs/benchmarks.md); AVX-512 hosts keep oneDNN, which was measured there. */
 int pagoda_cpu_features(void)
 {
     int features = 0;

@@ -56,7 +56,7 @@ class CpuKernels:
 
     @functools.cached_property
     def small_rows(self) -> bool:
-        """Whether linears of at most eight rows should take the library's small-rows product over oneDNN."""
+        """Whether linears of at most 64 rows should take the library's small-rows product over oneDNN."""
         return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_SMALL_ROWS)
 
     def describe(self) -> str:

@@ -75,34 +75,35 @@ def test_other_dtypes_and_grad_take_f_linear():
 
 @pytest.mark.parametrize("k", [576, 1536, 23])
 def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
-    """One to four rows (strided x, a weight that is a column slice of a wider one) against a float64 product;
-    five rows, another dtype and the environment switch decline it. Only the variant that says it prefers the
-    product (AVX2) uses it inside `linear`."""
+    """Streamed (1-8) and tiled (9-64) row counts, strided x, a weight that is a column slice of a wider one
+    with a row count that ends in a partial tile, one to three threads, against a float64 product; 65 rows,
+    another dtype and the environment switch decline it. Only the variant that says it prefers the product
+    (AVX2) uses it inside `linear`."""
     torch.manual_seed(k)
     lib = cpu_variant.lib
-    w = torch.randn(300, k + 7)[:, 3 : 3 + k]
-    for rows in range(1, cpu_linear.SMALL_ROWS_MAX + 1):
+    n = 299  # 24 chunks of twelve rows, then three tiles and a two-row one
+    w = torch.randn(n, k + 7)[:, 3 : 3 + k]
+    for rows in (*range(1, 10), 11, 12, 13, 31, cpu_linear.SMALL_ROWS_MAX):
         x = torch.randn(rows, k + 5)[:, :k]
         want = (x.double() @ w.double().T).float()
-        out = torch.full((rows, 300), float("nan"))
-        assert lib.pagoda_small_rows_f32(x.data_ptr(), rows, k, x.stride(0), w.data_ptr(), 300, w.stride(0),
-                                         out.data_ptr(), 300, 2) == 0  # fmt: skip
-        assert (out - want).abs().max().item() < 1e-4 * k**0.5
+        out = torch.full((rows, n), float("nan"))
+        threads = 1 + rows % 3
+        assert lib.pagoda_small_rows_f32(x.data_ptr(), rows, k, x.stride(0), w.data_ptr(), n, w.stride(0),
+                                         out.data_ptr(), n, threads) == 0  # fmt: skip
+        assert (out - want).abs().max().item() < 1e-4 * k**0.5, rows
         wb = w.to(torch.bfloat16)  # a strided bfloat16 weight, widened exactly in the kernel
         want_b = (x.double() @ wb.double().T).float()
         out.fill_(float("nan"))
-        assert lib.pagoda_small_rows_bf16w(x.data_ptr(), rows, k, x.stride(0), wb.data_ptr(), 300, wb.stride(0),
-                                           out.data_ptr(), 300, 2) == 0  # fmt: skip
-        assert (out - want_b).abs().max().item() < 1e-4 * k**0.5
+        assert lib.pagoda_small_rows_bf16w(x.data_ptr(), rows, k, x.stride(0), wb.data_ptr(), n, wb.stride(0),
+                                           out.data_ptr(), n, threads) == 0  # fmt: skip
+        assert (out - want_b).abs().max().item() < 1e-4 * k**0.5, rows
         assert (cpu_linear.small_rows(x, wb) is not None) == cpu_variant.small_rows
-        bias = torch.randn(300)
+        bias = torch.randn(n)
         got = cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight())
-        assert (got - (want + bias)).abs().max().item() < 1e-4 * k**0.5
+        assert (got - (want + bias)).abs().max().item() < 1e-4 * k**0.5, rows
     assert cpu_variant.small_rows == (cpu_variant.variant == "avx2")
     x = torch.randn(cpu_linear.SMALL_ROWS_MAX + 1, k)
-    assert (
-        lib.pagoda_small_rows_f32(x.data_ptr(), len(x), k, k, w.data_ptr(), 300, w.stride(0), 0, 300, 2) == 1
-    )
+    assert lib.pagoda_small_rows_f32(x.data_ptr(), len(x), k, k, w.data_ptr(), n, w.stride(0), 0, n, 2) == 1
     assert cpu_linear.small_rows(x, w) is None
     assert cpu_linear.small_rows(x[:2].double(), w.double()) is None
     assert (cpu_linear.small_rows(x[:2], w) is not None) == cpu_variant.small_rows
