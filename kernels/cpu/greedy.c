@@ -1,6 +1,6 @@
 /* Greedy sampling: argmax and its logprob in one pass over each row of logits (engine/cpu_sampling.py binds it).
 
-   Both paths keep 16 lanes, each with its own running maximum, first index of it and sum of exponentials
+   Every path keeps 16 lanes, each with its own running maximum, first index of it and sum of exponentials
    rescaled to it, and combine the lanes at the end: a row of 49,152 logits is 16 sums of about 3,000 terms
    instead of one serial sum of all of them, whose float32 rounding moved the logprob by 1e-4. */
 #include "pagoda_cpu.h"
@@ -56,6 +56,45 @@ void pagoda_greedy(const float *x, int64_t N, int64_t V, int64_t ld, const uint8
             _mm512_store_ps(lmax, vmax);
             _mm512_store_ps(lsum, vsum);
             _mm512_storeu_si512((void *)larg32, varg);
+            for (int l = 0; l < LANES; l++) larg[l] = larg32[l];
+            combine(lmax, lsum, larg, with_lp, &best, &arg, &sum);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        /* the same sixteen lanes as two halves of eight */
+        __m256 vmax[2], vsum[2];
+        __m256i varg[2], vidx[2];
+        for (int h = 0; h < 2; h++) {
+            vmax[h] = _mm256_set1_ps(-INFINITY);
+            vsum[h] = _mm256_setzero_ps();
+            varg[h] = _mm256_setzero_si256();
+            vidx[h] = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5, 8 * h + 6,
+                                        8 * h + 7);
+        }
+        const __m256i step = _mm256_set1_epi32(16);
+        for (; i + 16 <= V && V < 2147483647; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const __m256 v = _mm256_loadu_ps(row + i + 8 * h);
+                const __m256 gt = _mm256_cmp_ps(v, vmax[h], _CMP_GT_OQ);
+                if (with_lp) {
+                    const __m256 nmax = _mm256_max_ps(vmax[h], v);
+                    vsum[h] = _mm256_mul_ps(vsum[h], exp8(_mm256_sub_ps(vmax[h], nmax)));
+                    vsum[h] = _mm256_add_ps(vsum[h], exp8(_mm256_sub_ps(v, nmax)));
+                    vmax[h] = nmax;
+                } else {
+                    vmax[h] = _mm256_blendv_ps(vmax[h], v, gt);
+                }
+                varg[h] = _mm256_castps_si256(
+                    _mm256_blendv_ps(_mm256_castsi256_ps(varg[h]), _mm256_castsi256_ps(vidx[h]), gt));
+                vidx[h] = _mm256_add_epi32(vidx[h], step);
+            }
+        }
+        if (i > 0) {
+            int32_t larg32[LANES];
+            for (int h = 0; h < 2; h++) {
+                _mm256_store_ps(lmax + 8 * h, vmax[h]);
+                _mm256_store_ps(lsum + 8 * h, vsum[h]);
+                _mm256_storeu_si256((__m256i *)(larg32 + 8 * h), varg[h]);
+            }
             for (int l = 0; l < LANES; l++) larg[l] = larg32[l];
             combine(lmax, lsum, larg, with_lp, &best, &arg, &sum);
         }
