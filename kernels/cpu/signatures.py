@@ -53,4 +53,4 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 
 FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the causal prefill kernel is compiled in
-FEATURE_SMALL_ROWS = 2  # pagoda_cpu_features() bit: products of a few rows take pagoda_small_rows_f32
+FEATURE_SMALL_ROWS = 2  # pagoda_cpu_features() bit: products of up to 64 rows take pagoda_small_rows_f32
