@@ -71,6 +71,11 @@ async def make_ready(cluster: Cluster, name: str) -> None:
     await cluster.patch(STS, "default", name, {"status": status})
 
 
+def model_phase(cluster: Cluster, name: str) -> str | None:
+    infd = cluster.get(INFD, "default", name) or {}
+    return ((infd.get("status") or {}).get("model") or {}).get("phase")
+
+
 def test_the_quickstart_has_the_steps_a_new_user_needs() -> None:
     commands = " ".join(quickstart())
     for step in ("helm install pagoda charts/pagoda", "kubectl apply -f examples/", "kubectl get inferencedeployments",
@@ -141,6 +146,11 @@ async def test_every_quickstart_command_runs(cluster: Cluster, tmp_path) -> None
                 elif words[:2] == ["kubectl", "get"] and "jsonpath={.status.model}" in " ".join(
                     words
                 ).replace("'", ""):
+                    # a user runs it again until the download is done; the test waits for that first
+                    await cluster.wait_for(
+                        lambda name=words[3]: model_phase(cluster, name) == "Ready",
+                        what="status.model.phase Ready",
+                    )
                     out = await sh([tool("kubectl"), *words[1:]], env)
                     model = json.loads(out)
                     assert model["phase"] == "Ready" and model["source"].startswith("hf://"), model
