@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plot_path, print_table, write_json  # noqa: E402
 from pagoda.engine.config import EngineConfig  # noqa: E402
-from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
-from pagoda.engine.model_runner import StepInput  # noqa: E402
+from pagoda.engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from pagoda.engine.worker.step_input import StepInput  # noqa: E402
 
 # The HF parity prompts are the test kit's (tests/support/pagoda_testkit), as for bench_router.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))

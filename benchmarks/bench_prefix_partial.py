@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plot_path, print_table, write_json  # noqa: E402
-from pagoda.engine.llm import LLM  # noqa: E402
+from pagoda.engine.frontend.llm import LLM  # noqa: E402
 from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
 
 TEXT = (

@@ -24,11 +24,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, pyplot, save_plot, write_json  # noqa: E402
-from pagoda.engine import sampler as sampler_module  # noqa: E402
-from pagoda.engine.llm import LLM  # noqa: E402
+from pagoda.engine.frontend.llm import LLM  # noqa: E402
 from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
 from pagoda.engine.structured_output import GrammarSpec  # noqa: E402
 from pagoda.engine.structured_output.mask import TokenBitmask, apply_token_bitmask  # noqa: E402
+from pagoda.engine.worker import sampler as sampler_module  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1000}
 

@@ -119,10 +119,10 @@ class InProcessServer:
 
     def __init__(self, cfg: SoakConfig) -> None:
         import uvicorn
-        from pagoda.engine.async_engine import AsyncEngine, CoreThread
         from pagoda.engine.cli.serve import build_exporter
         from pagoda.engine.config import EngineConfig
-        from pagoda.engine.engine_core import EngineCore
+        from pagoda.engine.core.engine_core import EngineCore
+        from pagoda.engine.frontend.async_engine import AsyncEngine, CoreThread
         from pagoda.engine.loader import load_tokenizer, resolve_model
         from pagoda.engine.server.app import build_app
         from pagoda.engine.server.settings import ServerSettings

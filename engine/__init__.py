@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
 
 _LAZY = {
-    "LLM": "pagoda.engine.llm",
+    "LLM": "pagoda.engine.frontend.llm",
     "SamplingParams": "pagoda.engine.sampling_params",
     "RequestOutput": "pagoda.engine.outputs",
     "CompletionOutput": "pagoda.engine.outputs",
@@ -18,7 +18,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.llm import LLM
+    from pagoda.engine.frontend.llm import LLM
     from pagoda.engine.outputs import CompletionOutput, RequestOutput
     from pagoda.engine.sampling_params import SamplingParams
 

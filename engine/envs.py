@@ -23,6 +23,7 @@ read their variables here too.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 TERMINATION_LOG_DEFAULT = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 _OFF = ("0", "false", "no", "off")
@@ -40,6 +41,16 @@ def _switch(name: str, default: str = "1") -> bool:
 
 def cache_dir() -> str | None:
     return _get("PAGODA_CACHE")
+
+
+def cache_root() -> Path:
+    """`$PAGODA_CACHE`, else the user's cache dir + /pagoda: converted models, content hashes, CPU kernels."""
+    env = cache_dir()
+    if env:
+        return Path(env).expanduser()
+    import platformdirs  # (the engine's; only the engine and its kernels keep a cache)
+
+    return Path(platformdirs.user_cache_dir("pagoda"))
 
 
 def api_key() -> str | None:

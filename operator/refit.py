@@ -1,7 +1,7 @@
 """Re-fit instead of crash loops: an engine that runs out of memory gets a plan with a safety margin.
 
 A failure is an engine container that was OOMKilled (the pod's memory limit) or exited with the engine's
-out-of-memory code (3, pagoda.engine.cli.exit_codes: CUDA ran out at start-up, or the KV cache for the
+out-of-memory code (3, pagoda.engine.exit_codes: CUDA ran out at start-up, or the KV cache for the
 planned context did not fit the memory the engine measured, whose termination message says what fits). Each
 failure of a pod running the current plan lowers one setting, the first that still has room within the
 spec's bounds, in this order:
@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.engine.cli.exit_codes import (
+from pagoda.engine.exit_codes import (
     EXIT_OUT_OF_MEMORY,
     REASON_CUDA_OOM,
     REASON_KV_TOO_SMALL,

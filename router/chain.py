@@ -28,7 +28,8 @@ def find_tokenizer_dir(source: str | None) -> Path | None:
     (its directory in the Pagoda cache names the GGUF in pagoda_source.json)."""
     import json
 
-    from pagoda.engine.loader.resolve import locate_model, pagoda_cache_dir
+    from pagoda.engine import envs
+    from pagoda.engine.loader.resolve import locate_model
 
     try:
         path = locate_model(source)
@@ -37,7 +38,7 @@ def find_tokenizer_dir(source: str | None) -> Path | None:
         return None
     if path.is_dir():
         return path if (path / "tokenizer.json").is_file() else None
-    cache = pagoda_cache_dir()
+    cache = envs.cache_root()
     if not cache.is_dir():
         return None
     # The conversion is found by the GGUF's content, as the engine finds it: the same file installed in

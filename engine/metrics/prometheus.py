@@ -20,8 +20,8 @@ from collections import deque
 from typing import Any
 
 import prometheus_client
+from pagoda.engine.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagoda.engine.metrics import buckets
-from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.engine.memory import _read_int
+from pagoda.engine.sizing.host_memory import _read_int
 from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE, HOST_RUNTIME_BYTES
 
 SWAP_SHARE_CPU = 0.1  # CPU + swap: this share of the memory still available, for preempted sequences
@@ -25,7 +25,7 @@ def default_host_bytes(device_type: str, *, swap: bool = False) -> int:
     if device_type == "cpu":
         if not swap:
             return 0
-        from pagoda.engine.memory import available_host_memory_bytes
+        from pagoda.engine.sizing.host_memory import available_host_memory_bytes
 
         return int(available_host_memory_bytes() * SWAP_SHARE_CPU)
     limit = pod_memory_limit_bytes()

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pagoda.engine.engine_client import EngineClient
+from pagoda.engine.frontend.engine_client import EngineClient
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, ErrorResponseModel, bad_request, install_error_handlers
 from pagoda.engine.server.kv_routes import install_kv_routes

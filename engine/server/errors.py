@@ -11,7 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pagoda.engine.input_processor import InputError
+from pagoda.engine.frontend.input_processor import InputError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
-from pagoda.engine.engine_client import EngineClient
+from pagoda.engine.frontend.engine_client import EngineClient
 from pagoda.engine.kv_cache.hashing import HASH_VERSION
 
 _EMA = 0.2  # weight of the newest observation in the rate averages

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pagoda.engine.engine_client import EngineClient, EngineDeadError
+from pagoda.engine.frontend.engine_client import EngineClient, EngineDeadError
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, bad_request
 

@@ -2,7 +2,7 @@
 
 The operator plans from estimates; the engine measures. Exposing the measurement lets a supervisor compare
 the two and re-plan from facts (the same profile goes to the pod's termination message when start-up runs
-out of memory, see pagoda.engine.cli.exit_codes). The profile is taken once by the engine core, before
+out of memory, see pagoda.engine.exit_codes). The profile is taken once by the engine core, before
 serving starts, and reaches the server in its `EngineInfo`; the route never calls the engine.
 """
 

@@ -1,7 +1,7 @@
 """The completion endpoints: request -> engine requests -> OpenAI response or SSE stream.
 
 The engine is an `EngineClient` and its `EngineInfo`, nothing more. Tokenization and chat-template rendering
-(input processing, engine/input_processor.py) are CPU work that can take long for big inputs, so they run
+(input processing, engine/frontend/input_processor.py) are CPU work that can take long for big inputs, so they run
 on a small worker pool, never on the event loop that every stream shares; a prompt too long to fit the
 context is refused by its character count before any tokenizing. Engine outputs arrive as deltas: streams
 send them on as they come, non-streaming responses fold them together.
@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pagoda.engine.engine_client import EngineClient, EngineDeadError, NewRequest, RequestFailedError
-from pagoda.engine.input_processor import InputError, InputProcessor
+from pagoda.engine.frontend.engine_client import EngineClient, EngineDeadError, NewRequest, RequestFailedError
+from pagoda.engine.frontend.input_processor import InputError, InputProcessor
+from pagoda.engine.frontend.request_stream import RequestStream
 from pagoda.engine.kv_cache.streaming import resolve_streaming
 from pagoda.engine.outputs import Logprob, RequestOutput
-from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, bad_request, error_body

@@ -6,7 +6,8 @@ grammar), compiled to a token grammar off the engine loop and applied as a token
 sequence; `apply_token_bitmask` masks the logits rows that have a grammar.
 """
 
+from pagoda.engine.structured_output.check import check_spec
 from pagoda.engine.structured_output.mask import TokenBitmask, apply_token_bitmask
-from pagoda.engine.structured_output.spec import GRAMMAR_KINDS, GrammarSpec, check_spec
+from pagoda.engine.structured_output.spec import GRAMMAR_KINDS, GrammarSpec
 
 __all__ = ["GRAMMAR_KINDS", "GrammarSpec", "TokenBitmask", "apply_token_bitmask", "check_spec"]

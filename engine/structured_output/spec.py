@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is refused before parsing
@@ -37,33 +36,3 @@ class GrammarSpec:
 def choice_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are valid EBNF ones)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-@lru_cache(maxsize=32)
-def check_spec(spec: GrammarSpec) -> None:
-    """Raise ValueError saying why ``spec`` cannot be compiled (bad JSON, an unsupported schema keyword, an
-    unclosed regex group, an undefined grammar rule). Cached: a server checks a spec off its event loop
-    first, and input processing's check on the loop (once per prompt) is then a lookup."""
-    from pagoda.engine.structured_output import xgrammar_backend
-
-    if spec.kind not in GRAMMAR_KINDS:
-        raise ValueError(f"unknown grammar kind {spec.kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
-    if len(spec.value) > MAX_SPEC_CHARS:
-        raise ValueError(f"the {spec.kind} is {len(spec.value)} characters, more than {MAX_SPEC_CHARS}")
-    if spec.kind == "json":
-        try:
-            schema = json.loads(spec.value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if not isinstance(schema, dict | bool):
-            raise ValueError("a JSON schema must be an object or a boolean")
-    if spec.kind == "choice":
-        try:
-            choices = spec.choices()
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the choices are not a JSON list: {exc}") from exc
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("choice must be a non-empty list of non-empty strings")
-    if spec.kind in ("regex", "grammar") and not spec.value:
-        raise ValueError(f"the {spec.kind} is empty")
-    xgrammar_backend.parse(spec)

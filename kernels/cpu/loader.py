@@ -147,9 +147,7 @@ def _prebuilt(variant: build.Variant, digest: str) -> CpuKernels:
 
 
 def cache_root() -> Path:
-    from pagoda.engine.loader.resolve import pagoda_cache_dir
-
-    return pagoda_cache_dir() / "cpu-kernels"
+    return envs.cache_root() / "cpu-kernels"
 
 
 def _private_dir(path: Path) -> str | None:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import example as hypothesis_example
 from hypothesis import strategies as st
 from pagoda.engine.cli.dry_run import DryRunError, check
-from pagoda.engine.cli.serve import build_parser
+from pagoda.engine.cli.serve_args import build_parser
 from pagoda.engine.sizing import well_known_shape
 from pagoda.operator import render
 from pagoda.operator.contract import dry_run_argv

@@ -72,7 +72,7 @@ def test_the_dry_run_reads_the_revision_asked_for(in_cache: Path) -> None:
 
 
 def test_the_engine_serves_the_revision_asked_for(in_cache: Path) -> None:
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pagoda.engine.cli import serve
-from pagoda.engine.cli.exit_codes import (
+from pagoda.engine.exit_codes import (
     EXIT_OUT_OF_MEMORY,
     FORMAT,
     MESSAGE_LIMIT,
@@ -57,7 +57,7 @@ def test_cuda_out_of_memory_exits_3(termination_log: Path, monkeypatch: pytest.M
     """What a CUDA OOM while loading looks like to the supervisor (simulated: there is no GPU here; the core
     is built in this process, where the simulation can reach it)."""
     import torch
-    from pagoda.engine import engine_core
+    from pagoda.engine.core import engine_core
 
     def oom(*_: object, **__: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -88,7 +88,7 @@ def test_the_memory_profile_is_served() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.frontend.llm_engine import LLMEngine
     from pagoda.engine.server.memory_status import ROUTE, install_memory_status
 
     torch.set_num_threads(2)
@@ -114,9 +114,9 @@ def test_the_operators_plan_is_what_the_default_image_measures() -> None:
     (operator/profile.py); for the engine of this checkout, started with the args the operator renders for a
     CPU pod of the default model, the measured profile matches the plan: no re-plan for nothing."""
     import torch
-    from pagoda.engine.cli.serve import engine_config_kwargs, parse_args
+    from pagoda.engine.cli.serve_args import engine_config_kwargs, parse_args
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.frontend.llm_engine import LLMEngine
     from pagoda.operator import profile, render
     from pagoda.operator.planning import decide
     from pagoda.operator.spec import parse_spec
@@ -144,7 +144,7 @@ def test_a_failed_start_up_gets_the_same_verdict_in_either_process() -> None:
     """The engine core's process sends this verdict to the server, which exits by it as an in-process start
     would: usage (2) for a GPU that cannot run the dtype, out of memory (3, with a termination message),
     1 for a model that cannot be loaded, and a bug stays a bug (None: re-raised)."""
-    from pagoda.engine.cli.startup import startup_failure
+    from pagoda.engine.core.startup import startup_failure
     from pagoda.engine.sizing.errors import UnsupportedOnGPU
 
     message, code, termination = startup_failure(UnsupportedOnGPU("Tesla T4 cannot run bfloat16"))

@@ -11,7 +11,7 @@ bound below (0.75) lies between the two groups.
 from __future__ import annotations
 
 import pytest
-from pagoda.engine.llm import LLM
+from pagoda.engine.frontend.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
 
 PROMPT = "Write a long story about a dragon who learns to bake bread in a small mountain village."

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.model_runner import StepInput
+from pagoda.engine.worker.step_input import StepInput
 from pagoda_testkit.parity import parity_prompts
 
 NEW_TOKENS = 16
@@ -90,8 +90,8 @@ def test_default_model_answers_the_readme_question_in_bfloat16(engines, kernels)
 
 
 def test_auto_dtype_on_this_cpu():
-    from pagoda.engine.llm_engine import resolve_dtype
     from pagoda.engine.sizing.engine_plan import cpu_has_native_bf16
+    from pagoda.engine.worker.rank import resolve_dtype
 
     want = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", torch.device("cpu"), "float32") == want

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.engine import cpu_sampling
-from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.worker import cpu_sampling
+from pagoda.engine.worker.sampler import SamplingRow, sample
 
 
 @pytest.fixture(autouse=True)

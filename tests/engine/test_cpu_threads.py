@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.async_engine import AsyncEngine, CoreThread
+from pagoda.engine.frontend.async_engine import AsyncEngine, CoreThread
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.frontend.llm_engine import LLMEngine
 
 PROMPTS = [
     "The capital of France is",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.engine.llm import LLM
+from pagoda.engine.frontend.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
 
 SYSTEM = (

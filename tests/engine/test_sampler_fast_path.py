@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from pagoda.engine.sampler import SamplingRow, sample
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.worker.sampler import SamplingRow, sample
 
 VOCAB = 257
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.sampler import SamplingRow, sample
+from pagoda.engine.worker.sampler import SamplingRow, sample
 
 # A known next-token distribution over a 10-token vocabulary, most likely first.
 PROBS = [0.30, 0.25, 0.15, 0.10, 0.08, 0.05, 0.04, 0.02, 0.007, 0.003]
@@ -108,7 +108,7 @@ def test_utf8_across_tokens(llm):
     text = "café 日本語 🙂"
     ids = tok(text).input_ids
     # Feed the text's own tokens as a forced continuation check of the incremental detokenizer.
-    from pagoda.engine.detokenizer import Detokenizer, SeqText
+    from pagoda.engine.frontend.detokenizer import Detokenizer, SeqText
 
     seq = SeqText.for_prompt([tok("Say:").input_ids[0]])
     detok = Detokenizer(tok)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pagoda.engine.chat_messages import template_knows_tools, template_messages
+from pagoda.engine.frontend.chat_messages import template_knows_tools, template_messages
 from pagoda.engine.tool_parsers import PARSERS, RequiredCalls, ToolCallStream, extract, parser_for_template
 
 ARGS = '{"city": "Paris", "opts": {"units": ["C", "}"], "note": "a\\"b"}}'

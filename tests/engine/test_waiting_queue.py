@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from pagoda.engine import SamplingParams
+from pagoda.engine.core.waiting_queue import FCFSQueue, PriorityQueue, waiting_queue
 from pagoda.engine.request import Request
-from pagoda.engine.waiting_queue import FCFSQueue, PriorityQueue, waiting_queue
 
 
 def req(rid: str, priority: int = 0, arrival: float = 0.0) -> Request:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.decode_graphs import DecodeGraphs, RerunCapture, capture_sizes
-from pagoda.engine.model_runner import StepInput
+from pagoda.engine.worker.decode_graphs import DecodeGraphs, RerunCapture, capture_sizes
+from pagoda.engine.worker.step_input import StepInput
 
 
 def _llm(model_dir, kv_cache_dtype="auto", max_num_seqs=6, tensor_parallel_size=1):
@@ -205,8 +205,8 @@ def test_graph_memory_is_measured_before_the_cache_and_left_out_of_it(tiny_llama
     """Start-up records the largest and the smallest batch size over a scratch cache (every rank does, in
     its Profile step) and the budget leaves their memory out: the pool the largest needs plus each other
     recording's own cost (the smallest's)."""
-    from pagoda.engine.distributed.workers import Profile
     from pagoda.engine.sizing.engine_plan import gpu_kv_budget
+    from pagoda.engine.worker.rank_messages import Profile
 
     runner = _llm(tiny_llama(), max_num_seqs=8).engine.runner
     caches = runner.kv_caches

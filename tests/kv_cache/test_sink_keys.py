@@ -15,12 +15,14 @@ import math
 
 import pytest
 import torch
+from pagoda.engine.core.scheduler import CacheConfig, Scheduler, SchedulerConfig
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
-from pagoda.engine.model_runner import ModelRunner, prepare_step
 from pagoda.engine.models.layers import RotaryEmbedding
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import CacheConfig, RunnerOutput, Scheduler, SchedulerConfig
+from pagoda.engine.step import RunnerOutput
+from pagoda.engine.worker.model_runner import ModelRunner
+from pagoda.engine.worker.step_input import prepare_step
 from pagoda.kernels.reference import quantize_int8
 
 # One 4-token sink block and a 256-block window: a key at the window's far end has lived through 255

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.engine.core.scheduler import CacheConfig, Scheduler, SchedulerConfig
 from pagoda.engine.kv_cache.hashing import adapter_chain_root
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import CacheConfig, RunnerOutput, Scheduler, SchedulerConfig
+from pagoda.engine.step import RunnerOutput
 
 
 @dataclass(eq=False)

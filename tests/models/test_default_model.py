@@ -8,9 +8,10 @@ import time
 
 import pytest
 import torch
+from pagoda.engine import envs
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
-from pagoda.engine.loader.resolve import default_model_gguf, pagoda_cache_dir
+from pagoda.engine.loader.resolve import default_model_gguf
 from transformers import AutoModelForCausalLM
 
 
@@ -28,7 +29,7 @@ def ours(default_dir):
 
 
 def test_converted_layout(default_dir):
-    assert default_dir.parent == pagoda_cache_dir()
+    assert default_dir.parent == envs.cache_root()
     assert default_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (default_dir / name).is_file(), name

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagoda.engine.frontend.llm import LLM
 from pagoda.engine.kv_cache.hashing import hash_full_blocks
-from pagoda.engine.llm import LLM
 from pagoda.engine.offload.disk_tier import MAGIC
 from pagoda.engine.sampling_params import SamplingParams
 

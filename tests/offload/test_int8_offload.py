@@ -7,12 +7,12 @@ import gc
 
 import pytest
 import torch
+from pagoda.engine.frontend.llm import LLM
 from pagoda.engine.kv_cache.hashing import BlockHash
 from pagoda.engine.kv_cache.ops import CopyBlock, LoadBlock, SaveBlock
-from pagoda.engine.llm import LLM
-from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.offload.disk_tier import DiskTier
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.worker.model_runner import ModelRunner
 
 torch.set_num_threads(2)
 

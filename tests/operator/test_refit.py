@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from pagoda.engine.cli.exit_codes import REASON_CUDA_OOM, REASON_KV_TOO_SMALL, termination_message
+from pagoda.engine.exit_codes import REASON_CUDA_OOM, REASON_KV_TOO_SMALL, termination_message
 from pagoda.operator import refit
 from pagoda.operator.render import PLAN_ANNOTATION
 from pagoda.operator.spec import parse_spec
@@ -262,7 +262,7 @@ def test_the_failure_is_read_from_the_pod_status() -> None:
 
 
 def test_docs_state_the_rules_the_operator_uses() -> None:
-    from pagoda.engine.cli.exit_codes import EXIT_OUT_OF_MEMORY
+    from pagoda.engine.exit_codes import EXIT_OUT_OF_MEMORY
     from pagoda_testkit import ROOT
 
     text = " ".join((ROOT / "docs" / "operator.md").read_text().split())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from pagoda.engine.core.stats import IterationStats, SchedulerStats
 from pagoda.engine.server.kv_routes import RateTracker
-from pagoda.engine.stats import IterationStats, SchedulerStats
 
 
 def test_prefill_rate_from_a_first_token_and_tier_load_rates():

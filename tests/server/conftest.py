@@ -214,7 +214,7 @@ class FakeCore:
     _aborted: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from pagoda.engine.engine_client import EngineInfo
+        from pagoda.engine.core.info import EngineInfo
 
         self.info = EngineInfo(
             model_name=self.model_name,
@@ -235,7 +235,7 @@ class FakeCore:
         self.requests[req.request_id] = _FakeRequest(req.params, req.max_tokens)
 
     def abort_requests(self, request_ids) -> None:
-        from pagoda.engine.core_messages import CoreOutput, SeqDelta
+        from pagoda.engine.core.messages import CoreOutput, SeqDelta
 
         for rid in list(request_ids):
             self.log.append(("abort", rid))
@@ -259,7 +259,7 @@ class FakeCore:
         return True
 
     def get_scheduler_stats(self):
-        from pagoda.engine.stats import SchedulerStats
+        from pagoda.engine.core.stats import SchedulerStats
 
         return SchedulerStats(num_running=len(self.requests))
 
@@ -267,8 +267,8 @@ class FakeCore:
         return []
 
     def step(self, stats: bool = True):
-        from pagoda.engine.core_messages import CoreOutput, EngineCoreOutputs, SeqDelta
-        from pagoda.engine.stats import IterationStats
+        from pagoda.engine.core.messages import CoreOutput, EngineCoreOutputs, SeqDelta
+        from pagoda.engine.core.stats import IterationStats
 
         self.steps += 1
         self.log.append(("step", None))
@@ -293,7 +293,7 @@ class FakeCore:
 
 def start_fake(**kwargs):
     """An AsyncEngine over a FakeCore on a thread, started on the running loop: (engine, core)."""
-    from pagoda.engine.async_engine import AsyncEngine, CoreThread
+    from pagoda.engine.frontend.async_engine import AsyncEngine, CoreThread
 
     core = FakeCore(**kwargs)
     engine = AsyncEngine(CoreThread(core), FakeTokenizer(core.vocab_size))

@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from pagoda.engine.async_engine import EngineDeadError, RequestFailedError
-from pagoda.engine.core_loop import CoreLoop
+from pagoda.engine.core.loop import CoreLoop
+from pagoda.engine.frontend.async_engine import EngineDeadError, RequestFailedError
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server.serving import _merge
@@ -104,7 +104,7 @@ async def test_an_abort_right_after_the_add_reaches_the_core_after_it(engine_fac
 async def test_input_processing_refuses_a_batch_before_the_core_sees_any_of_it(engine_factory) -> None:
     aengine, core = engine_factory()
     good, bad = SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, stop_token_ids=[5000])
-    from pagoda.engine.engine_client import NewRequest
+    from pagoda.engine.frontend.engine_client import NewRequest
 
     with pytest.raises(ValueError, match="stop_token_ids contains 5000"):
         await aengine.add_requests([NewRequest("a", [1], good), NewRequest("b", [1], bad)])

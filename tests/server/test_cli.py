@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pagoda.engine.cli import serve
+from pagoda.engine.cli import engine_args, serve, serve_args
 
 PAGODA = str(Path(sys.executable).parent / "pagoda")
 
@@ -20,16 +20,16 @@ def test_unknown_flag_lists_close_matches_and_exits_2() -> None:
 
 def test_unknown_flag_in_process() -> None:
     assert serve.main(["--gpu-memory-utilisation", "0.5"]) == 2
-    with pytest.raises(serve.UnknownFlagError, match="--gpu-memory-utilization"):
-        serve.parse_args(["--gpu-memory-utilisation", "0.5"])
-    with pytest.raises(serve.UnknownFlagError, match="--enable-prefix-caching"):
-        serve.parse_args(["--enable-prefix-cache"])
-    with pytest.raises(serve.UnknownFlagError, match="--port"):
-        serve.parse_args(["--prot=80"])
+    with pytest.raises(serve_args.UnknownFlagError, match="--gpu-memory-utilization"):
+        serve_args.parse_args(["--gpu-memory-utilisation", "0.5"])
+    with pytest.raises(serve_args.UnknownFlagError, match="--enable-prefix-caching"):
+        serve_args.parse_args(["--enable-prefix-cache"])
+    with pytest.raises(serve_args.UnknownFlagError, match="--port"):
+        serve_args.parse_args(["--prot=80"])
 
 
 def test_vllm_defaults() -> None:
-    a = serve.parse_args([])
+    a = serve_args.parse_args([])
     assert a.model is None and a.host == "0.0.0.0" and a.port == 8000
     assert a.block_size == 16 and a.gpu_memory_utilization == 0.92 and a.max_num_seqs == 256
     assert a.enable_prefix_caching is True and a.enable_chunked_prefill is True
@@ -37,24 +37,24 @@ def test_vllm_defaults() -> None:
 
 
 def test_flags_reach_the_engine_config() -> None:
-    a = serve.parse_args(
+    a = serve_args.parse_args(
         ["some/model", "--served-model-name", "a", "b", "--max-model-len", "4K", "--no-enable-prefix-caching",
          "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", "512MiB", "--kv-cache-dtype", "fp8",
          "--scheduling-policy", "priority", "--max-num-batched-tokens", "4096", "--kv-offload-host-bytes", "2G"]
     )  # fmt: skip
-    kw = serve.engine_config_kwargs(a)
+    kw = serve_args.engine_config_kwargs(a)
     assert kw["model"] == "some/model" and kw["served_model_name"] == "a"
     assert kw["max_model_len"] == 4096 and kw["enable_prefix_caching"] is False
     assert kw["enable_chunked_prefill"] is False and kw["kv_cache_memory_bytes"] == 512 * 2**20
     assert kw["kv_cache_dtype"] == "fp8" and kw["scheduling_policy"] == "priority"
     assert kw["max_num_batched_tokens"] == 4096 and kw["kv_offload_host_bytes"] == 2 * 10**9
-    assert serve.server_settings(a).served_model_names == ["a", "b"]
+    assert serve_args.server_settings(a).served_model_names == ["a", "b"]
 
 
 def test_api_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PAGODA_API_KEY", "from-env")
-    assert serve.server_settings(serve.parse_args([])).api_key == "from-env"
-    assert serve.server_settings(serve.parse_args(["--api-key", "flag"])).api_key == "flag"
+    assert serve_args.server_settings(serve_args.parse_args([])).api_key == "from-env"
+    assert serve_args.server_settings(serve_args.parse_args(["--api-key", "flag"])).api_key == "flag"
 
 
 @pytest.mark.parametrize(
@@ -62,14 +62,14 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     [("1024", 1024), ("64MiB", 64 * 2**20), ("2G", 2 * 10**9), ("1.5GiB", 3 * 2**29), ("8kb", 8000)],
 )
 def test_parse_bytes(text, value) -> None:
-    assert serve.parse_bytes(text) == value
+    assert engine_args.parse_bytes(text) == value
 
 
 def test_bad_values_exit_2() -> None:
     assert serve.main(["--max-model-len", "big"]) == 2
     assert serve.main(["--kv-cache-memory-bytes", "lots"]) == 2
     assert serve.main(["--block-size", "7"]) == 2
-    assert serve.parse_max_model_len("auto") == "auto" and serve.parse_max_model_len("4k") == 4000
+    assert engine_args.parse_max_model_len("auto") == "auto" and engine_args.parse_max_model_len("4k") == 4000
 
 
 def test_help_exits_0(capsys) -> None:
@@ -86,7 +86,7 @@ def test_engine_flags_are_generated_from_the_engine_config() -> None:
 
     from pagoda.engine.config import EngineConfig
 
-    parser = serve.build_parser()
+    parser = serve_args.build_parser()
     by_dest = {a.dest: a for a in parser._actions}
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for name, f in fields.items():
@@ -100,7 +100,7 @@ def test_engine_flags_are_generated_from_the_engine_config() -> None:
     engine_group = next(g for g in parser._action_groups if g.title == "engine")
     dests = {a.dest for a in engine_group._group_actions}
     assert dests <= set(fields), f"engine flags without a config field: {dests - set(fields)}"
-    kw = serve.engine_config_kwargs(serve.parse_args(["--swap-space", "2", "-tp", "1"]))
+    kw = serve_args.engine_config_kwargs(serve_args.parse_args(["--swap-space", "2", "-tp", "1"]))
     assert set(kw) == set(fields)
     config = EngineConfig(**kw)
     assert config.swap_space == 2.0 and config.host_tier_bytes == 2 * 2**30
@@ -110,10 +110,10 @@ def test_gpu_memory_utilization_default_is_stated_once() -> None:
     import inspect
 
     from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-    from pagoda.engine.llm import LLM
+    from pagoda.engine.frontend.llm import LLM
 
     assert EngineConfig().gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION
-    assert serve.parse_args([]).gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION
+    assert serve_args.parse_args([]).gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION
     default = inspect.signature(LLM).parameters["gpu_memory_utilization"].default
     assert default == DEFAULT_GPU_MEMORY_UTILIZATION
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from pagoda.engine import SamplingParams
-from pagoda.engine.cli.exit_codes import EXIT_ENGINE_DIED
+from pagoda.engine.exit_codes import EXIT_ENGINE_DIED
 from pagoda_testkit.processes import spawned_children, wait_unhealthy
 
 

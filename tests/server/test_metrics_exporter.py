@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from pagoda.engine.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagoda.engine.metrics import LoggingStatLogger, PrometheusStatLogger, buckets
-from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from prometheus_client.parser import text_string_to_metric_families
 
 

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from pagoda.engine.input_processor import max_chars_per_token
+from pagoda.engine.frontend.input_processor import max_chars_per_token
 from pagoda.engine.outputs import CompletionOutput, Logprob
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server.app import build_app
@@ -161,11 +161,14 @@ def test_held_back_tokens_ride_with_the_next_chunk() -> None:
 
 
 def test_the_queue_is_bounded_by_default() -> None:
-    from pagoda.engine.cli import serve
+    from pagoda.engine.cli import serve_args
 
     assert ServerSettings().max_num_queued_reqs == DEFAULT_MAX_NUM_QUEUED_REQS == 512
-    assert serve.server_settings(serve.parse_args([])).max_num_queued_reqs == 512
-    assert serve.server_settings(serve.parse_args(["--max-num-queued-reqs", "7"])).max_num_queued_reqs == 7
+    assert serve_args.server_settings(serve_args.parse_args([])).max_num_queued_reqs == 512
+    assert (
+        serve_args.server_settings(serve_args.parse_args(["--max-num-queued-reqs", "7"])).max_num_queued_reqs
+        == 7
+    )
 
 
 async def test_the_default_queue_limit_answers_503_with_retry_after(started) -> None:

@@ -117,7 +117,7 @@ def test_the_engine_and_its_dry_run_agree_on_cpu() -> None:
     """The real start on the default model and `--dry-run` give the same plan, and the same refusal."""
     import torch
     from pagoda.engine.cli.dry_run import DryRunError, check
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.frontend.llm_engine import LLMEngine
 
     torch.set_num_threads(2)
     flags = ["--device", "cpu", "--kv-cache-memory-bytes", "512MiB", "--skip-tokenizer-init"]

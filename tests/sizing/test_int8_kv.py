@@ -69,7 +69,7 @@ def test_cpu_plan_with_capacity_preferred_is_int8():
 def test_engine_allocates_the_bytes_per_token_the_plan_counted():
     from pagoda.engine.cli.plan import resolve_shape
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.frontend.llm_engine import LLMEngine
 
     shape = resolve_shape(None)  # the default model, as `pagoda plan` reads it
     p = plan(shape, None, Hints(memory_limit_bytes=4 << 30, prefer_capacity=True))

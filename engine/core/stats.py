@@ -1,6 +1,6 @@
 """Numbers the engine core reports after every step; the metrics exporter and the log line consume them.
 
-They cross the process boundary with each step's outputs (engine/core_messages.py), so stat loggers run in
+They cross the process boundary with each step's outputs (engine/core/messages.py), so stat loggers run in
 the front end: plain data, no engine objects.
 """
 

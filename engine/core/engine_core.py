@@ -5,10 +5,10 @@
     while core.has_unfinished_requests():
         out = core.step()                        # EngineCoreOutputs: each sequence's new token, stats
 
-The core knows no text: input processing (engine/input_processor.py) hands it token ids and checked
-parameters, output processing (engine/output_processor.py) detokenizes and applies stop strings, and tells
+The core knows no text: input processing (engine/frontend/input_processor.py) hands it token ids and checked
+parameters, output processing (engine/frontend/output_processor.py) detokenizes and applies stop strings, and tells
 the core which sequences a stop string ended (`finish_seqs`). It runs on one thread (LLMEngine's caller, a
-thread of the server, or the busy loop of its own process, engine/core_process.py); nothing else calls it.
+thread of the server, or the busy loop of its own process, engine/frontend/core_process.py); nothing else calls it.
 Arrival times are `time.monotonic()` seconds.
 """
 
@@ -21,64 +21,46 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core_messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, SeqDelta
-from pagoda.engine.decode_graphs import capture_sizes
+from pagoda.engine.core.info import EngineInfo, LoRAAdapterInfo
+from pagoda.engine.core.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, SeqDelta
+from pagoda.engine.core.scheduler import CacheConfig, Scheduler, SchedulerConfig, SeqUpdate
+from pagoda.engine.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagoda.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
-    kv_heads_of_rank,
 )
-from pagoda.engine.distributed.shard import rank_device, share_cpu_threads
-from pagoda.engine.distributed.workers import Allocate, Profile, TPWorkers, free_tcp_port
-from pagoda.engine.engine_client import EngineInfo, LoRAAdapterInfo
 from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
-from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
+from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.lora.model import LoRAModel
 from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
-from pagoda.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_torch_dtype
 from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
 from pagoda.engine.request import Request, Sequence, now
-from pagoda.engine.scheduler import CacheConfig, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
 from pagoda.engine.sizing.engine_plan import (
     engine_plan,
     max_kv_heads_per_rank,
     profile_tokens,
-    resolve_dtype_name,
 )
-from pagoda.engine.sizing.gpus import check_dtypes
-from pagoda.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagoda.engine.step import SchedulerOutput
+from pagoda.engine.worker.decode_graphs import capture_sizes
+from pagoda.engine.worker.model_runner import kv_bytes_per_token, kv_torch_dtype
+from pagoda.engine.worker.rank import (
+    build_rank,
+    check_device,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+    share_cpu_threads,
+)
+from pagoda.engine.worker.rank_messages import Allocate, Profile
+from pagoda.engine.worker.tp_workers import TPWorkers, free_tcp_port
 from pagoda.kernels.cpu import loader as cpu_kernels
 
 log = logging.getLogger("pagoda.engine")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but no CUDA GPU is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """The torch dtype of ``--dtype name`` (the sizing module's rule, so dry runs size what runs)."""
-    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype, cc)]
-
-
-def check_device(device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) -> None:
-    """Refuse at start-up what this GPU cannot run (UnsupportedOnGPU, exit code 2), before anything else."""
-    if device.type == "cuda":
-        name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        check_dtypes(name, cc, str(dtype).removeprefix("torch."), kv_cache_dtype)
 
 
 def adapter_info(adapter: LoRAAdapter) -> LoRAAdapterInfo:
@@ -119,31 +101,20 @@ class EngineCore:
 
     def _build(self, config: EngineConfig, path, mc: ModelConfig, tokenizer: Any) -> None:
         """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
-        backend = get_attention_backend(config.attention_backend, self.device)
-        self.attention_backend = backend.name
         # The CPU kernels this engine runs, loaded (and logged) at start-up rather than in its first step.
         self.cpu_kernels = cpu_kernels.current() if self.device.type == "cpu" else None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        model, _ = load_model(path, self.dtype, self.device, backend)
-        self.fingerprint = model_fingerprint(path)
-        self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         eos = set(mc.eos_token_ids)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None:
             eos.add(tokenizer_eos)
         self.eos_token_ids = sorted(eos)
         self._eos = frozenset(eos)
-        kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
+        self.runner = build_rank(config, path, mc, self.device, self.dtype, eos_token_ids=self.eos_token_ids)
+        self.attention_backend = self.runner.attention_backend
+        model = self.runner.model
+        self.fingerprint = model_fingerprint(path)
+        self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         size = config.tensor_parallel_size
-        self.runner = ModelRunner(
-            model,
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=kv_heads,
-            head_dim=mc.head_dim,
-            device=self.device,
-            eos_token_ids=self.eos_token_ids,
-        )
         self.runner.peers = self.workers
         self.runner.lora = self.lora
 
@@ -157,7 +128,7 @@ class EngineCore:
         # CUDA graphs: recorded after the cache is allocated, so their memory is measured first and left out
         recordable = (
             self.device.type == "cuda"
-            and backend.name == "triton"
+            and self.attention_backend == "triton"
             and not config.enforce_eager
             and self.lora is None  # a step's LoRA segments are not part of a recording
         )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagoda.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.frontend.llm_engine import LLMEngine
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from tqdm.auto import tqdm

@@ -16,51 +16,11 @@ import queue
 import signal
 import socket
 import threading
-from dataclasses import dataclass
 from typing import Any
 
+from pagoda.engine.worker.rank_messages import Allocate, CaptureGraphs, Profile, Step, Stop
+
 log = logging.getLogger("pagoda.engine.distributed")
-
-
-@dataclass
-class Profile:
-    """Measure what this rank's KV cache may take: every rank runs the same profiling forward (meeting in
-    its collectives) and the ranks agree on the smallest budget (ModelRunner.measure_kv_budget)."""
-
-    num_tokens: int
-    block_size: int
-    kv_dtype: Any  # torch.dtype
-    gpu_memory_utilization: float
-    forward_on_cpu: bool = False
-    graph_sizes: tuple[int, ...] = ()  # decode batch sizes CUDA graphs will be recorded for (their memory)
-    max_model_len: int = 0  # the longest the recordings may have to cover
-    capture: Any = None  # how graphs are recorded (None: CUDA graphs; tests pass an emulation)
-
-
-@dataclass
-class CaptureGraphs:
-    """Record the decode graphs (every rank at once: the recordings meet in their all-reduces)."""
-
-    max_num_seqs: int
-    max_model_len: int
-    capture: Any = None  # None: CUDA graphs
-
-
-@dataclass
-class Allocate:
-    num_blocks: int
-    block_size: int
-    kv_dtype: Any  # torch.dtype
-
-
-@dataclass
-class Step:
-    kv_ops: list
-    step: Any  # pagoda.engine.model_runner.StepInput | None
-
-
-class Stop:
-    pass
 
 
 def free_tcp_port() -> int:
@@ -129,9 +89,9 @@ def worker_main(rank: int, size: int, init_method: str, config: Any, inbox: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pagoda.engine.distributed.parallel_state import destroy_tensor_parallel
-    from pagoda.engine.distributed.shard import build_rank
+    from pagoda.engine.worker.rank import join_rank
 
-    runner = build_rank(config, rank, size, init_method)
+    runner = join_rank(config, rank, size, init_method)
     try:
         while True:
             try:

@@ -5,10 +5,10 @@
     while engine.has_unfinished_requests():
         for delta in engine.step(): ...        # what each request gained this step (RequestOutput.add)
 
-Input processing (engine/input_processor.py: validation, tokenization) -> the engine core
-(engine/engine_core.py: schedule -> execute -> update) -> output processing (engine/output_processor.py:
+Input processing (engine/frontend/input_processor.py: validation, tokenization) -> the engine core
+(engine/core/engine_core.py: schedule -> execute -> update) -> output processing (engine/frontend/output_processor.py:
 detokenization, stop strings, deltas). A server runs the same three parts split across its event loop and
-the core's own thread or process (engine/async_engine.py). `add_request` raises ValueError for bad input,
+the core's own thread or process (engine/frontend/async_engine.py). `add_request` raises ValueError for bad input,
 e.g. "This model's maximum context length is N tokens; the prompt has M tokens"; `max_tokens` beyond the
 remaining context is clamped; None = up to the limit. Not thread-safe.
 """
@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.engine_client import EngineInfo
-from pagoda.engine.engine_core import EngineCore, resolve_device, resolve_dtype
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.core.engine_core import EngineCore
+from pagoda.engine.core.info import EngineInfo
+from pagoda.engine.core.stats import StatLogger
+from pagoda.engine.frontend.input_processor import InputProcessor
+from pagoda.engine.frontend.output_processor import OutputProcessor
 from pagoda.engine.loader import load_tokenizer, resolve_model
-from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.stats import StatLogger
 
-__all__ = ["LLMEngine", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine"]
 
 
 class LLMEngine:

@@ -1,14 +1,14 @@
 """The engine core in a process of its own: `pagoda serve`'s default.
 
 The server's process keeps the front end (HTTP, input and output processing, streams, metrics); the core
-process runs only the busy loop (engine/core_loop.py) over the scheduler and the model. They share no GIL
+process runs only the busy loop (engine/core/loop.py) over the scheduler and the model. They share no GIL
 and no thread pool: the event loop's wake-ups no longer land between the core's compute threads.
 
     front end                                   core process
     CoreProcess.send(cmd)  --PUSH ipc://.../in-->   PULL: commands, drained between steps
     AsyncEngine._on_message <--PULL ipc://.../out-- PUSH: one EngineCoreOutputs per step, UtilityResults
 
-Messages are msgpack (msgspec) encodings of engine/core_messages.py. Start-up goes over a pipe: the core
+Messages are msgpack (msgspec) encodings of engine/core/messages.py. Start-up goes over a pipe: the core
 reports its `EngineInfo`, or how it failed (exit code, message, the termination message of an out-of-memory
 start), and the front end exits the way a failed in-process start-up would.
 
@@ -34,10 +34,10 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-from pagoda.engine.core_messages import Command, CoreMessage, EngineCoreOutputs, Shutdown
-from pagoda.engine.engine_client import EngineInfo
+from pagoda.engine.core.info import EngineInfo
+from pagoda.engine.core.messages import Command, CoreMessage, EngineCoreOutputs, Shutdown
 
-log = logging.getLogger("pagoda.engine.core_process")
+log = logging.getLogger("pagoda.engine.frontend.core_process")
 
 START_POLL_S = 0.5
 LINGER_MS = 2000  # how long a closing socket may still deliver what it queued (a dead message, a result)
@@ -206,9 +206,9 @@ def run_core_process(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     import torch
-    from pagoda.engine.cli.startup import startup_failure
-    from pagoda.engine.core_loop import CoreLoop
-    from pagoda.engine.engine_core import EngineCore
+    from pagoda.engine.core.engine_core import EngineCore
+    from pagoda.engine.core.loop import CoreLoop
+    from pagoda.engine.core.startup import startup_failure
     from pagoda.engine.sizing.engine_plan import forget_last_profile
 
     if threads:

@@ -1,7 +1,7 @@
 """Output processing: the core's token deltas -> `RequestOutput` deltas with text, in the front end.
 
 Per sequence it keeps the detokenizer's window and the text so far, applies stop strings, and hands out
-only the text a client may see (engine/detokenizer.py). A stop string is found here, after the core has
+only the text a client may see (engine/frontend/detokenizer.py). A stop string is found here, after the core has
 already run the token that completed it; `process` returns such sequences so the caller tells the core to
 finish them (`EngineCore.finish_seqs`). Until the core hears of it, tokens it still produces for them are
 dropped here. Top logprobs get their decoded tokens here too. Runs where the core's outputs arrive: on the
@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.core_messages import CoreOutput, EngineCoreRequest
-from pagoda.engine.detokenizer import Detokenizer, SeqText, check_stop_strings, visible_text
+from pagoda.engine.core.messages import CoreOutput, EngineCoreRequest
+from pagoda.engine.frontend.detokenizer import Detokenizer, SeqText, check_stop_strings, visible_text
 from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 

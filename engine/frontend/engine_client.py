@@ -1,4 +1,4 @@
-"""The typed boundary between a server and an engine: the `EngineClient` protocol and the frozen `EngineInfo`.
+"""The typed boundary between a server and an engine: the `EngineClient` protocol and the frozen `EngineInfo` (built by the core, engine/core/info.py).
 
 The server (engine/server/*) sees an engine only through these two. `EngineInfo` holds every fact about the
 engine that a front end needs and that does not change once it has started (lengths, vocabulary, KV layout,
@@ -11,13 +11,13 @@ thread of this process, or in its own process); test fakes implement it too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagoda.engine.kv_cache.streaming import StreamingDefaults
-from pagoda.engine.request_stream import RequestStream
+from pagoda.engine.core.info import EngineInfo, LoRAAdapterInfo
+from pagoda.engine.core.stats import StatLogger
+from pagoda.engine.frontend.request_stream import RequestStream
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.stats import StatLogger
 
 
 class EngineDeadError(RuntimeError):
@@ -26,42 +26,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request."""
-
-
-@dataclass(frozen=True)
-class LoRAAdapterInfo:
-    """A LoRA adapter an engine serves (docs/lora.md)."""
-
-    name: str  # what a request puts in `model` to run through it
-    path: str  # the directory it was loaded from
-    rank: int
-    cache_root: str  # hex: where its requests' block-hash chains start (routers hash prompts from it)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a front end knows of a started engine; nothing here changes while it runs."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int  # rows of the logits: a token id at or past it cannot be sampled or fed
-    block_size: int
-    num_blocks: int
-    kv_bytes_per_token: int = 0
-    max_model_len_fitted: int | None = None  # the longest context the KV cache could hold
-    tiers: tuple[str, ...] = ("device",)  # device, then the offload tiers that are on (host, disk)
-    enable_prefix_caching: bool = True
-    kv_extra_keys: tuple[str, ...] = ()  # what a router mixes into a block-hash chain for this replica
-    kv_events_epoch: str | None = None  # the block-event log's lifetime id; None: no events published
-    streaming: StreamingDefaults = field(default_factory=StreamingDefaults)  # --kv-eviction & co.
-    eos_token_ids: tuple[int, ...] = ()
-    tensor_parallel_size: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    cache_config: dict[str, Any] = field(default_factory=dict)  # vllm:cache_config_info labels
-    cpu_kernels: dict[str, str] | None = None  # the CPU kernels' info labels (variant, origin); None on a GPU
-    memory_profile: dict[str, Any] = field(default_factory=dict)  # GET /pagoda/memory
-    lora_adapters: tuple[LoRAAdapterInfo, ...] = ()  # loaded at start (--lora-modules)
 
 
 @dataclass

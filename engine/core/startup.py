@@ -1,14 +1,14 @@
 """How a failed engine start-up ends `pagoda serve`: the message, the exit code, the pod's termination message.
 
 Shared by the two places an engine starts: the server's own process (`--no-engine-process`) and the engine
-core's process, which sends the verdict to the server to act on (engine/core_process.py).
+core's process, which sends the verdict to the server to act on (engine/frontend/core_process.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagoda.engine.cli.exit_codes import (
+from pagoda.engine.exit_codes import (
     EXIT_OUT_OF_MEMORY,
     EXIT_START_FAILED,
     EXIT_USAGE,

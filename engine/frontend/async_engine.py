@@ -4,11 +4,11 @@ On the event loop it runs input processing (checks, lengths; the server tokenize
 keeps one RequestStream per request, turns the core's per-step outputs into text deltas (output
 processing: detokenization, stop strings) and feeds every step's stats to the stat loggers (Prometheus,
 the log line, the router's rates). The core itself runs elsewhere and is reached only by messages
-(engine/core_messages.py):
+(engine/core/messages.py):
 
 - `CoreThread` (here): the core's busy loop on a thread of this process: tests, benchmarks, and
   `pagoda serve --no-engine-process`;
-- `CoreProcess` (engine/core_process.py): the core in a process of its own, over ZMQ: `pagoda serve`.
+- `CoreProcess` (engine/frontend/core_process.py): the core in a process of its own, over ZMQ: `pagoda serve`.
 
 Ownership is single-threaded on each side: the event loop owns the streams and the processors, the core
 owns request and KV state. Each step's outputs reach the loop as one message, so hundreds of streams cost
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from pagoda.engine.core_loop import CoreLoop
-from pagoda.engine.core_messages import (
+from pagoda.engine.core.loop import CoreLoop
+from pagoda.engine.core.messages import (
     Abort,
     AddRequests,
     Command,
@@ -38,22 +38,22 @@ from pagoda.engine.core_messages import (
     UtilityCall,
     UtilityResult,
 )
-from pagoda.engine.engine_client import (
+from pagoda.engine.core.stats import SchedulerStats, StatLogger
+from pagoda.engine.frontend.engine_client import (
     EngineDeadError,
     EngineInfo,
     LoRAAdapterInfo,
     NewRequest,
     RequestFailedError,
 )
-from pagoda.engine.input_processor import InputError, InputProcessor
-from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.frontend.input_processor import InputError, InputProcessor
+from pagoda.engine.frontend.output_processor import OutputProcessor
+from pagoda.engine.frontend.request_stream import RequestStream
 from pagoda.engine.request import now
-from pagoda.engine.request_stream import RequestStream
-from pagoda.engine.stats import SchedulerStats, StatLogger
 
 __all__ = ["AsyncEngine", "CoreThread", "EngineDeadError", "RequestFailedError", "NewRequest"]
 
-logger = logging.getLogger("pagoda.engine.async_engine")
+logger = logging.getLogger("pagoda.engine.frontend.async_engine")
 
 # What a refused call into the core raises here (UtilityResult.error_type); anything else: RuntimeError.
 _REFUSALS: dict[str, type[Exception]] = {"ValueError": ValueError, "KeyError": KeyError}

@@ -8,8 +8,8 @@ gauges and counters are current once the last request leaves.
 
 A step that raises fails the requests it was running (their clients get an error) and the loop goes on;
 `MAX_CONSECUTIVE_STEP_FAILURES` in a row stop it for good (`dead`). The same loop runs on a thread of the
-server's process (engine/async_engine.py: CoreThread) and in the core's own process
-(engine/core_process.py); only how commands arrive and outputs leave differs.
+server's process (engine/frontend/async_engine.py: CoreThread) and in the core's own process
+(engine/frontend/core_process.py); only how commands arrive and outputs leave differs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pagoda.engine.core_messages import (
+from pagoda.engine.core.messages import (
     UTILITY_METHODS,
     Abort,
     AddRequests,
@@ -30,9 +30,9 @@ from pagoda.engine.core_messages import (
     UtilityCall,
     UtilityResult,
 )
-from pagoda.engine.stats import IterationStats
+from pagoda.engine.core.stats import IterationStats
 
-log = logging.getLogger("pagoda.engine.core_loop")
+log = logging.getLogger("pagoda.engine.core.loop")
 
 IDLE_POLL_S = 0.5
 

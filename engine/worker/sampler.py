@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pagoda.engine import cpu_sampling
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured_output import TokenBitmask, apply_token_bitmask
+from pagoda.engine.worker import cpu_sampling
 
 
 @dataclass

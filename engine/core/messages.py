@@ -1,7 +1,7 @@
 """What crosses between the front end and the engine core: requests and commands in, per-step outputs out.
 
 The same objects travel whether the core runs on a thread of the server's process (handed over as they
-are) or in a process of its own (msgpack-encoded by msgspec over ZMQ, engine/core_process.py). They carry
+are) or in a process of its own (msgpack-encoded by msgspec over ZMQ, engine/frontend/core_process.py). They carry
 only what the other side needs: the core never sees text (no prompt string, no detokenized output), the
 front end never sees scheduler or KV state beyond the stats.
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from pagoda.engine.core.stats import IterationStats, SchedulerStats
 from pagoda.engine.outputs import Logprob, RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.stats import IterationStats, SchedulerStats
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -27,7 +27,7 @@ import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
 
 if TYPE_CHECKING:
-    from pagoda.engine.model_runner import StepInput
+    from pagoda.engine.worker.step_input import StepInput
 
 Replay = Callable[[], None]
 Capture = Callable[[Callable[[], None]], Replay]

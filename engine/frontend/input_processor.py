@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.engine.chat_messages import template_knows_tools, template_messages
-from pagoda.engine.core_messages import EngineCoreRequest
-from pagoda.engine.engine_client import EngineInfo
+from pagoda.engine.core.info import EngineInfo
+from pagoda.engine.core.messages import EngineCoreRequest
+from pagoda.engine.frontend.chat_messages import template_knows_tools, template_messages
 from pagoda.engine.kv_cache.streaming import resolve_streaming
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured_output import check_spec

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagoda.engine import host_allocator
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
-from pagoda.engine.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagoda.engine.distributed.parallel_state import gather_ints, tp_size
-from pagoda.engine.distributed.workers import CaptureGraphs, Profile, Step
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
-from pagoda.engine.memory import cpu_kv_cache_bytes
-from pagoda.engine.sampler import SamplingRow, logprob_entries, sample
-from pagoda.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagoda.engine.sizing.engine_plan import gpu_kv_budget
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token as plan_kv_bytes_per_token
+from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.shapes import kv_scale_bytes
+from pagoda.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagoda.engine.worker import host_allocator
+from pagoda.engine.worker.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
+from pagoda.engine.worker.rank_messages import CaptureGraphs, Profile, Step
+from pagoda.engine.worker.sampler import SamplingRow, logprob_entries, sample
+from pagoda.engine.worker.step_input import StepInput, prepare_step, prompt_logprob_rows
 
 _QUANTIZED = {
     "fp8": torch.float8_e4m3fn,
@@ -83,11 +84,12 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids or [])
         self.kv_caches: list[LayerKVCache] = []
         self.block_size = 0
-        # Tensor parallelism: the other ranks (pagoda.engine.distributed.workers.TPWorkers), which get every
+        # Tensor parallelism: the other ranks (pagoda.engine.worker.tp_workers.TPWorkers), which get every
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = None  # pagoda.engine.lora.model.LoRAModel when the engine serves LoRA adapters
+        self.attention_backend = ""  # the backend's name (build_rank sets it: "torch" or "triton")
 
     # ---- memory -------------------------------------------------------------------------------------
     def weights_bytes(self) -> int:
@@ -518,79 +520,6 @@ class ModelRunner:
             max_position=int(pos.max()) if len(pos) else 0,
         )
         return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
-
-
-@dataclass
-class StepInput:
-    """A step's batch as plain arrays: what the forward needs, small enough to send to other ranks."""
-
-    input_ids: np.ndarray  # [T] int64
-    # [T] int64 rotary positions: cache positions, after attention-sink evictions plus the evicted tokens
-    positions: np.ndarray
-    query_lens: np.ndarray  # [S] int64, new tokens per sequence
-    context_lens: np.ndarray  # [S] int64, tokens already cached per sequence
-    block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
-    sample_idx: np.ndarray  # [R] int64, flat index of the last token of each sampling sequence
-    lora_rows: np.ndarray | None = None  # [T] int64, each token's LoRA slot (-1: base model); None: no LoRA
-    # [L] int64, flat index of each token whose next-token logprobs the prompt's logprobs need
-    logprob_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-
-def prepare_step(
-    scheduled: list[ScheduledSeq], order: list[int] | None = None, lora_slots: np.ndarray | None = None
-) -> StepInput:
-    """The batch of ``scheduled`` in ``order`` (default: as given); with ``lora_slots`` (each sequence's
-    LoRA slot, in the order of ``scheduled``), each row's slot."""
-    if order is not None:
-        scheduled = [scheduled[i] for i in order]
-        lora_slots = None if lora_slots is None else lora_slots[order]
-    tokens, positions, qlens, ctx, sample_idx = [], [], [], [], []
-    offset = 0
-    for sched in scheduled:
-        start, n = sched.start, sched.num_new_tokens
-        tokens.extend(sched.seq.cache_tokens(start, n))
-        # rotary positions: cache positions, plus the tokens attention sinks evicted before them
-        positions.append(np.arange(start, start + n, dtype=np.int64) + sched.position_offset)
-        qlens.append(n)
-        ctx.append(start)
-        offset += n
-        if sched.samples:
-            sample_idx.append(offset - 1)
-    max_blocks = max((len(s.block_table) for s in scheduled), default=1)
-    tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
-    for i, sched in enumerate(scheduled):
-        tables[i, : len(sched.block_table)] = sched.block_table
-    return StepInput(
-        input_ids=np.asarray(tokens, dtype=np.int64),
-        positions=np.concatenate(positions),
-        query_lens=np.asarray(qlens, dtype=np.int64),
-        context_lens=np.asarray(ctx, dtype=np.int64),
-        block_tables=tables,
-        sample_idx=np.asarray(sample_idx, dtype=np.int64),
-        lora_rows=None if lora_slots is None else np.repeat(lora_slots, qlens),
-    )
-
-
-def prompt_logprob_rows(
-    scheduled: list[ScheduledSeq], step: StepInput, order: list[int] | None = None
-) -> list[tuple[int, list[int]]]:
-    """Plan the step's prompt-logprob rows and set ``step.logprob_idx``: per chunk of a request still
-    computing its prompt logprobs, in the step's ``order`` (prepare_step's), (index in ``scheduled``, the
-    prompt positions whose token the chunk predicts: position t is predicted by the chunk's row of t - 1)."""
-    plan, flat, offset = [], [], 0
-    for i in order if order is not None else range(len(scheduled)):
-        sched = scheduled[i]
-        req, start, n = sched.request, sched.start, sched.num_new_tokens
-        if req.needs_prompt_logprobs and sched.seq.index == 0:
-            first = max(start + 1, len(req.prompt_logprobs), 1)
-            last = min(start + n, len(req.prompt_token_ids) - 1)
-            targets = list(range(first, last + 1))
-            if targets:
-                plan.append((i, targets))
-                flat.extend(offset + t - 1 - start for t in targets)
-        offset += n
-    step.logprob_idx = np.asarray(flat, dtype=np.int64)
-    return plan
 
 
 def _blocks_of(op: KVOp) -> set[int]:

@@ -1,0 +1,48 @@
+"""What rank 0 sends every other tensor-parallel rank, in order: profile, allocate, record graphs, run a
+step, stop. Each rank runs it on its own runner (engine/worker/tp_workers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Profile:
+    """Measure what this rank's KV cache may take: every rank runs the same profiling forward (meeting in
+    its collectives) and the ranks agree on the smallest budget (ModelRunner.measure_kv_budget)."""
+
+    num_tokens: int
+    block_size: int
+    kv_dtype: Any  # torch.dtype
+    gpu_memory_utilization: float
+    forward_on_cpu: bool = False
+    graph_sizes: tuple[int, ...] = ()  # decode batch sizes CUDA graphs will be recorded for (their memory)
+    max_model_len: int = 0  # the longest the recordings may have to cover
+    capture: Any = None  # how graphs are recorded (None: CUDA graphs; tests pass an emulation)
+
+
+@dataclass
+class CaptureGraphs:
+    """Record the decode graphs (every rank at once: the recordings meet in their all-reduces)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    capture: Any = None  # None: CUDA graphs
+
+
+@dataclass
+class Allocate:
+    num_blocks: int
+    block_size: int
+    kv_dtype: Any  # torch.dtype
+
+
+@dataclass
+class Step:
+    kv_ops: list
+    step: Any  # pagoda.engine.worker.step_input.StepInput | None
+
+
+class Stop:
+    pass
