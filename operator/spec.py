@@ -49,13 +49,23 @@ DEFAULT_IDLE_SECONDS = 900
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
+# An s3:// prefix: any characters but spaces, with no `..` in it (every dot is followed by another character
+# than a dot, or ends it): RE2 has no look-ahead.
+S3_PREFIX = r"([^.\s]|\.[^.\s])*\.?"
 # One regular expression for the API server (CEL `matches`, RE2) and the operator (Python `re`).
 SOURCE_PATTERN = (
-    r"^(default|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?"
+    r"^(default|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?"
+    rf"|s3://[a-z0-9][a-z0-9.-]{{1,61}}[a-z0-9](/{S3_PREFIX})?"
     rf"|pvc://{DNS_LABEL}/\S+|file:///\S+)$"
 )
 ENV_NAME = r"[-._a-zA-Z][-._a-zA-Z0-9]*"
 ADAPTER_SOURCE_PATTERN = SOURCE_PATTERN.replace("^(default|", "^(")
+# No source may hold `..`: downloads write under the model cache by the source's names and a pvc:// path is
+# mounted as a subPath (operator/download/paths.py refuses such names again, whatever started the download).
+NO_DOTDOT_RULE = "!self.contains('..')"
+NO_DOTDOT_MESSAGE = (
+    "source must not contain '..' (a path that leads out of its bucket, repo, claim or directory)"
+)
 ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}"  # the engine's rule (pagoda.engine.lora.registry)
 MAX_ADAPTERS = 64
 
@@ -155,13 +165,14 @@ class ModelSpec:
         default="default",
         reason="InvalidModelSource",
         rules=[
+            Rule(NO_DOTDOT_RULE, NO_DOTDOT_MESSAGE, lambda v: ".." not in v, reason="InvalidModelSource"),
             Rule(
                 f"self.matches(r'{SOURCE_PATTERN}')",
                 "source must be default, hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or "
                 "file:///path",
                 lambda v: re.fullmatch(SOURCE_PATTERN, v) is not None,
                 reason="InvalidModelSource",
-            )
+            ),
         ],
     )
     served_model_name: str = prop(
@@ -233,12 +244,13 @@ class AdapterSpec:
         required=True,
         reason="InvalidAdapter",
         rules=[
+            Rule(NO_DOTDOT_RULE, NO_DOTDOT_MESSAGE, lambda v: ".." not in v, reason="InvalidAdapter"),
             Rule(
                 f"self.matches(r'{ADAPTER_SOURCE_PATTERN}')",
                 "source must be hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or file:///path",
                 lambda v: re.fullmatch(ADAPTER_SOURCE_PATTERN, v) is not None,
                 reason="InvalidAdapter",
-            )
+            ),
         ],
     )
 

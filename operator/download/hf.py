@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pagoda.operator.download.paths import bad_part
 from pagoda.operator.download.progress import Reporter, tree_bytes
 from pagoda.operator.download.result import ACCESS_DENIED, FAILED, NOT_FOUND, DownloadError, volume_full
 
@@ -83,16 +84,36 @@ def verify(snapshot: Path, files: list[Any]) -> None:
             )
 
 
+def _check_names(repo: str, revision: str) -> None:
+    """The repo (`org/name`) and revision become paths in the cache (models--org--name, refs/REVISION):
+    refused before anything is written when they could lead out of it."""
+    org, _, name = repo.partition("/")
+    if not org or not name or "/" in name or bad_part(org) or bad_part(name):
+        raise DownloadError(
+            FAILED, f"hf://{repo}: the repo is refused: it must be org/name (nothing was written)"
+        )
+    if why := bad_part(revision):
+        raise DownloadError(
+            FAILED, f"hf://{repo}@{revision}: the revision is refused: {why} (nothing was written)"
+        )
+
+
 def download(repo: str, revision: str, home: Path, interval: float = 5.0) -> tuple[Path, int, int]:
     """Fetch `repo` at `revision` into the cache under `home` (HF_HOME); returns (snapshot, bytes, files)."""
     from huggingface_hub import HfApi, snapshot_download
 
+    _check_names(repo, revision)
     hub = home / "hub"
     hub.mkdir(parents=True, exist_ok=True)
     api = HfApi()  # HF_ENDPOINT and HF_TOKEN from the environment
     try:
         commit = api.repo_info(repo, revision=revision).sha
         files = _files(api, repo, commit)
+        for f in files:  # the hub's file names become paths under the snapshot: none may lead out of it
+            if why := bad_part(f.path):
+                raise DownloadError(FAILED, f"hf://{repo}@{revision}: the file name {f.path!r} is refused: "
+                                            f"{why}, so it would not be written under the cache (nothing was "
+                                            "written)")  # fmt: skip
         total = sum(f.lfs.size if f.lfs is not None else f.size for f in files)
         blobs = hub / f"models--{repo.replace('/', '--')}" / "blobs"
 

@@ -5,9 +5,11 @@ then checked (size; MD5 for single-part objects, whose ETag is their MD5) and re
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
+from pagoda.operator.download.paths import bad_part, under
 from pagoda.operator.download.progress import Reporter, tree_bytes
 from pagoda.operator.download.result import ACCESS_DENIED, FAILED, NOT_FOUND, DownloadError, volume_full
 
@@ -23,6 +25,7 @@ DENIED = {
     "401",
 }
 MISSING = {"NoSuchBucket", "NoSuchKey", "404"}
+BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket names (as the CRD's s3:// pattern)
 
 
 def _classify(exc: Exception, where: str) -> DownloadError:
@@ -82,6 +85,10 @@ def download(bucket: str, prefix: str, dest: Path, interval: float = 5.0) -> tup
     import boto3
 
     where = f"s3://{bucket}/{prefix}"
+    if not BUCKET.fullmatch(bucket):
+        raise DownloadError(FAILED, f"{where}: {bucket!r} is not an S3 bucket name")
+    if prefix.strip("/") and (why := bad_part(prefix.strip("/"))):
+        raise DownloadError(FAILED, f"{where}: the prefix is refused: {why} (nothing was written)")
     root = dest / bucket / prefix.strip("/")
     base = prefix.strip("/") + "/" if prefix.strip("/") else ""
     try:
@@ -94,6 +101,11 @@ def download(bucket: str, prefix: str, dest: Path, interval: float = 5.0) -> tup
         ]
         if not objects:
             raise DownloadError(NOT_FOUND, f"{where} holds no objects")
+        # Every key is placed under root before anything is fetched: one that would land outside (an
+        # absolute or `..` path, an empty part) fails the whole download and nothing is written.
+        targets = [
+            under(root, o["Key"][len(base) :], f"object key s3://{bucket}/{o['Key']}") for o in objects
+        ]
         total = sum(int(o["Size"]) for o in objects)
 
         def measure() -> tuple[int, int]:
@@ -103,8 +115,8 @@ def download(bucket: str, prefix: str, dest: Path, interval: float = 5.0) -> tup
             return tree_bytes(root), done
 
         with Reporter(measure, total, len(objects), interval):
-            for obj in objects:
-                _fetch(client, bucket, obj, root / obj["Key"][len(base) :])
+            for obj, target in zip(objects, targets, strict=True):
+                _fetch(client, bucket, obj, target)
     except DownloadError:
         raise
     except Exception as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 import celpy
@@ -104,6 +105,11 @@ SAMPLES: list[dict[str, Any]] = [
     {"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct", "revision": "v1"}},
     {"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct@main", "revision": "v1"}},
     {"model": {"source": "s3://models-bucket/llama/8b"}},
+    {"model": {"source": "s3://models-bucket/llama/../../other"}},
+    {"model": {"source": "hf://org/name@../../x"}},
+    {"model": {"source": "pvc://models/../x"}},
+    {"adapters": [{"name": "a", "source": "s3://models-bucket/lora/../../x"}]},
+    {"adapters": [{"name": "a", "source": "s3://models-bucket/lora/v1.2/"}]},
     {"model": {"source": "s3://Bad_Bucket/x"}},
     {"model": {"source": "pvc://models/llama", "revision": "main"}},
     {"model": {"source": "pvc://Models/llama"}},
@@ -186,3 +192,54 @@ def test_spec_module_imports_without_torch() -> None:
     code = "import sys, pagoda.operator.crd, pagoda.operator.spec; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert spec.KV_DTYPES is KV_CACHE_DTYPES
+
+
+DOT_DOT = [
+    "s3://models-bucket/llama/../../other",
+    "s3://models-bucket/..",
+    "s3://models-bucket/a/..",
+    "s3://models-bucket/a..b",
+    "hf://org/name@../../../x",
+    "pvc://models/../other",
+    "file:///models/../etc",
+]
+PLAIN = [
+    "s3://models-bucket/llama/8b",
+    "s3://models-bucket/a.b/.c/d.",
+    "hf://org/name@v1.2",
+    "pvc://models/x.y",
+]
+
+
+def _source_rules(node: dict[str, Any]) -> list[Any]:
+    env = celpy.Environment()
+    return [env.program(env.compile(r["rule"])) for r in node["x-kubernetes-validations"]]
+
+
+def test_the_crd_refuses_dot_dot_in_every_source() -> None:
+    """The CRD's own rules (as the API server runs them, from crds/) refuse `..` in the model's and each
+    adapter's source, and so does the operator; the s3:// pattern alone refuses it in the prefix too."""
+    model = _spec_schema()["properties"]["model"]["properties"]["source"]
+    adapter = _spec_schema()["properties"]["adapters"]["items"]["properties"]["source"]
+    for node in (model, adapter):
+        rules = _source_rules(node)
+        for source in DOT_DOT:
+            results = [bool(p.evaluate({"self": celpy.json_to_cel(source)})) for p in rules]
+            assert not all(results), source
+            assert results[0] is False  # the dedicated rule, with its message
+        for source in PLAIN:
+            assert all(bool(p.evaluate({"self": celpy.json_to_cel(source)})) for p in rules), source
+        assert "must not contain '..'" in node["x-kubernetes-validations"][0]["message"]
+    pattern = re.compile(spec.SOURCE_PATTERN)
+    for source in DOT_DOT:
+        if source.startswith("s3://"):
+            assert pattern.fullmatch(source) is None, source
+    for source in DOT_DOT:
+        with pytest.raises(SpecError, match=r"must not contain '\.\.'") as info:
+            parse_spec({"model": {"source": source}})
+        assert info.value.reason == "InvalidModelSource"
+        with pytest.raises(SpecError, match=r"must not contain '\.\.'") as info:
+            parse_spec({"adapters": [{"name": "a", "source": source}]})
+        assert info.value.reason == "InvalidAdapter"
+    for source in PLAIN:
+        assert parse_spec({"model": {"source": source}}).model.source == source

@@ -236,3 +236,88 @@ def test_a_full_volume_is_its_own_reason(s3, tmp_path) -> None:
     rc, result, out = run("s3://models/llama/tiny", dest, s3)
     assert (rc, result["reason"]) == (EXIT_CODES["ModelVolumeFull"], "ModelVolumeFull"), out
     assert "spec.model.cache.size" in result["message"]
+
+
+def _put(s3: dict[str, str], objects: dict[str, bytes]) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id=s3["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    for key, data in objects.items():
+        client.put_object(Bucket="models", Key=key, Body=data)
+    listed = {o["Key"] for o in client.list_objects_v2(Bucket="models")["Contents"]}
+    assert set(objects) <= listed  # the store kept the keys as they are (no normalised path)
+
+
+def _files_under(top: Path) -> set[str]:
+    return {str(p.relative_to(top)) for p in top.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "{tmp}/outside/abs",  # prefix//tmp/...: an absolute path once the prefix is cut off
+        "../../escaped",  # out of the bucket's directory, onto another source's place in the cache
+        "../../../../escaped",  # out of --dest
+        "ok/../../../../../escaped",
+    ],
+)
+def test_s3_keys_that_lead_out_of_the_cache_fail_the_download_and_write_nothing(s3, tmp_path, key) -> None:
+    """A key under the prefix that is an absolute path (`prefix//abs/path`) or climbs with `..` fails the whole
+    download with a reason naming it, before any object is fetched: nothing is written, inside --dest or
+    outside it."""
+    prefix = "evil-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+    bad = f"{prefix}/{key.format(tmp=tmp_path)}"
+    _put(s3, {f"{prefix}/config.json": FILES["config.json"], bad: b"not yours"})
+    dest = tmp_path / "cache"
+    rc, result, out = run(f"s3://models/{prefix}", dest, s3)
+    assert (rc, result["reason"]) == (EXIT_CODES["ModelDownloadFailed"], "ModelDownloadFailed"), out
+    assert f"object key s3://models/{bad} is refused" in result["message"], result["message"]
+    assert "nothing was written" in result["message"]
+    # Only the termination log exists: not the escaped file, not even the good object beside it.
+    assert _files_under(tmp_path) == {"cache-termination"}, out
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "escaped").exists()
+
+
+def test_s3_sources_with_dot_dot_are_refused_by_the_command_too(s3, tmp_path) -> None:
+    """The CRD refuses `..` in a source; the command refuses it too (whatever started it), writing nothing."""
+    dest = tmp_path / "cache"
+    for source, words in (
+        ("s3://models/llama/../../../x", "the prefix is refused: it has a '..' path part"),
+        ("s3://../llama", "is not an S3 bucket name"),
+    ):
+        rc, result, out = run(source, dest, s3)
+        assert (rc, result["reason"]) == (1, "ModelDownloadFailed"), out
+        assert words in result["message"], result["message"]
+    assert _files_under(tmp_path) == {"cache-termination"}
+
+
+def test_hf_names_that_lead_out_of_the_cache_are_refused(hub, tmp_path) -> None:
+    """A revision or repo that would become a path out of the Hugging Face cache (refs/REVISION,
+    models--org--name) is refused before anything is written."""
+    dest = tmp_path / "cache"
+    for source, words in (
+        ("hf://org/open@../../../../escaped", "the revision is refused: it has a '..' path part"),
+        ("hf://org/..", "the repo is refused"),
+    ):
+        rc, result, out = run(source, dest, {"HF_ENDPOINT": hub.url})
+        assert (rc, result["reason"]) == (1, "ModelDownloadFailed"), out
+        assert words in result["message"], result["message"]
+    assert _files_under(tmp_path) == {"cache-termination"}
+
+
+@pytest.mark.parametrize("name", ["../../../../../../escaped", "sub//escaped", "{tmp}/escaped-abs"])
+def test_hub_file_names_that_lead_out_of_the_snapshot_are_refused(hub, tmp_path, name) -> None:
+    """A file the hub lists under a name that is no path inside the snapshot fails the download, naming it,
+    before any file is fetched."""
+    name = name.format(tmp=tmp_path)
+    repo = "org/evil-" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    hub.repos[repo] = Repo({"config.json": FILES["config.json"], name: b"not yours"})
+    mark = len(hub.ranges)
+    rc, result, out = run(f"hf://{repo}", tmp_path / "cache", {"HF_ENDPOINT": hub.url})
+    assert (rc, result["reason"]) == (1, "ModelDownloadFailed"), out
+    assert f"the file name {name!r} is refused" in result["message"], result["message"]
+    assert hub.ranges[mark:] == []  # nothing was fetched
+    assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))
+    assert not (tmp_path / "escaped-abs").exists() and not (tmp_path / "escaped").exists()
