@@ -8,16 +8,29 @@ help text is stated once, here, and no flag can exist that the engine does not r
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
+
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 KV_EVICTION = ("none", "streaming")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
 DEFAULT_STREAMING_MAX_TOKENS = 32768
 MAX_LORA_RANK = 512
+
+
+# A branch, tag or commit as Hugging Face names them (refs/pr/1 included); never a path that climbs out.
+_REVISION = re.compile(r"^[A-Za-z0-9][\w.\-/]*$")
+
+
+def check_revision(revision: str) -> str:
+    """`revision` if it can name a branch, tag or commit; a ValueError naming it otherwise."""
+    if not _REVISION.match(revision) or ".." in revision or revision.endswith("/"):
+        raise ValueError(f"revision {revision!r} is not a branch, tag or commit name")
+    return revision
 
 
 def parse_lora_module(entry: str) -> tuple[str, str]:
@@ -173,8 +186,6 @@ class EngineConfig:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         if self.revision is not None:
-            from pagoda.engine.loader.resolve import check_revision
-
             try:
                 check_revision(self.revision)
             except ValueError:

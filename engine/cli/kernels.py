@@ -37,13 +37,13 @@ from pagoda.engine.sizing import (
 )
 from pagoda.engine.sizing.engine_plan import (
     check_tensor_parallel,
-    kv_dtype_name,
     kv_heads_per_rank,
     resolve_dtype_name,
     shard_range,
 )
 from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import TORCH_WHEEL_ARCHS, check_dtypes, torch_supports
+from pagoda.engine.sizing.kv_dtypes import kv_dtype_name
 
 DEFAULT_MODEL = (
     "default"  # --model default: the embedded SmolLM2-135M-Instruct, as `pagoda serve` without one

@@ -37,17 +37,18 @@ from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streamin
 from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.lora.model import LoRAModel
 from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
-from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.offload import build_offload
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sizing.engine_plan import (
     engine_plan,
-    max_kv_heads_per_rank,
+    kv_bytes_per_token,
     profile_tokens,
 )
+from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
+from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.step import SchedulerOutput
 from pagoda.engine.worker.decode_graphs import capture_sizes
-from pagoda.engine.worker.model_runner import kv_bytes_per_token, kv_torch_dtype
+from pagoda.engine.worker.model_runner import kv_torch_dtype
 from pagoda.engine.worker.rank import (
     build_rank,
     check_device,
@@ -121,8 +122,16 @@ class EngineCore:
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
         # Per rank: each holds the KV of its own heads (INT8: and their scales); the rank with the most
         # sizes the blocks of all.
-        most_heads = max_kv_heads_per_rank(mc.num_attention_heads, mc.num_key_value_heads, size)
-        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, most_heads, mc.head_dim, kv_dtype)
+        kv = kv_cache_dtype(config.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            mc.num_hidden_layers,
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            kv.element_bytes,
+            size,
+            kv.scale_bytes,
+        )
         block_size = config.block_size
         weights_bytes = self.runner.weights_bytes()
         # CUDA graphs: recorded after the cache is allocated, so their memory is measured first and left out

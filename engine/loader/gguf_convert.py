@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from pagoda.engine.loader.content_hash import file_sha256
+from pagoda.engine.sizing.architectures import from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,6 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Architectures whose q/k rows llama.cpp permutes on conversion.
-_PERMUTED = ("llama", "mistral")
-_SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 def gguf_cache_key(path: Path) -> str:
@@ -117,10 +115,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
-    if arch not in _SUPPORTED:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported: {', '.join(_SUPPORTED)}"
-        )
+    family = from_gguf(arch, str(gguf_path))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
 
@@ -135,14 +130,14 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if name is None:
             raise ValueError(f"GGUF file {str(gguf_path)!r} has an unexpected tensor {t.name!r}")
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
-        if arch in _PERMUTED and (".q_proj." in name or ".k_proj." in name):
+        if family.gguf_permuted_qk and (".q_proj." in name or ".k_proj." in name):
             w = _unpermute(w, heads if ".q_proj." in name else kv_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
 
-    config = _hf_config(gguf_path, tied)
+    config = _hf_config(gguf_path, tied, family.hf_architectures[0])
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_tokenizer(gguf_path, out)
     (out / "pagoda_source.json").write_text(
@@ -158,7 +153,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     )
 
 
-def _hf_config(gguf_path: Path, tied: bool) -> dict:
+def _hf_config(gguf_path: Path, tied: bool, hf_architecture: str) -> dict:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
@@ -166,11 +161,7 @@ def _hf_config(gguf_path: Path, tied: bool) -> dict:
     d.pop("_name_or_path", None)
     d.pop("_model_name_or_path", None)
     d["tie_word_embeddings"] = tied
-    d["architectures"] = [
-        {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-            d["model_type"]
-        ]
-    ]
+    d["architectures"] = [hf_architecture]
     # Weights are stored as float32 (lossless dequantization); bfloat16 is what these models run in on GPU.
     d["torch_dtype"] = "bfloat16"
     d.pop("dtype", None)

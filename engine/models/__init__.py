@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from pagoda.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+import importlib
+
 from pagoda.engine.models.llama import LlamaForCausalLM
+from pagoda.engine.sizing.architectures import SUPPORTED_ARCHITECTURES, architecture
+from pagoda.engine.sizing.model_config import ModelConfig
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """Llama, Mistral, Qwen2 and SmolLM share one implementation; the config switches their differences."""
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return LlamaForCausalLM
+def get_model_class(name: str) -> type:
+    """The class that builds an architecture, as its entry in the architecture table names it (Llama,
+    Mistral, Qwen2 and SmolLM share one implementation; the config switches their differences)."""
+    entry = architecture(name)
+    return getattr(importlib.import_module(f"{__name__}.{entry.module}"), entry.model_class)
 
 
 __all__ = ["ModelConfig", "LlamaForCausalLM", "get_model_class", "SUPPORTED_ARCHITECTURES"]

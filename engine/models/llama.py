@@ -20,7 +20,6 @@ from pagoda.engine.distributed.parallel_state import (
     tp_size,
 )
 from pagoda.engine.models import cpu_linear, cpu_ops
-from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.models.layers import (
     Linear,
     RMSNorm,
@@ -29,6 +28,7 @@ from pagoda.engine.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
+from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
 
 

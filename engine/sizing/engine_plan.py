@@ -15,19 +15,9 @@ from typing import Any
 
 from pagoda.engine.sizing.errors import StartupFitError
 from pagoda.engine.sizing.fit import fit_max_model_len
-from pagoda.engine.sizing.gpus import BF16_MIN_COMPUTE
-from pagoda.engine.sizing.shapes import dtype_bytes, kv_scale_bytes
+from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE, DTYPE_ALIASES
 
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's server default with chunked prefill
-
-# `dtype` flag value -> canonical name (the engine maps the same names to torch dtypes).
-_DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}  # fmt: skip
-_FP8_KV = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-_ONE_BYTE_KV = {**_FP8_KV, "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -117,26 +107,13 @@ def resolve_dtype_name(
     native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks (faster at a negligible
     accuracy cost there: docs/benchmarks.md); on other CPUs float32, their fastest and most exact choice."""
     if name != "auto":
-        return _DTYPE_NAMES[name]
+        return DTYPE_ALIASES[name]
     if device == "cpu":
         return "bfloat16" if cpu_has_native_bf16() else "float32"
     if compute_capability is not None and tuple(compute_capability) < BF16_MIN_COMPUTE:
         return "float16"
-    checkpoint = _DTYPE_NAMES.get(str(checkpoint_dtype or "").removeprefix("torch."))
+    checkpoint = DTYPE_ALIASES.get(str(checkpoint_dtype or "").removeprefix("torch."))
     return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
-
-
-def kv_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
-    return _ONE_BYTE_KV.get(kv_cache_dtype, model_dtype)
-
-
-def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
-    return 1 if kv_cache_dtype in _ONE_BYTE_KV else dtype_bytes(model_dtype)
-
-
-def kv_element_scale_bytes(kv_cache_dtype: str) -> int:
-    """Scale bytes per token, KV head and K|V (INT8's per-token scales; 0 for every other KV dtype)."""
-    return kv_scale_bytes(kv_cache_dtype)
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -191,8 +168,10 @@ def kv_bytes_per_token(
     tp: int = 1,
     scale_bytes: int = 0,
 ) -> int:
-    """KV bytes per token on the rank with the most KV heads (the rank that sizes every rank's cache);
-    ``scale_bytes`` per KV head and K|V for caches that keep per-token scales (INT8)."""
+    """KV bytes per token on the rank with the most KV heads (the rank that sizes every rank's cache):
+    2 (K and V) x layers x KV heads x (head_dim x element bytes + scale bytes), ``scale_bytes`` per KV head
+    and K|V for caches that keep per-token scales (INT8). The one KV formula: the engine, the dry run, the
+    planner and the model shapes all count with it (element and scale bytes from kv_dtypes)."""
     heads = max_kv_heads_per_rank(num_heads, num_kv_heads, tp)
     return 2 * num_layers * heads * (head_dim * element_bytes + scale_bytes)
 

@@ -11,9 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from pagoda.engine.sizing.errors import SizingError, UnsupportedGPUError, UnsupportedOnGPU
-
-FP8_MIN_COMPUTE = (8, 9)  # Ada, Hopper, Blackwell have FP8 tensor cores; vLLM refuses FP8 KV on A100
-BF16_MIN_COMPUTE = (8, 0)  # Ampere and newer have bfloat16 tensor cores; vLLM refuses bfloat16 on a T4
+from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE, FP8_MIN_COMPUTE, check_kv_cache_dtype
 
 # Shared memory one thread block may opt in to, by compute capability (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability": 96, 64, 163, 99, 163, 99, 227, 227, 99 KB): the
@@ -161,14 +159,8 @@ def check_dtypes(gpu: str, compute_capability: tuple[int, int], dtype: str, kv_c
     FP8 KV cache below compute capability 8.9 (Triton has no e4m3 there; the planner never picks FP8
     there) and bfloat16 below 8.0 (no bfloat16 tensor cores; `--dtype auto` picks float16 there)."""
     major, minor = compute_capability
+    check_kv_cache_dtype(kv_cache_dtype, gpu, compute_capability)
     where = f"{gpu} (compute capability {major}.{minor})"
-    if kv_cache_dtype.startswith("fp8") and tuple(compute_capability) < FP8_MIN_COMPUTE:
-        raise UnsupportedOnGPU(
-            f"--kv-cache-dtype {kv_cache_dtype} needs FP8, which {where} lacks: FP8 KV caches need compute "
-            f"capability {FP8_MIN_COMPUTE[0]}.{FP8_MIN_COMPUTE[1]} or newer (L4, L40S, H100, H200, B200). Use "
-            "--kv-cache-dtype int8 (about half the KV bytes, with a scale per token and head) or auto (the "
-            "model's dtype)"
-        )
     if dtype == "bfloat16" and tuple(compute_capability) < BF16_MIN_COMPUTE:
         raise UnsupportedOnGPU(
             f"--dtype bfloat16 needs compute capability {BF16_MIN_COMPUTE[0]}.{BF16_MIN_COMPUTE[1]} or newer; "

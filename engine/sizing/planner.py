@@ -339,9 +339,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         ctx = cuda_context_bytes(memory, tp)
         util = min(UTILIZATION_CAP, math.floor((memory - ctx - act) / memory * 100) / 100)
         kv_mem = int(util * memory) - ctx - act - weights
-        block_bytes = (
-            2 * shape.num_layers * _kv_heads_per_rank(shape, tp) * shape.kv_head_bytes(kv_dtype) * block_size
-        )
+        block_bytes = shape.kv_bytes_per_token(kv_dtype, tp) * block_size
         blocks = max(kv_mem, 0) // block_bytes
         candidate = (tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks)
         if _fit_len(blocks, block_size, conc, FIT_SLACK) >= want_len and util > 0:

@@ -13,32 +13,22 @@ import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
 from pagoda.engine.sizing.errors import SizingError
-
-DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int8": 1,
-}  # fmt: skip
-# INT8 KV caches keep one float32 scale per token, KV head and K|V beside the int8 values.
-KV_SCALE_BYTES = {"int8": 4}
-
-
-def kv_scale_bytes(kv_dtype: str | None) -> int:
-    """Scale bytes per token, KV head and K|V that a KV dtype adds to its elements (INT8: 4, else 0)."""
-    return KV_SCALE_BYTES.get(str(kv_dtype or "").lower().removeprefix("torch."), 0)
-
+from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype, lookup
+from pagoda.engine.sizing.model_config import ModelConfig
 
 _SAFETENSORS_DTYPE = {"F64": "float32", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def dtype_bytes(dtype: str) -> int:
-    try:
-        return DTYPE_BYTES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise SizingError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+    """Bytes of one element of a model or KV dtype (any spelling the KV dtype table knows)."""
+    return lookup(dtype).element_bytes
+
+
+def kv_scale_bytes(kv_dtype: str | None) -> int:
+    """Scale bytes per token, KV head and K|V that a KV dtype adds to its elements (INT8: 4, else 0)."""
+    return 0 if kv_dtype in (None, "auto") else lookup(kv_dtype).scale_bytes
 
 
 @dataclass(frozen=True)
@@ -60,15 +50,20 @@ class ModelShape:
     num_params: int = 0
     tie_word_embeddings: bool = False
 
-    def kv_bytes_per_token(self, kv_dtype: str | None = "auto") -> int:
-        """2 (K and V) x layers x KV heads x (head_dim x bytes per element + scale bytes); "auto" = the
-        model's dtype. INT8 counts its per-token, per-head float32 scales (4 bytes per head and K|V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.kv_head_bytes(kv_dtype)
+    def kv_bytes_per_token(self, kv_dtype: str | None = "auto", tp: int = 1) -> int:
+        """KV bytes per token of the whole model, or of the rank with the most KV heads under tensor
+        parallelism `tp` (engine_plan.kv_bytes_per_token); "auto" = the model's dtype. INT8 counts its
+        per-token, per-head float32 scales (4 bytes per head and K|V)."""
+        kv = kv_cache_dtype(kv_dtype, self.dtype)
+        return kv_bytes_per_token(
+            self.num_layers, self.num_attention_heads, self.num_kv_heads, self.head_dim, kv.element_bytes, tp,
+            kv.scale_bytes,
+        )  # fmt: skip
 
     def kv_head_bytes(self, kv_dtype: str | None = "auto") -> int:
         """Bytes of one token's K (or V) for one KV head, scales included."""
-        kv = self.dtype if kv_dtype in (None, "auto") else kv_dtype
-        return self.head_dim * dtype_bytes(kv) + kv_scale_bytes(kv)
+        kv = kv_cache_dtype(kv_dtype, self.dtype)
+        return self.head_dim * kv.element_bytes + kv.scale_bytes
 
     def weight_bytes_as(self, dtype: str) -> int:
         """Weight bytes if the parameters are held in `dtype` (the CPU engine runs in float32)."""
@@ -150,49 +145,31 @@ def well_known_shape(model_id: str) -> ModelShape | None:
     )
 
 
-def _require(config: dict, key: str, where: str) -> int:
-    value = config.get(key)
-    if value is None:
-        raise SizingError(f"{where}: missing {key!r}, which sizing needs")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise SizingError(f"{where}: {key!r} must be an integer, got {value!r}") from None
-
-
 def shape_from_config(
     config: dict, weight_bytes: int | None = None, *, name: str | None = None, where: str = "config.json"
 ) -> ModelShape:
-    """Shape from a Hugging Face config dict; weight bytes estimated from the shape when not given."""
-    if isinstance(config.get("text_config"), dict):  # multimodal wrappers keep the decoder here
-        config = {**config, **config["text_config"]}
-    layers = _require(config, "num_hidden_layers", where)
-    heads = _require(config, "num_attention_heads", where)
-    hidden = _require(config, "hidden_size", where)
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter = int(config.get("intermediate_size") or 4 * hidden)
-    vocab = _require(config, "vocab_size", where)
-    maxpos = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 2048)
-    window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False or not window or int(window) >= maxpos:
-        window = None
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
-    if dtype not in DTYPE_BYTES or DTYPE_BYTES[dtype] == 1:
+    """Shape from a Hugging Face config dict, read by the engine's own reader (ModelConfig, leniently: any
+    Llama-shaped decoder); weight bytes estimated from the shape when not given."""
+    mc = ModelConfig.from_hf_config(config, strict=False, where=where)
+    dtype = str(mc.torch_dtype or "bfloat16").removeprefix("torch.")
+    try:
+        if dtype_bytes(dtype) == 1:
+            dtype = "bfloat16"
+    except SizingError:
         dtype = "bfloat16"
-    tied = bool(config.get("tie_word_embeddings", False))
     n = estimate_num_params(
-        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim, hidden_size=hidden,
-        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        num_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
+        num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size, tie_word_embeddings=mc.tie_word_embeddings,
+        qkv_bias=mc.attention_bias,
     )  # fmt: skip
     if weight_bytes is not None:
         n = weight_bytes // dtype_bytes(dtype)
     label = name or config.get("_name_or_path") or config.get("model_type") or "model"
     return ModelShape(
-        str(label), layers, heads, kv, head_dim, hidden, inter, vocab, maxpos,
-        int(window) if window else None, dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes,
-        n, tied,
+        str(label), mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+        mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.sliding_window,
+        dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes, n, mc.tie_word_embeddings,
     )  # fmt: skip
 
 

@@ -18,9 +18,8 @@ from pagoda.engine.distributed.parallel_state import gather_ints, tp_size
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.sizing.engine_plan import gpu_kv_budget
-from pagoda.engine.sizing.engine_plan import kv_bytes_per_token as plan_kv_bytes_per_token
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
-from pagoda.engine.sizing.shapes import kv_scale_bytes
+from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype, lookup
 from pagoda.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagoda.engine.worker import host_allocator
 from pagoda.engine.worker.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
@@ -28,29 +27,18 @@ from pagoda.engine.worker.rank_messages import CaptureGraphs, Profile, Step
 from pagoda.engine.worker.sampler import SamplingRow, logprob_entries, sample
 from pagoda.engine.worker.step_input import StepInput, prepare_step, prompt_logprob_rows
 
-_QUANTIZED = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-}
 SCALE_DTYPE = torch.float32  # INT8 caches: one scale per token, KV head and K|V
-SCALE_BYTES = kv_scale_bytes("int8")
+SCALE_BYTES = lookup("int8").scale_bytes
 GRAPH_CHECK_MIN_COSINE = 0.99  # replayed vs eager logits; a stale buffer gives unrelated rows, rounding ~1.0
 
 log = logging.getLogger("pagoda.engine")
 
 
-def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return _QUANTIZED.get(kv_cache_dtype, model_dtype)
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Bytes one token takes in this rank's cache (its ``num_kv_heads``): the sizing formula, INT8's scales
-    included."""
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    scale = SCALE_BYTES if kv_dtype == torch.int8 else 0
-    return plan_kv_bytes_per_token(num_layers, num_kv_heads, num_kv_heads, head_dim, elem, scale_bytes=scale)
+def kv_torch_dtype(kv_cache_dtype_flag: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a `--kv-cache-dtype` cache for a model in `model_dtype` (the KV dtype table's)."""
+    return getattr(
+        torch, kv_cache_dtype(kv_cache_dtype_flag, str(model_dtype).removeprefix("torch.")).torch_dtype
+    )
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.distributed.parallel_state import init_tensor_parallel, kv_heads_of_rank
 from pagoda.engine.loader import load_model
-from pagoda.engine.models.config import ModelConfig
 from pagoda.engine.sizing.engine_plan import resolve_dtype_name
 from pagoda.engine.sizing.gpus import check_dtypes
+from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

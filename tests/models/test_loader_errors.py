@@ -9,6 +9,7 @@ import pytest
 import torch
 from pagoda.engine.loader import ModelNotFoundError, model_fingerprint, resolve_model, weights_nbytes
 from pagoda.engine.models import ModelConfig, get_model_class
+from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
 from safetensors.torch import save_file
 
 TINY = {
@@ -129,7 +130,7 @@ def test_kv_bytes_per_token_reference_models():
         "torch_dtype": "bfloat16",
     }
     cfg = ModelConfig.from_hf_config(llama31_8b)
-    assert cfg.kv_bytes_per_token(2) == 131072 and cfg.kv_bytes_per_token(1) == 65536
+    assert kv_bytes(cfg, 2) == 131072 and kv_bytes(cfg, 1) == 65536
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.eos_token_ids == [128001, 128008, 128009] and cfg.torch_dtype == "bfloat16"
     qwen25_7b = {
@@ -145,8 +146,15 @@ def test_kv_bytes_per_token_reference_models():
         "max_window_layers": 28,
     }
     cfg = ModelConfig.from_hf_config(qwen25_7b)
-    assert cfg.kv_bytes_per_token(2) == 57344
+    assert kv_bytes(cfg, 2) == 57344
     assert cfg.attention_bias and cfg.sliding_window is None
+
+
+def kv_bytes(cfg: ModelConfig, element_bytes: int) -> int:
+    """The one KV formula (engine_plan.kv_bytes_per_token) for a config, one rank."""
+    return kv_bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, element_bytes
+    )
 
 
 def test_sliding_window_and_rope_variants():

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from pagoda.engine.sizing import Hints, SizingError, gpu_info, plan, well_known_shape
-from pagoda.engine.sizing.engine_plan import kv_bytes_per_token, kv_element_bytes, kv_element_scale_bytes
+from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
+from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
 
 SMOL = well_known_shape("smollm2-135m")
 LLAMA_8B = well_known_shape("llama-3.1-8b")
@@ -17,11 +18,9 @@ def test_int8_bytes_per_token_count_one_byte_per_element_plus_float32_scales():
     assert LLAMA_8B.kv_bytes_per_token("int8") == 2 * 32 * 8 * (128 + 4) == 67584
     assert LLAMA_8B.kv_bytes_per_token("fp8") == 65536 and LLAMA_8B.kv_bytes_per_token("auto") == 131072
     # the engine's start-up arithmetic (and the dry run) agree with the shape
-    per_token = kv_bytes_per_token(
-        32, 32, 8, 128, kv_element_bytes("int8", "bfloat16"), 1, kv_element_scale_bytes("int8")
-    )
-    assert per_token == 67584
-    assert kv_element_scale_bytes("fp8") == 0 and kv_element_scale_bytes("auto") == 0
+    int8 = kv_cache_dtype("int8", "bfloat16")
+    assert kv_bytes_per_token(32, 32, 8, 128, int8.element_bytes, 1, int8.scale_bytes) == 67584
+    assert kv_cache_dtype("fp8", "bfloat16").scale_bytes == 0 and kv_cache_dtype("auto", "bfloat16").scale_bytes == 0
 
 
 @pytest.mark.parametrize("gpu", ["A100-80GB", "A100", "A10G", "T4"])

@@ -1,0 +1,105 @@
+"""The one table of model architectures: the only place an architecture is named.
+
+Each entry says how a family is recognised (config.json's `model_type` and `architectures`, a GGUF file's
+`general.architecture`), how its GGUF tensors are turned back into Hugging Face ones, which model module
+builds it, and the structural features it turns on. The config reader (model_config), the model builder
+(engine/models), the loader and GGUF converter (engine/loader), the dry run and the planner's shapes all read
+it. Adding a family is one entry here plus, where its shape differs, a model module and its tests.
+
+Pure Python, no torch: the operator and the planner read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family as the engine runs it."""
+
+    name: str  # our name for the family (ModelConfig.architecture)
+    hf_architectures: tuple[
+        str, ...
+    ]  # config.json `architectures` (the first is what the GGUF converter writes)
+    model_types: tuple[str, ...]  # config.json `model_type` values
+    module: str = "llama"  # pagoda.engine.models.<module> builds it
+    model_class: str = "LlamaForCausalLM"  # ... with this class
+    gguf_arch: str | None = None  # a GGUF file's general.architecture; None: not loaded from GGUF
+    gguf_permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of q/k rows (undone on load)
+    qkv_bias: bool = False  # q/k/v projections carry a bias unless config.json says attention_bias
+    # Sliding windows: "config" = wherever config.json sets sliding_window (use_sliding_window: false turns it
+    # off); "opt_in" = only with use_sliding_window: true, and then from max_window_layers on (Qwen2).
+    sliding_window: str = "config"
+    rope_scalings: tuple[str, ...] = ("llama3", "linear")  # rope_scaling types the model implements
+    # Structural features later families turn on (each read by the model module that implements it).
+    qk_norm: bool = False  # RMSNorm per head on q and k
+    post_norms: bool = False  # norms after attention and MLP too (sandwich norm)
+    attn_logit_softcap: bool = False  # soft-capping of attention scores and final logits
+    attention_sinks: bool = False  # learned per-head sink logits
+    experts: bool = False  # mixture-of-experts MLP
+    weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        "llama",
+        ("LlamaForCausalLM",),
+        ("llama", "smollm", "smollm2"),
+        gguf_arch="llama",
+        gguf_permuted_qk=True,
+    ),
+    Architecture(
+        "mistral",
+        ("MistralForCausalLM",),
+        ("mistral",),
+        gguf_arch="mistral",
+        gguf_permuted_qk=True,
+    ),
+    Architecture(
+        "qwen2",
+        ("Qwen2ForCausalLM",),
+        ("qwen2",),
+        gguf_arch="qwen2",
+        qkv_bias=True,
+        sliding_window="opt_in",
+    ),
+)
+SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
+# A decoder sizing was given the shape of without saying its family (spec.model.shape, --model-shape): a
+# Llama-shaped one, every feature read from the config itself.
+GENERIC = Architecture("", (), ())
+
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+_BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
+_BY_HF_ARCHITECTURE = {h: a for a in ARCHITECTURES for h in a.hf_architectures}
+_BY_GGUF = {a.gguf_arch: a for a in ARCHITECTURES if a.gguf_arch}
+GGUF_ARCHITECTURES = tuple(_BY_GGUF)
+
+
+def architecture(name: str) -> Architecture:
+    """The entry of a family by our name; a ValueError listing the supported ones otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(
+            f"architecture {name!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def from_hf_config(config: dict) -> Architecture | None:
+    """The entry config.json names (its model_type first, then its architectures); None if none."""
+    found = _BY_MODEL_TYPE.get(config.get("model_type") or "")
+    for hf_name in config.get("architectures") or []:
+        found = found or _BY_HF_ARCHITECTURE.get(hf_name)
+    return found
+
+
+def from_gguf(arch: str | None, where: str) -> Architecture:
+    """The entry of a GGUF file's general.architecture; a ValueError naming the file otherwise."""
+    found = _BY_GGUF.get(arch or "")
+    if found is None:
+        raise ValueError(
+            f"GGUF file {where!r} has architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    return found

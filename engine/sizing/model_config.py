@@ -1,0 +1,176 @@
+"""The one reader of a Hugging Face config.json (old `rope_scaling` and new `rope_parameters`).
+
+The engine builds its model from a ModelConfig, and the planner's shapes (shapes.shape_from_config) are read
+through the same function, so both see the same heads, head_dim, dtype and sliding window. `strict` is the
+engine's reading: the family must be in the architecture table and its RoPE scaling implemented, and a
+multimodal wrapper is refused. Sizing reads leniently (any Llama-shaped decoder, the decoder of a wrapper),
+since a shape is sized before anyone knows the engine will run it.
+
+Sliding window rule (one for both): a window applies where config.json sets `sliding_window` > 0, unless
+`use_sliding_window` is false; a family whose table entry says "opt_in" (Qwen2) slides only with
+`use_sliding_window: true`, and then from `max_window_layers` on. The planner's window is the engine's: a
+window at least max_position_embeddings long is still the window the engine's kernels run with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagoda.engine.sizing import architectures
+from pagoda.engine.sizing.errors import SizingError
+
+DEFAULT_MAX_POSITIONS = 2048
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # a name of the architecture table ("" when read leniently without a known family)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3"|"linear"|..., ...}; None = default
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # tokens a query may see, itself included; None = full attention
+    # Per-layer attention kind ("full_attention" | "sliding_attention"); None = every layer the same.
+    layer_types: list[str] | None = None
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    mlp_bias: bool = False
+    torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    model_type: str = ""
+
+    @property
+    def family(self) -> architectures.Architecture:
+        """The architecture table's entry (the generic decoder for a lenient read of an unknown family)."""
+        return architectures.architecture(self.architecture) if self.architecture else architectures.GENERIC
+
+    @classmethod
+    def from_hf_config(
+        cls, d: dict[str, Any], *, strict: bool = True, where: str = "config.json"
+    ) -> ModelConfig:
+        """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be."""
+        if not strict and isinstance(d.get("text_config"), dict):  # multimodal wrappers keep the decoder here
+            d = {**d, **d["text_config"]}
+        model_type = d.get("model_type") or ""
+        family = architectures.from_hf_config(d)
+        if family is None and strict:
+            raise SizingError(
+                f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
+                f"Pagoda runs Llama-family decoders: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
+            )
+        family = family or architectures.GENERIC
+        layers = _positive(d, "num_hidden_layers", where)
+        heads = _positive(d, "num_attention_heads", where)
+        hidden = _positive(d, "hidden_size", where)
+        vocab = _positive(d, "vocab_size", where)
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        if strict and heads % kv_heads:
+            raise SizingError(
+                f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})"
+            )
+        max_positions = int(d.get("max_position_embeddings") or d.get("max_seq_len") or DEFAULT_MAX_POSITIONS)
+        rope_theta, rope_scaling = _rope(d, family, strict, where)
+        sliding_window, layer_types = _sliding_window(d, family, layers)
+        eos = d.get("eos_token_id")
+        dtype = d.get("torch_dtype") or d.get("dtype")
+        return cls(
+            architecture=family.name,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size") or 4 * hidden),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            attention_bias=bool(d.get("attention_bias", family.qkv_bias)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            torch_dtype=str(dtype) if dtype else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        return cls.from_hf_config(json.loads(cfg.read_text()))
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of one layer (None = full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive(d: dict[str, Any], key: str, where: str) -> int:
+    value = d.get(key)
+    if value is None:
+        raise SizingError(f"{where}: missing {key!r}, which the engine and sizing need")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SizingError(f"{where}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(
+    d: dict[str, Any], family: architectures.Architecture, strict: bool, where: str
+) -> tuple[float, dict[str, Any] | None]:
+    rope = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling")
+    if isinstance(scaling, dict):
+        rope.update(scaling)
+    rope_theta = float(rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        return rope_theta, None
+    rope.pop("type", None)
+    rope["rope_type"] = rope_type
+    if strict and rope_type not in family.rope_scalings:
+        raise SizingError(
+            f"{where} rope_scaling type {rope_type!r} is not supported ({', '.join(family.rope_scalings)})"
+        )
+    return rope_theta, rope
+
+
+def _sliding_window(
+    d: dict[str, Any], family: architectures.Architecture, layers: int
+) -> tuple[int | None, list[str] | None]:
+    """(window, per-layer kinds) by the rule in the module's docstring."""
+    window = d.get("sliding_window")
+    layer_types = d.get("layer_types")
+    if family.sliding_window == "opt_in":
+        if not d.get("use_sliding_window", False):
+            return None, None
+        if layer_types is None and window:
+            first = d.get("max_window_layers", layers)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if d.get("use_sliding_window") is False or not window or int(window) <= 0:
+        return None, None
+    if layer_types is not None and all(t == "sliding_attention" for t in layer_types):
+        layer_types = None
+    return int(window), layer_types

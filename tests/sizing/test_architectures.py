@@ -1,0 +1,43 @@
+"""The architecture table: how each family is recognised, and that every reader takes its answer from it."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.engine.sizing import architectures, shape_from_config
+from pagoda.engine.sizing.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from pagoda.engine.sizing.model_config import ModelConfig
+
+SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("entry", ARCHITECTURES, ids=lambda a: a.name)
+def test_every_family_is_found_by_each_of_its_names(entry: architectures.Architecture) -> None:
+    for model_type in entry.model_types:
+        assert architectures.from_hf_config({"model_type": model_type}) is entry
+    for hf_name in entry.hf_architectures:
+        assert architectures.from_hf_config({"architectures": [hf_name]}) is entry
+    if entry.gguf_arch:
+        assert architectures.from_gguf(entry.gguf_arch, "x.gguf") is entry
+    config = ModelConfig.from_hf_config({**SHAPE, "model_type": entry.model_types[0]})
+    assert config.architecture == entry.name and config.attention_bias == entry.qkv_bias
+
+
+def test_unknown_families_are_refused_by_the_engine_and_sized_by_the_planner() -> None:
+    gemma = {**SHAPE, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
+    with pytest.raises(ValueError, match=f"model_type 'gemma2'.*{', '.join(SUPPORTED_ARCHITECTURES)}"):
+        ModelConfig.from_hf_config(gemma)
+    assert shape_from_config(gemma).num_layers == 2  # sizing reads any Llama-shaped decoder
+    with pytest.raises(ValueError, match="architecture 'falcon'; supported: llama, mistral, qwen2"):
+        architectures.from_gguf("falcon", "falcon.gguf")
+
+
+def test_the_planner_reads_the_engine_s_sliding_window() -> None:
+    qwen = {**SHAPE, "model_type": "qwen2", "sliding_window": 32}
+    assert shape_from_config(qwen).sliding_window is None  # Qwen2 slides only with use_sliding_window
+    on = {**qwen, "use_sliding_window": True, "max_window_layers": 1}
+    assert shape_from_config(on).sliding_window == 32
+    assert ModelConfig.from_hf_config(on).layer_types == ["full_attention", "sliding_attention"]
+    # the window the engine's kernels run with, even as long as the context
+    assert (
+        shape_from_config({**SHAPE, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    )
