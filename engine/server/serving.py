@@ -735,6 +735,11 @@ class OpenAIServing:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
+        except Exception:  # noqa: BLE001 - a bug of ours (a tool parser's, say) still ends the stream properly
+            log.exception("chat stream %s failed", base_id)
+            yield sse(error_body(500, "the server failed while streaming this answer", code="internal_error"))
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=choices.num_tokens)
             _finish_usage(usage, [cached])

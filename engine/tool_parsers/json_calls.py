@@ -6,6 +6,9 @@ object, its name once the name's string is closed and the raw text of its argume
 from the start of the arguments value to where it closes, or to the end of the text while it is still
 open. So a stream can send the arguments' new characters every time, and the concatenation is exactly
 the arguments' JSON, as OpenAI streams them.
+
+Nothing here raises on what a model writes: a call object that is not JSON (a bare word for the name, a
+bad escape, a name or arguments key given twice) is marked `malformed`, and a text holding one is content.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ class CallText:
     name: str | None = None
     arguments: str = ""  # raw JSON text of the arguments value so far
     complete: bool = False  # the call object closed
+    malformed: bool = False  # not JSON, or its name or arguments given twice: the text is content
+
+
+_BAD = object()
+
+
+def _json(text: str) -> object:
+    """The JSON value of ``text``, or _BAD (model text: any error, nesting too deep included)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _BAD
 
 
 def _string_end(text: str, i: int) -> int:
@@ -71,8 +86,10 @@ def _skip_space(text: str, i: int) -> int:
 
 
 def _scan_object(text: str, i: int) -> tuple[CallText, int]:
-    """The call object starting at text[i] == '{': what is known of it, and the index past it (-1: open)."""
+    """The call object starting at text[i] == '{': what is known of it, and the index past it (-1: open or
+    malformed)."""
     call = CallText()
+    seen: set[str] = set()
     i += 1
     while True:
         i = _skip_space(text, i)
@@ -80,6 +97,7 @@ def _scan_object(text: str, i: int) -> tuple[CallText, int]:
             return call, -1
         if text[i] == "}":
             call.complete = True
+            call.arguments = call.arguments or "{}"  # no arguments (or ""): none, as OpenAI sends them
             return call, i + 1
         if text[i] == ",":
             i += 1
@@ -89,7 +107,16 @@ def _scan_object(text: str, i: int) -> tuple[CallText, int]:
         key_end = _string_end(text, i)
         if key_end < 0:
             return call, -1
-        key = json.loads(text[i:key_end])
+        key = _json(text[i:key_end])
+        if key is _BAD:
+            call.malformed = True
+            return call, -1
+        field = "arguments" if key in ARGUMENT_KEYS else key
+        if field in ("name", "arguments"):
+            if field in seen:  # which one counts? a stream may have sent the first already
+                call.malformed = True
+                return call, -1
+            seen.add(field)
         i = _skip_space(text, key_end)
         if i >= len(text) or text[i] != ":":
             return call, -1
@@ -100,11 +127,18 @@ def _scan_object(text: str, i: int) -> tuple[CallText, int]:
         if key == "name":
             if end < 0:
                 return call, -1
-            name = json.loads(text[i:end])
-            call.name = name if isinstance(name, str) else None
-        elif key in ARGUMENT_KEYS:
+            name = _json(text[i:end])
+            if not isinstance(name, str):
+                call.malformed = True
+                return call, -1
+            call.name = name
+        elif field == "arguments":
             if text[i] == '"':  # arguments sent as a JSON-encoded string: only whole
-                call.arguments = json.loads(text[i:end]) if end >= 0 else ""
+                arguments = _json(text[i:end]) if end >= 0 else ""
+                if not isinstance(arguments, str):
+                    call.malformed = True
+                    return call, -1
+                call.arguments = arguments
             else:
                 call.arguments = text[i:] if end < 0 else text[i:end]
         if end < 0:
@@ -134,13 +168,9 @@ def parse_calls(text: str) -> list[CallText] | None:
     """The calls of a whole text, or None unless it is nothing but complete calls with a name and JSON
     object arguments (then it is content)."""
     calls = scan(text)
-    if not calls or not all(c.complete and c.name for c in calls):
+    if not calls or not all(c.complete and c.name and not c.malformed for c in calls):
         return None
     for call in calls:
-        call.arguments = call.arguments or "{}"
-        try:
-            if not isinstance(json.loads(call.arguments), dict):
-                return None
-        except json.JSONDecodeError:
+        if not isinstance(_json(call.arguments), dict):
             return None
     return calls

@@ -66,7 +66,7 @@ class ToolCallStream:
             content, calls_text = self.parser.split(self.text, final)
             calls = scan(calls_text) if calls_text is not None else []
         if final and calls_text is not None and not self.ids and parse_calls(calls_text) is None:
-            content = self.text  # never turned out to be calls: it was content all along
+            content, calls = self.text, []  # never turned out to be calls: it was content all along
         new_content = content[self.content_sent :] if len(content) > self.content_sent else ""
         self.content_sent = max(self.content_sent, len(content))
         deltas = []

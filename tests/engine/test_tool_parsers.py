@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 from pagoda.engine.frontend.chat_messages import template_knows_tools, template_messages
 from pagoda.engine.tool_parsers import PARSERS, RequiredCalls, ToolCallStream, extract, parser_for_template
 
@@ -109,3 +111,96 @@ def test_history_for_a_template_with_tools_is_passed_through() -> None:
     assert extra == {"tools": TOOLS}
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}
+
+
+# ---------------------------------------------------------------- model text never makes a parser raise
+
+# Pieces a model writes when it gets the format almost right: markers, JSON punctuation, bare words where
+# strings belong, bad escapes, deep nesting, duplicated keys.
+NEAR_MISS = [
+    "<tool_call>", "</tool_call>", "<tool_", "</tool", "[TOOL_CALLS]", "[TOOL", "<|python_tag|>", "<|py",
+    "{", "}", "[", "]", ",", ";", ":", '"', "\\", " ", "\n", '"name"', '"arguments"', '"parameters"',
+    '"get_weather"', "get_weather", "None", "null", "true", "3", "-1e999", '"\\q"', '"\\u12"', '"\\ud800"',
+    '{"name": "now", "arguments": {}}', '{"name": get_weather, "arguments": {}}', '{"name": None, ',
+    '"arguments": "{\\"a\\": 1}"', '"arguments": {"a": [1, "}"]}', '"parameters": 7', "[" * 50, "]" * 50,
+    '"name": "a", "name": "b"', '"arguments": {}, "parameters": {}',
+]  # fmt: skip
+near_miss_text = st.lists(st.one_of(st.sampled_from(NEAR_MISS), st.text(max_size=4)), max_size=30).map(
+    "".join
+)
+
+
+@st.composite
+def edited_output(draw) -> str:
+    """A well-formed output of some family with a few characters deleted, inserted or replaced."""
+    text = draw(st.sampled_from(sorted(OUTPUTS.values())))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(text)))
+        piece = draw(st.one_of(st.sampled_from(NEAR_MISS), st.text(max_size=2)))
+        cut = draw(st.integers(0, 3))
+        text = text[:at] + piece + text[at + cut :]
+    return text
+
+
+model_text = st.one_of(st.text(max_size=80), near_miss_text, edited_output())
+
+
+def chunked(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [""]
+
+
+def check_whole_and_streamed(family: str, text: str, cuts: list[int]) -> None:
+    parser = PARSERS[family]()
+    content, calls = extract(parser, text)
+    if calls:
+        assert all(isinstance(c.name, str) and c.name for c in calls)
+        assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
+    else:
+        assert content == (text or None)  # a malformed call is content, all of it
+    stream = ToolCallStream(parser)
+    s_content, names, args = "", {}, {}
+    pieces = chunked(text, cuts)
+    for i, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        s_content += c
+        for d in deltas:
+            if "id" in d:
+                names[d["index"]] = d["function"]["name"]
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    if calls:  # what the stream sent is what the whole answer says
+        assert s_content == (content or "")
+        assert names == {i: c.name for i, c in enumerate(calls)}
+        assert args == {i: c.arguments for i, c in enumerate(calls)}
+    elif not names:
+        assert s_content == text
+    assert not (names and s_content == text)  # never both a call and its text as content
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=model_text, cuts=st.lists(st.integers(0, 10**6), max_size=12))
+def test_parsers_never_raise_on_model_text(family, text, cuts) -> None:
+    check_whole_and_streamed(family, text, cuts)
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": get_weather, "arguments": {}}',
+        '{"name": "get\\qweather", "arguments": {}}',
+        '{"na\\qme": "get_weather", "arguments": {}}',
+        '{"name": "get_weather", "arguments": "{\\q}"}',
+        '{"name": None, "parameters": {}}',
+        '{"name": "a", "arguments": {"x": ' + "[" * 1500 + "]" * 1500 + "}}",
+        '{"name": "a", "arguments": {"x": 1}, "arguments": {"y": 2}}',
+    ],
+)
+def test_reported_malformed_calls_are_content(family, body) -> None:
+    marker = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "[TOOL_CALLS]"}[family]
+    text = f"{marker}{body}</tool_call>" if family == "hermes" else f"{marker}{body}"
+    content, calls = extract(PARSERS[family](), text)
+    assert (content, calls) == (text, [])
+    for step in (1, 7, len(text)):
+        check_whole_and_streamed(family, text, list(range(step, len(text), step)))
