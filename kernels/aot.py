@@ -39,8 +39,18 @@ class Variant:
         return f"{self.kernel.strip('_')}[{', '.join(parts)}]"
 
 
-LABEL_SIZES = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEADS_PAD")
-LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "IEEE_DOT", "INT8", "QUANTIZE")
+LABEL_SIZES = (
+    "GROUP",
+    "HEAD_DIM",
+    "BLOCK_SIZE",
+    "BLOCK_M",
+    "BLOCK_N",
+    "HEADS_PAD",
+    "BLOCK",
+    "BLOCK_H",
+    "ALIGN",
+)
+LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "IEEE_DOT", "INT8", "QUANTIZE", "HAS_RESIDUAL")
 
 
 @dataclass

@@ -152,6 +152,46 @@ def cache_write_config(limits: DeviceLimits) -> CacheWriteConfig:
     return CacheWriteConfig(4)
 
 
+@dataclass(frozen=True)
+class RowConfig:
+    """The element-wise kernels of a decoder layer (RMSNorm with the residual add, rotary, silu-and-mul):
+    ``block`` elements per step of a program's walk (rotary: heads per program), no tiles in shared memory
+    beyond a reduction's scratch."""
+
+    block: int
+    num_warps: int
+    shared_memory: int = SCRATCH_SHARED_MEMORY
+
+
+# One RMSNorm program per row walks it in steps of this many elements: a Llama-3.1-8B row (4,096) in one
+# step, 16 per thread with 8 warps; the interpreter takes small steps so tests cover rows of several.
+RMS_NORM_BLOCK = 4096
+SILU_MUL_BLOCK = 1024  # elements of one row per program
+ROTARY_ELEMENTS = 1024  # heads x head_dim of one rotary program
+INTERPRETER_BLOCK = 64
+
+
+def rms_norm_config(limits: DeviceLimits) -> RowConfig:
+    if limits.interpreter:
+        return RowConfig(INTERPRETER_BLOCK, 1)
+    return RowConfig(RMS_NORM_BLOCK, 8)
+
+
+def silu_mul_config(limits: DeviceLimits) -> RowConfig:
+    if limits.interpreter:
+        return RowConfig(INTERPRETER_BLOCK, 1)
+    return RowConfig(SILU_MUL_BLOCK, 4)
+
+
+def rotary_config(limits: DeviceLimits, head_dim: int) -> RowConfig:
+    """Heads of one token per program: about ROTARY_ELEMENTS values (two under the interpreter, so tests
+    cover head counts that are not a multiple of it)."""
+    if limits.interpreter:
+        return RowConfig(2, 1)
+    heads = max(1, ROTARY_ELEMENTS // head_dim)
+    return RowConfig(1 << (heads.bit_length() - 1), 4)
+
+
 def _no_fit(
     kernel: str, limits: DeviceLimits, dtype: str, kv_dtype: str, head_dim: int, group: int
 ) -> ValueError:

@@ -236,3 +236,51 @@ def lora_expand_ref(
         rows = slice(start, start + n)
         delta = h[rows, h_offset : h_offset + rank].float() @ b[slot].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+# ---- decoder layer element-wise ops --------------------------------------------------------------------
+# Activations in float32, float16 or bfloat16, rows [T, width]; the math in float32, rounded to the
+# activation dtype where the model's torch expressions round (the residual sum, the normalised row before
+# the weight) and once at the end.
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,  # [T, H], or None for a plain RMSNorm
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(x + residual) * weight, x + residual), or (RMSNorm(x) * weight, None); nothing in place."""
+    dtype = x.dtype
+    new_residual = None
+    if residual is not None:
+        new_residual = (residual.float() + x.float()).to(dtype)
+        x = new_residual
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (h.float() * weight.float()).to(dtype), new_residual
+
+
+def rotary_ref(
+    x: torch.Tensor,  # [T, >= nheads * head_dim], heads side by side in a row (q then k of a fused qkv)
+    nheads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # [T, head_dim], each token's row of the table
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """A copy of x whose first ``nheads`` heads are rotated (rotate-half: each head's two halves
+    (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with the cos/sin of each half's columns)."""
+    out = x.clone()
+    t = x.shape[0]
+    heads = x[:, : nheads * head_dim].float().view(t, nheads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    rot = heads * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]
+    out[:, : nheads * head_dim] = rot.reshape(t, nheads * head_dim).to(x.dtype)
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [T, 2I] row of gate then up halves -> [T, I]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(gate_up.dtype)

@@ -178,3 +178,12 @@ def num_sms(device: torch.device) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def vector_align(dtype: torch.dtype, *sizes: int) -> int:
+    """Elements of ``dtype`` in 16 bytes when every size (a row's width, row strides) divides by it, else 1.
+
+    The element-wise kernels take such sizes as multiples of this constexpr, which tells Triton their
+    divisibility (vectorised loads) while the sizes themselves stay out of the specialization."""
+    vec = 16 // dtype.itemsize
+    return vec if all(s % vec == 0 for s in sizes) else 1

@@ -3,7 +3,10 @@
 The launchers are called as the Triton attention backend calls them, with meta tensors: one cache write,
 one prefill, one unsplit and one split decode (whose merge kernel follows). Their variants depend on the
 constexprs, dtypes and launch configuration only (see pagoda.kernels.runtime), so these four launches cover
-every step of a deployment with this shape.
+every step of a deployment with this shape. The decoder layer's element-wise kernels (RMSNorm with and
+without the residual add, rotary on q and k, silu-and-mul) follow: their variants depend on the dtype and
+head dim, and on whether rows are whole 16-byte vectors, which every catalogue model's hidden and
+intermediate sizes are (the sizes below are too).
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ def launch_all(shape: AttentionShape) -> None:
 
     h, kvh, d, bs = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size
     tokens, num_blocks = 4, 8
-    # q and k as the model leaves them (rotated copies), v a view into the fused qkv projection
+    # q, k and v as the model leaves them: views into the fused qkv projection (q and k rotated in place)
     qkv = torch.empty((tokens, (h + 2 * kvh) * d), dtype=shape.dtype, device=META)
-    q = torch.empty((tokens, h, d), dtype=shape.dtype, device=META)
-    k = torch.empty((tokens, kvh, d), dtype=shape.dtype, device=META)
+    q = qkv[:, : h * d].view(tokens, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(tokens, kvh, d)
     v = qkv[:, (h + kvh) * d :].view(tokens, kvh, d)
     kv_cache = torch.empty((2, num_blocks, bs, kvh, d), dtype=shape.kv_dtype, device=META)
     int8 = shape.kv_dtype == torch.int8
@@ -66,6 +69,24 @@ def launch_all(shape: AttentionShape) -> None:
             num_splits=splits,
             **common,
         )
+    launch_layer_ops(shape, qkv)
+
+
+def launch_layer_ops(shape: AttentionShape, qkv: torch.Tensor) -> None:
+    """The decoder layer's element-wise kernels as the model launches them on ``qkv`` (meta)."""
+    from pagoda.kernels.activation import silu_mul
+    from pagoda.kernels.rms_norm import add_rms_norm
+    from pagoda.kernels.rotary import rotary_
+
+    tokens, d = qkv.shape[0], shape.head_dim
+    hidden = shape.num_heads * d  # any multiple of 16 bytes' worth of elements compiles the same variants
+    x = torch.empty((tokens, hidden), dtype=shape.dtype, device=META)
+    weight = torch.empty(hidden, dtype=shape.dtype, device=META)
+    add_rms_norm(x, None, weight, 1e-6)  # the first layer's input norm
+    add_rms_norm(x, torch.empty_like(x), weight, 1e-6)  # every other norm, with the residual add
+    table = torch.empty((tokens, d), dtype=shape.dtype, device=META)
+    rotary_(qkv, shape.num_heads + shape.num_kv_heads, d, table, table)
+    silu_mul(torch.empty((tokens, 2 * hidden), dtype=shape.dtype, device=META))
 
 
 def compile_shapes(limits: DeviceLimits, shapes: list[AttentionShape]) -> Compilation:

@@ -35,20 +35,32 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32 and scales in the activation dtype, as the reference checkpoints were trained."""
+    """Normalises in float32 and scales in the activation dtype, as the reference checkpoints were trained.
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    ``triton``: the model runs the Triton attention backend (the GPU path), and the norm (with the residual
+    add) is one Triton launch (pagoda.kernels.rms_norm); otherwise the CPU's C kernel or torch."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, triton: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
         self.eps = eps
+        self.triton = triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from pagoda.kernels.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, None, self.weight, self.eps)
         fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
         return fused if fused is not None else self._torch(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x), residual + x): the residual add fused with the next norm. The residual
         tensor may be updated in place."""
+        if self.triton:
+            from pagoda.kernels.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps), residual
         fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if fused is not None:
             return fused, residual
@@ -66,17 +78,31 @@ class SiluMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
 
     Under tensor parallelism each rank holds a slice of the intermediate dimension (gate/up column-parallel,
-    down row-parallel): the partial outputs are summed over the ranks and down's bias lives on rank 0."""
+    down row-parallel): the partial outputs are summed over the ranks and down's bias lives on rank 0.
+    ``triton``: silu-and-mul is one Triton launch (the GPU path, see RMSNorm)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        triton: bool = False,
+    ):
         super().__init__()
         lo, hi = shard_range(intermediate)
         self.intermediate = hi - lo
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype, device)
         self.down_proj = Linear(self.intermediate, hidden, bias and tp_rank() == 0, dtype, device)
+        self.triton = triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.triton:
+            from pagoda.kernels.activation import silu_mul
+
+            return all_reduce(self.down_proj(silu_mul(gate_up)))
         act = cpu_ops.silu_mul(gate_up)
         if act is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -32,6 +32,13 @@ from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
 
 
+def uses_triton_kernels(backend: AttentionBackend) -> bool:
+    """The GPU path: with the Triton attention backend the layer's element-wise ops (RMSNorm with the
+    residual add, rotary, silu-and-mul) are fused Triton kernels too; the torch backend (the CPU path)
+    keeps its C kernels and torch expressions."""
+    return getattr(backend, "name", None) == "triton"
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -54,6 +61,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend
+        self.triton = uses_triton_kernels(backend)
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device
         )
@@ -73,7 +81,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope_heads = self.num_heads + self.num_kv_heads  # q and k heads lie side by side in qkv
-        if cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
+        if self.triton:  # the GPU path: q and k rotated in place in one launch
+            from pagoda.kernels.rotary import rotary_
+
+            rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1))
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+        elif cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
         else:
@@ -87,10 +101,15 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype, device):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        triton = uses_triton_kernels(backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, triton)
         self.self_attn = Attention(config, layer, backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = SiluMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device, triton
+        )
+        self.mlp = SiluMLP(
+            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, triton
+        )
 
     def forward(
         self,
@@ -134,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, backend, dtype, device) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device, uses_triton_kernels(backend)
+        )
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:

@@ -57,9 +57,11 @@ def test_every_supported_catalogue_gpu_compiles_every_variant_within_its_shared_
                 for r in result["rows"]
                 if gpu in r["gpus"] and r["model"].startswith(model)
             )
-            # cache write, prefill, decode unsplit and split, the splits' merge: on every rank's shape
+            # cache write, prefill, decode unsplit and split, the splits' merge: on every rank's shape; the
+            # layer's RMSNorm (with and without the residual add), rotary and silu-and-mul
             assert set(kernels) == {"merge_splits_kernel", "paged_decode_kernel", "paged_prefill_kernel",
-                                    "reshape_and_cache_kernel"}, (gpu, model)  # fmt: skip
+                                    "reshape_and_cache_kernel", "rms_norm_kernel", "rotary_kernel",
+                                    "silu_mul_kernel"}, (gpu, model)  # fmt: skip
     for r in result["rows"]:
         assert r["fits"] and 0 <= r["shared_memory"] <= r["shared_memory_per_block"], r
         # the launch configuration's count is an upper bound of what Triton allocated
@@ -98,9 +100,10 @@ def test_the_engines_launch_path_finds_every_warmed_variant(catalogue, tmp_path)
         def jit_launch(kernel, args, kwargs, bound):
             kernel.run(*args, grid=(1,), warmup=True, **kwargs)  # JITFunction.run: compile or find, no launch
 
-        from pagoda.kernels import cache_write, paged_decode, paged_prefill
+        from pagoda.kernels import activation, cache_write, paged_decode, paged_prefill, rms_norm, rotary
         KERNELS = [cache_write._reshape_and_cache_kernel, paged_decode._paged_decode_kernel,
-                   paged_decode._merge_splits_kernel, paged_prefill._paged_prefill_kernel]
+                   paged_decode._merge_splits_kernel, paged_prefill._paged_prefill_kernel,
+                   rms_norm._rms_norm_kernel, rotary._rotary_kernel, activation._silu_mul_kernel]
         args = _parser().parse_args(["warm", "--gpu", "x"])
         for gpu, model in (("H100", "meta-llama/Llama-3.1-8B-Instruct"), ("L4", "meta-llama/Llama-3.1-70B-Instruct")):
             spec = lookup_gpu(gpu)
