@@ -1,14 +1,17 @@
 """The router's HTTP side (aiohttp): OpenAI routes proxied to the chosen replica, streams passed through.
 
 Per request: read the body (up to the engine's own limit), compute its block chain (chain.py), let the
-policy pick a replica among the routable ones (policies.py), forward. While the client has had nothing yet,
-a replica that refuses the connection (marked unhealthy at once), drops it, or answers 503 (full or
-draining) is skipped and the request goes to another one, up to ``--max-retries``; when none takes it the
-client gets 503 with ``Retry-After``. Other answers (4xx, 5xx) are passed through as they are. Streams are
-passed on in whole events; a replica that fails after the first one ends the client's stream with an
-OpenAI-style ``error`` event. Waits on a replica are bounded per read (``--read-timeout``), never as a
-whole; one silent that long before the client had anything gets it a 504 (not retried). A client that goes
-away closes the upstream connection, which aborts the request on the replica.
+policy pick a replica among the routable ones (policies.py), forward. A replica that refused the request
+(refused the connection: marked unhealthy at once; answered 503: full or draining) is skipped and the
+request goes to another one, up to ``--max-retries``; when none takes it the client gets 503 with
+``Retry-After``. A replica that took the request and then dropped the connection before the client had
+anything may have died of it: the request goes to one other replica at most, and when that one fails the
+same way the client gets 502 (a request that ended two replicas is not tried on a third). Other answers
+(4xx, 5xx) are passed through as they are. Streams are passed on in whole events; a replica that fails
+after the first one ends the client's stream with an OpenAI-style ``error`` event. Waits on a replica are
+bounded per read (``--read-timeout``), never as a whole; one silent that long before the client had
+anything gets it a 504 (not retried). A client that goes away closes the upstream connection, which aborts
+the request on the replica.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -41,8 +45,11 @@ _HOP = {
     "x-api-key",
 }
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
+_OPEN = ("/health", "/livez", "/metrics")  # answered without the API key (probes, Prometheus)
 DEFAULT_RETRY_AFTER_S = 1  # the engine's own (ServerSettings.retry_after_seconds)
 MAX_RETRY_AFTER_S = 3600
+# Replicas a request may end: one that dropped a request it was working on is followed by one more at most.
+MAX_FAILED_REPLICAS = 2
 _STARTED = "pagoda_stream_status"  # request key: the status of a stream the client already has
 
 
@@ -55,7 +62,14 @@ class RouterApp:
     def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.hold = Hold(config.hold_seconds, self.metrics.registry)
+        self.hold = Hold(
+            config.hold_seconds,
+            self.metrics.registry,
+            config.hold_max_requests,
+            config.hold_max_bytes,
+            # no replica and no hold: a client may look again once a health round could have found one
+            outage_retry_after=max(1, math.ceil(config.health_interval)),
+        )
         self.pool = BackendPool(config, on_change=self._pool_changed)
         self.router = Router(config.policy, config.load_slack)
         self.hasher = ChainHasher(tokenizer)
@@ -73,6 +87,7 @@ class RouterApp:
             middlewares=[self._too_large, self._auth], client_max_size=self.config.max_request_body_bytes
         )
         app.router.add_get("/health", self.health)
+        app.router.add_get("/livez", self.live)
         app.router.add_get("/metrics", self.prom)
         app.router.add_get("/router/state", self.state)
         for path in _ROUTED:
@@ -110,9 +125,9 @@ class RouterApp:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The engine's rule (engine/server/middleware.py): ``Authorization: Bearer <key>``, else
-        ``X-API-Key: <key>``, compared in constant time; /health and /metrics stay open."""
+        ``X-API-Key: <key>``, compared in constant time; /health, /livez and /metrics stay open."""
         key = self.config.api_key
-        if key and request.path not in ("/health", "/metrics"):
+        if key and request.path not in _OPEN:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             given = token.strip() if scheme.lower() == "bearer" else ""
             given = given or request.headers.get("X-API-Key", "").strip()
@@ -141,6 +156,12 @@ class RouterApp:
         if self.hold.seconds > 0:
             return web.json_response({"status": "holding", "held": self.hold.waiting})
         return _error(503, "no healthy replica", "no_backend")
+
+    async def live(self, _: web.Request) -> web.Response:
+        """200 while the router serves, whatever its replicas do: the router pod's probes in Kubernetes (an
+        engine outage must neither restart the router nor take it out of the Service: it answers 503 with
+        Retry-After meanwhile)."""
+        return web.json_response({"status": "ok", "routable": len(self.pool.routable())})
 
     async def prom(self, _: web.Request) -> web.Response:
         self.metrics.refresh(self.pool)
@@ -219,14 +240,16 @@ class RouterApp:
                 body = {}
         except ValueError:
             body = {}
-        if not await self.hold.until_routable(self.pool.routable):
-            return self.hold.too_long()
+        _, refusal = await self.hold.until_routable(self.pool.routable, len(raw))
+        if refusal is not None:
+            return refusal
         t0, c0 = time.perf_counter(), time.thread_time()
         ids = await self._token_ids(request.path, body) if self.needs_chain else None
         overhead = time.perf_counter() - t0
         tried: set[str] = set()
         retry_after: list[int] = []  # what the replicas that answered 503 asked for
         refused: _Refused | None = None  # why the previous attempt failed
+        failed = 0  # replicas that dropped the request while working on it
         for attempt in range(self.config.max_retries + 1):
             t1 = time.perf_counter()
             backends = self.pool.routable(tried)
@@ -249,6 +272,13 @@ class RouterApp:
                 if exc.retry_after is not None:
                     retry_after.append(exc.retry_after)
                 tried.add(b.url)
+                if exc.failed:
+                    failed += 1
+                    log.warning("replica %s dropped a request it was working on: %s", b.url, exc)
+                    if failed >= MAX_FAILED_REPLICAS:
+                        return _failed(failed)
+        if refused is not None and refused.failed:  # the last one took it and failed, none other took it
+            return _failed(failed)
         return _unavailable(max(retry_after, default=DEFAULT_RETRY_AFTER_S))
 
     def _record_overhead(self, wall: float, cpu: float) -> None:
@@ -276,8 +306,8 @@ class RouterApp:
                 raise _Refused(exc, "connect", down=True) from exc
             except aiohttp.SocketTimeoutError:  # accepted, then silent: it may still be working on it
                 return _timed_out()
-            except aiohttp.ClientConnectionError as exc:  # dropped (e.g. a stale pooled connection)
-                raise _Refused(exc, "disconnect") from exc
+            except aiohttp.ClientConnectionError as exc:  # connected, then dropped: it may have died of it
+                raise _Refused(exc, "disconnect", failed=True) from exc
             async with upstream:
                 if upstream.status == 503:  # full or draining: another replica may take it
                     raise _Refused(
@@ -293,8 +323,8 @@ class RouterApp:
                     data = await upstream.read()
                 except TimeoutError:  # silent, not gone (aiohttp's timeouts are ClientErrors too)
                     return _timed_out()
-                except aiohttp.ClientError as exc:  # the client has nothing yet
-                    raise _Refused(exc, "disconnect") from exc
+                except aiohttp.ClientError as exc:  # the client has nothing yet; the replica had begun
+                    raise _Refused(exc, "disconnect", failed=True) from exc
                 self._observe_usage(b, data)
                 return web.Response(body=data, status=upstream.status, headers=_answer_headers(upstream))
         finally:
@@ -304,7 +334,7 @@ class RouterApp:
         self, request: web.Request, upstream: aiohttp.ClientResponse, b: Backend
     ) -> web.StreamResponse:
         """Pass a stream through event by event. Until the first whole event the client has nothing, so a
-        replica that drops the stream before it is refused (another replica gets the request) and one that
+        replica that drops the stream before it failed the request (one other replica may get it) and one that
         stays silent for ``read_timeout`` gets the client a 504, as a silent non-streamed answer does; one
         that fails later ends the client's stream with an error event and ``data: [DONE]``."""
         events = SSEBuffer()
@@ -329,7 +359,7 @@ class RouterApp:
             if out is None and reason == "timeout":  # it may still be working on it: not retried
                 return _timed_out()
             if out is None:
-                raise _Refused(exc, "disconnect") from exc
+                raise _Refused(exc, "disconnect", failed=True) from exc
             log.warning("replica %s failed mid-stream (%s): %s", b.url, reason, exc)
             self.metrics.stream_errors.labels(b.url, reason).inc()
             message = f"the replica serving this stream failed ({reason}); the answer is incomplete"
@@ -377,13 +407,16 @@ class RouterApp:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Anything else (/v1/models, /tokenize, ...) goes to the least loaded replica, as is."""
-        backends = await self.hold.until_routable(self.pool.routable)
-        if not backends:
-            return self.hold.too_long()
-        assert self.pool.session is not None
         raw = await request.read()
+        backends, refusal = await self.hold.until_routable(self.pool.routable, len(raw))
+        if refusal is not None:
+            return refusal
+        assert self.pool.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        failed = 0  # replicas that dropped the request after taking it (see _route)
+        last_failed = False
         for b in sorted(backends, key=lambda x: x.load)[: self.config.max_retries + 1]:
+            last_failed = False
             try:
                 async with self.pool.session.request(
                     request.method,
@@ -394,13 +427,16 @@ class RouterApp:
                 ) as r:
                     data = await r.read()
                     return web.Response(body=data, status=r.status, headers=_answer_headers(r))
-            except aiohttp.ClientConnectorError as exc:
+            except aiohttp.ClientConnectorError as exc:  # refused: the next replica
                 b.mark_failed(str(exc))
             except aiohttp.SocketTimeoutError:
                 return _timed_out()
-            except aiohttp.ClientError:
-                continue  # dropped before a whole answer: the next replica
-        return _unavailable(DEFAULT_RETRY_AFTER_S)
+            except aiohttp.ClientError as exc:  # took it, dropped it before a whole answer: once more at most
+                failed, last_failed = failed + 1, True
+                log.warning("replica %s dropped a request it was working on: %s", b.url, exc)
+                if failed >= MAX_FAILED_REPLICAS:
+                    return _failed(failed)
+        return _failed(failed) if last_failed else _unavailable(DEFAULT_RETRY_AFTER_S)
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         """No limit on a whole answer; ``read_timeout`` on each wait for the replica's next bytes."""
@@ -408,17 +444,25 @@ class RouterApp:
 
 
 class _Refused(Exception):
-    """The replica did not take the request and the client has had nothing yet: try another one.
+    """The replica did not answer the request and the client has had nothing yet: another one may.
     ``reason`` labels router_retries_total (connect, disconnect, unavailable); ``down``: refused the
-    connection (marked unhealthy at once); ``retry_after``: seconds its 503 asked for."""
+    connection (marked unhealthy at once); ``retry_after``: seconds its 503 asked for; ``failed``: it had
+    taken the request (connected, sent) and dropped it, so it may have died of the request itself: only
+    one other replica is tried (MAX_FAILED_REPLICAS)."""
 
     def __init__(
-        self, cause: object, reason: str, down: bool = False, retry_after: int | None = None
+        self,
+        cause: object,
+        reason: str,
+        down: bool = False,
+        retry_after: int | None = None,
+        failed: bool = False,
     ) -> None:
         super().__init__(cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}")
         self.reason = reason
         self.down = down
         self.retry_after = retry_after
+        self.failed = failed
 
 
 class SSEBuffer:
@@ -469,6 +513,23 @@ def _unavailable(retry_after: int) -> web.Response:
     resp = _error(503, "no replica could take the request now; retry later", "no_backend")
     resp.headers["Retry-After"] = str(retry_after)
     return resp
+
+
+def _failed(replicas: int) -> web.Response:
+    """502: the replica (or two) that took the request dropped it before any answer; a request that ended
+    two replicas is not sent to a third (it may be what makes them fail)."""
+    if replicas >= MAX_FAILED_REPLICAS:
+        message = (
+            f"{replicas} replicas failed while working on this request (each dropped the connection before "
+            "answering); it is not sent to another one, as the request itself may be what makes them fail"
+        )
+    else:
+        message = (
+            "the replica failed while working on this request (it dropped the connection before answering) "
+            "and no other replica could take it"
+        )
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_failed"}}
+    return web.json_response(body, status=502)
 
 
 def _timed_out() -> web.Response:

@@ -8,6 +8,9 @@ from typing import Any
 from pagoda.engine.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 POLICIES = ("roundRobin", "leastLoaded", "prefix", "tierAware")
+# The scale-to-zero hold's caps (router/hold.py): each held request keeps its connection and its body.
+DEFAULT_HOLD_MAX_REQUESTS = 256
+DEFAULT_HOLD_MAX_BYTES = 64 << 20
 
 
 class ConfigError(ValueError):
@@ -40,8 +43,11 @@ class RouterConfig:
     # replica would take.
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_index_blocks: int = 262_144  # per replica, all tiers together (docs/router.md)
-    # How long a request waits for a routable replica (scale to zero: router/hold.py); 0: 503 at once.
-    hold_seconds: float = 300.0
+    # How long a request waits for a routable replica (scale to zero: router/hold.py); 0 (the default, for
+    # a deployment that cannot scale to zero): 503 + Retry-After at once.
+    hold_seconds: float = 0.0
+    hold_max_requests: int = DEFAULT_HOLD_MAX_REQUESTS  # requests held at once; more: 503 + Retry-After
+    hold_max_bytes: int = DEFAULT_HOLD_MAX_BYTES  # bytes of their bodies held at once; more: the same
 
     def validate(self) -> RouterConfig:
         if self.policy not in POLICIES:
@@ -64,7 +70,7 @@ class RouterConfig:
             raise ConfigError(f"--hold-seconds must be in [0, 3600], got {self.hold_seconds}")
         if self.load_slack < 0 or self.max_retries < 0:
             raise ConfigError("--load-slack and --max-retries must not be negative")
-        for name in ("max_request_body_bytes", "max_index_blocks"):
+        for name in ("max_request_body_bytes", "max_index_blocks", "hold_max_requests", "hold_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         self.backends = [u.rstrip("/") for u in self.backends]

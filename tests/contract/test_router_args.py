@@ -173,3 +173,24 @@ def test_the_operator_refuses_what_the_router_would_refuse_in_process() -> None:
     with pytest.raises(SpecError) as info:
         check_router_args([*args, "--no-such-flag"])
     assert info.value.reason == ROUTER_REASON and "--no-such-flag" in str(info.value)
+
+
+def test_only_a_deployment_that_scales_to_zero_has_its_router_hold_requests() -> None:
+    """The router holds requests (scale to zero: router/hold.py) only for autoscaling.minReplicas 0, with the
+    router's caps; any other deployment's router answers an outage with 503 + Retry-After at once. The
+    rendered flags pass the router's own parser, and its pod is probed on /livez (up during an outage)."""
+    from pagoda.router import cli
+    from pagoda.router.config import RouterConfig
+
+    seen = {}
+    for least in (0, 1):
+        body = example("llama-3.1-8b-l40s-routed-autoscaled.yaml")
+        body["spec"]["autoscaling"] = {**body["spec"]["autoscaling"], "minReplicas": least, "maxReplicas": 2}
+        container = router_container(body)
+        config = cli.config_from_args(cli.build_parser().parse_args([*container["args"], "--dry-run"]))
+        seen[least] = (config.hold_seconds, config.hold_max_requests, config.hold_max_bytes)
+        assert container["readinessProbe"]["httpGet"]["path"] == "/livez"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    caps = (RouterConfig.hold_max_requests, RouterConfig.hold_max_bytes)
+    assert seen == {0: (render.ROUTER_HOLD_SECONDS, *caps), 1: (0.0, *caps)}
+    assert render.ROUTER_HOLD_SECONDS == 300 and caps == (256, 64 << 20)

@@ -8,6 +8,8 @@ MODE is one of
 - ``busy``: every completion is a 503 ``queue_full`` with ``Retry-After: 7``, as a full engine answers;
 - ``crash``: streams like ``ok``, and once its first stream has sent ``CRASH_AFTER`` chunks the process
   kills itself (SIGKILL): every stream it is serving is cut where it stands;
+- ``die``: a query of death: once it has read a completion request (logged it), the process kills itself
+  (SIGKILL), before any answer (for a stream: right after sending its headers);
 - ``hang``: streams ``CRASH_AFTER`` chunks, then stays silent with the connection open; ``mute``: the same
   before its first chunk (headers sent). Stop either with SIGKILL: a graceful stop would wait for them.
 
@@ -49,6 +51,10 @@ def main() -> None:
         body = await request.json()
         with open(request_log, "a") as f:
             f.write(f"{len(json.dumps(body))}\n")
+        if mode == "die":
+            if body.get("stream"):
+                await web.StreamResponse(headers={"Content-Type": "text/event-stream"}).prepare(request)
+            os.kill(os.getpid(), signal.SIGKILL)
         if mode == "busy":
             err = {
                 "error": {"message": "queue full", "type": "service_unavailable_error", "code": "queue_full"}

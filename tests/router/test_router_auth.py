@@ -59,6 +59,7 @@ def test_clients_need_the_key_at_the_router(keyed):
         OpenAI(base_url=router.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(router.url + "/health").status_code == 200  # open, as the replicas' is
     assert httpx.get(router.url + "/metrics").status_code == 200
+    assert httpx.get(router.url + "/livez").json() == {"status": "ok", "routable": 1}  # the pod's probes
     assert httpx.get(router.url + "/v1/models", headers={"X-API-Key": KEY}).status_code == 200
 
 

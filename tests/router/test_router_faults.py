@@ -178,3 +178,57 @@ def test_the_router_takes_any_body_the_engine_takes(tmp_path_factory, kit):
     finally:
         r.stop()
         ok.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_query_of_death_ends_two_replicas_at_most_and_gets_502(tmp_path_factory, kit, stream):
+    """Each replica dies (SIGKILL) of the request once it has read it, before any answer. The router sends it
+    to one other replica and no third (it is not a refusal: the replica took it), and the client gets a 502
+    saying so; the third replica never sees it and lives."""
+    dirs = [tmp_path_factory.mktemp(f"death{i}") for i in range(3)]
+    replicas = [fake(kit, d, "die") for d in dirs]
+    r = router(kit, tmp_path_factory.mktemp("death-router"), replicas, "--max-retries", "2")
+    try:
+        got = httpx.post(
+            r.url + "/v1/chat/completions",
+            json={"model": "fake", "messages": MESSAGES, "stream": stream},
+            timeout=60,
+        )
+        assert got.status_code == 502, got.text
+        error = got.json()["error"]
+        assert (error["code"], error["type"]) == ("upstream_failed", "server_error")
+        assert error["message"].startswith("2 replicas failed while working on this request")
+        # (requests read, exit status) of each replica: two read it and died of it, the third never saw it
+        ends = [
+            (received(d, "die"), p.proc.wait(10) if received(d, "die") else p.proc.poll())
+            for p, d in zip(replicas, dirs, strict=True)
+        ]
+        assert sorted(ends, key=lambda e: e[0]) == [(0, None), (1, -9), (1, -9)]
+        assert r.metric("pagoda:router_routed_total") == 2
+        assert r.metric("pagoda:router_retries_total", reason="disconnect") == 1
+        assert r.metric("pagoda:router_requests_total", code="502") == 1
+    finally:
+        r.stop()
+        for p in replicas:
+            p.stop(signal.SIGKILL)
+
+
+def test_a_replica_that_died_of_a_request_is_followed_by_one_other(tmp_path_factory, kit):
+    """One replica dies of the first request it reads; the request goes to the other, which answers: each
+    of two clients gets its answer, the dead replica read one request and the live one answered both."""
+    dying, alive = tmp_path_factory.mktemp("dying"), tmp_path_factory.mktemp("alive")
+    die, ok = fake(kit, dying, "die"), fake(kit, alive, "ok")
+    r = router(kit, tmp_path_factory.mktemp("follow-router"), [die, ok], "--max-retries", "2")
+    try:
+        for _ in range(2):
+            got = httpx.post(r.url + "/v1/chat/completions", json={"model": "fake", "messages": MESSAGES},
+                             timeout=60)  # fmt: skip
+            assert got.status_code == 200 and got.json()["choices"][0]["finish_reason"] == "stop", got.text
+        assert (received(dying, "die"), received(alive, "ok")) == (1, 2)
+        assert die.proc.wait(10) == -9
+        assert r.metric("pagoda:router_requests_total", code="200") == 2
+        assert r.metric("pagoda:router_routed_total", backend=ok.url) == 2
+    finally:
+        r.stop()
+        die.stop(signal.SIGKILL)
+        ok.stop()

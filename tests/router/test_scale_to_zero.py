@@ -5,6 +5,7 @@ nothing asserts how long anything took."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -72,23 +73,89 @@ def test_without_a_replica_the_hold_ends_in_503_with_retry_after(kit, tmp_path) 
         router.stop()
 
 
-def test_hold_seconds_zero_keeps_the_old_answer(kit, tmp_path) -> None:
-    """--hold-seconds 0: no wait, and /health is 503 while no replica is routable."""
+def _start_unready_router(kit, tmp_path, *extra: str):
+    """A router whose one replica never comes (its /health is 503 without a hold: wait on /livez)."""
     port = kit.free_port()
     argv = [kit.PAGODA, "router", "--host", "127.0.0.1", "--port", str(port), "--backend",
-            f"http://127.0.0.1:{kit.free_port()}", "--hold-seconds", "0", *kit.FAST]  # fmt: skip
+            f"http://127.0.0.1:{kit.free_port()}", *kit.FAST, *extra]  # fmt: skip
     router = kit.start(tmp_path, argv, port, "router")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(router.url + "/livez").status_code == 200:
+                return router
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline and router.proc.poll() is None, router.log()
+        time.sleep(0.1)
+
+
+def test_without_hold_seconds_an_outage_is_a_503_with_retry_after_at_once(kit, tmp_path) -> None:
+    """The default (a deployment that cannot scale to zero): no hold. A request that finds no routable replica
+    gets 503 + Retry-After at once, /health is 503, and /livez (the router pod's probes) stays 200."""
+    router = _start_unready_router(kit, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                health = httpx.get(router.url + "/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, router.log()
-                time.sleep(0.1)
+        health = httpx.get(router.url + "/health")
         assert health.status_code == 503
-        answer = httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=60)
-        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_backend"
+        assert httpx.get(router.url + "/livez").json() == {"status": "ok", "routable": 0}
+        for answer in (
+            httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=10),
+            httpx.get(router.url + "/v1/models", timeout=10),
+        ):
+            assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"  # a health round
+            assert answer.json()["error"]["code"] == "no_backend"
+        assert router.metric("pagoda:router_held_total") == 0
+        assert router.metric("pagoda:router_requests_total", code="503") == 1  # the completion
     finally:
         router.stop()
+
+
+def test_the_hold_is_capped_by_requests_and_bytes(kit, tmp_path) -> None:
+    """With --hold-seconds, at most --hold-max-requests requests and --hold-max-bytes of their bodies wait;
+    a request past either cap gets 503 + Retry-After at once (hold_full), the held ones are served when a
+    replica comes."""
+    import sys
+    from pathlib import Path
+
+    port = kit.free_port()
+    router = kit.start_router(tmp_path, [f"http://127.0.0.1:{port}"], *kit.FAST, "--hold-seconds", "600",
+                              "--hold-max-requests", "2", "--hold-max-bytes", "100KiB")  # fmt: skip
+    replica = None
+    answers: list[httpx.Response] = []
+    small = json.dumps(CHAT).encode()  # the bytes a held request costs
+    post = {"content": small, "headers": {"Content-Type": "application/json"}, "timeout": 600}
+    threads = [
+        threading.Thread(
+            target=lambda: answers.append(httpx.post(router.url + "/v1/chat/completions", **post))
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        size = len(small)
+        threads[0].start()
+        wait_metric(router, "pagoda:router_held_requests", 1)
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * (100 << 10)}]}
+        full = httpx.post(router.url + "/v1/chat/completions", json=big, timeout=10)  # past the bytes
+        assert full.status_code == 503 and full.headers["Retry-After"] == "30"
+        assert full.json()["error"]["code"] == "hold_full" and "--hold-max-bytes 102400" in full.text
+        threads[1].start()
+        wait_metric(router, "pagoda:router_held_requests", 2)
+        assert router.metric("pagoda:router_held_bytes") == 2 * size
+        full = httpx.get(router.url + "/v1/models", timeout=10)  # past the requests
+        assert full.status_code == 503 and full.headers["Retry-After"] == "30"
+        assert full.json()["error"]["code"] == "hold_full" and "holds 2 requests" in full.text
+        assert router.metric("pagoda:router_held_total", outcome="full") == 2
+        assert answers == []
+        fake = str(Path(__file__).with_name("fake_replica.py"))
+        argv = [sys.executable, fake, str(port), "ok", str(tmp_path / "ok.requests")]
+        replica = kit.wait_healthy(kit.start(tmp_path, argv, port, "fake-ok"), 30)  # the replica appears
+        for t in threads:
+            t.join(60)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert len((tmp_path / "ok.requests").read_text().splitlines()) == 2  # the held two, no more
+        assert router.metric("pagoda:router_held_total", outcome="served") == 2
+        assert router.metric("pagoda:router_held_requests") == router.metric("pagoda:router_held_bytes") == 0
+    finally:
+        router.stop()
+        if replica is not None:
+            replica.stop()
