@@ -50,6 +50,9 @@ DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 # Set for every engine container by the image or the engine's own start-up: never from spec.pod.env.
 RESERVED_ENV = frozenset({"PAGODA_API_KEY", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE"})
 HELD_REQUESTS = "pagoda:router_held_requests"  # the router's gauge of requests waiting for a ready engine
+# How long the router of a deployment that scales to zero holds a request while no engine is ready (the
+# engine's start-up: weights from the cache claim). Other deployments' routers hold nothing: 503 at once.
+ROUTER_HOLD_SECONDS = 300
 SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
@@ -471,6 +474,10 @@ def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
         # The router hashes prompts into the engines' block hashes with the model's tokenizer; only the
         # default model's ships in the image, others are asked of an engine (/tokenize).
         args += ["--tokenizer", "backend"]
+    if spec.scales_to_zero:
+        # Requests wait for the engine that they wake (bounded: the router's --hold-max-requests and
+        # --hold-max-bytes); without scale to zero an outage is a 503 with Retry-After at once.
+        args += ["--hold-seconds", str(ROUTER_HOLD_SECONDS)]
     # The API key (apiKeySecretRef) reaches the router as $PAGODA_API_KEY, which `pagoda router` reads.
     return args
 
@@ -488,8 +495,10 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, An
         "env": env,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
-        "readinessProbe": _probe("/health", 5, 3),
-        "livenessProbe": _probe("/health", 10, 6, initial=10),
+        # /livez: the router itself (its /health is 503 while no engine is routable: an engine outage must
+        # neither restart the router nor take it out of the Service; it answers 503 + Retry-After meanwhile)
+        "readinessProbe": _probe("/livez", 5, 3),
+        "livenessProbe": _probe("/livez", 10, 6, initial=10),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -76,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--hold-seconds",
         type=float,
         default=d.hold_seconds,
-        help="how long a request waits for a ready replica (scale to zero) before 503 + Retry-After; 0: no wait",
+        help="how long a request waits for a ready replica (scale to zero) before 503 + Retry-After; 0: no wait "
+        "(503 + Retry-After at once)",
+    )
+    p.add_argument(
+        "--hold-max-requests",
+        type=int,
+        default=d.hold_max_requests,
+        help="requests held at once (with --hold-seconds); more get 503 + Retry-After at once",
+    )
+    p.add_argument(
+        "--hold-max-bytes",
+        type=parse_bytes,
+        default=d.hold_max_bytes,
+        help="bytes of request bodies held at once (with --hold-seconds); more get 503 + Retry-After at once",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--dry-run", action="store_true", help="validate, print the config as JSON, exit")
@@ -102,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_index_blocks=args.max_index_blocks,
         hold_seconds=args.hold_seconds,
+        hold_max_requests=args.hold_max_requests,
+        hold_max_bytes=args.hold_max_bytes,
     ).validate()
 
 
