@@ -94,6 +94,24 @@ bench-router: install
 soak: install
 	$(PY) benchmarks/soak.py
 
+# The GPU check (docs/gpu-check.md): one command under 8 minutes on one GPU, from a clean checkout,
+# with the machine's own python3, torch and Triton (never .venv: its torch is the CPU build) and the wheels
+# .whl/ carries; JSON to $OUT/gpu-check.json or bench-results/gpu-check.json. DRY_RUN=1: everything but the
+# GPU steps, with .venv (CI). gpu-check-prepare fills .whl/ where a package index is reachable
+# (PYTHONS="3.11 3.12" for more interpreters than the lent GPU machines' 3.12). ARGS: e.g. "--strict".
+.PHONY: gpu-check gpu-check-prepare
+GPU_PYTHON ?= python3
+gpu-check: $(if $(DRY_RUN),install)
+ifdef DRY_RUN
+	$(PY) benchmarks/gpu_check/main.py --dry-run $(ARGS)
+else
+	PATH="$$(printf %s "$$PATH" | tr : '\n' | grep -vx '$(CURDIR)/$(VENV)/bin' | paste -sd:)" \
+		$(GPU_PYTHON) benchmarks/gpu_check/main.py $(ARGS)
+endif
+
+gpu-check-prepare: install
+	$(PY) benchmarks/gpu_check/main.py --prepare-wheels $(foreach v,$(PYTHONS),--python $(v))
+
 # Pagoda vs vLLM's CPU build (installed on first use into .peers/vllm, never into .venv) and transformers.
 # Extra flags: make bench-peers ARGS="--num-requests 8 --serve"
 bench-peers: install

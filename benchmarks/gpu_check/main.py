@@ -65,6 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="everything but the GPU steps (what CI runs)")
     p.add_argument("--prepare-wheels", action="store_true", help="download the carried wheels into .whl/")
     p.add_argument("--python", action="append", help="with --prepare-wheels: Python versions (default 3.12)")
+    p.add_argument("--wheels", type=Path, default=wheels.WHEEL_DIR, help="carried wheels (default .whl/)")
     p.add_argument("--out", help="JSON path (default $OUT/gpu-check.json, else bench-results/gpu-check.json)")
     p.add_argument("--total-seconds", type=float, default=TOTAL_S, help="the steps' budgets scaled to this")
     p.add_argument("--strict", action="store_true", help="exit 1 when a step did not pass")
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.step:
         return run_step(args.step, Context(Path(args.work), args.mode))
     if args.prepare_wheels:
-        names = wheels.prepare(pythons=tuple(args.python or wheels.PYTHON_VERSIONS))
-        print(f"{len(names)} wheels in {wheels.WHEEL_DIR}:\n  " + "\n  ".join(names))
+        names = wheels.prepare(args.wheels, tuple(args.python or wheels.PYTHON_VERSIONS))
+        print(f"{len(names)} wheels in {args.wheels}:\n  " + "\n  ".join(names))
         return 0
     mode = "dry" if args.dry_run else "cpu" if args.cpu else "gpu"
     steps = {"dry": DRY_STEPS, "cpu": CPU_STEPS, "gpu": GPU_STEPS}[mode]
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pagoda gpu-check ({mode}): python {platform.python_version()} at {sys.executable}; work {work}")
     shim = make_shim(work / "shim")
     site = work / "site"
-    installed = wheels.install(site)
+    installed = wheels.install(site, args.wheels)
     print(f"carried wheels: installed {installed['installed'] or 'none'}; the machine has "
           f"{', '.join(f'{k} {v}' for k, v in installed['machine_has'].items()) or 'none of them'}")  # fmt: skip
     if installed.get("error"):

@@ -9,7 +9,12 @@ from gpu_check.model import write_model
 def run(ctx: Context) -> dict:
     import torch
 
-    device = "cuda" if ctx.gpu and torch.cuda.is_available() else "cpu"
+    if ctx.gpu and not torch.cuda.is_available():
+        return {
+            "status": "error",
+            "error": "torch sees no CUDA device (the 8B-shaped model is drawn on the GPU)",
+        }
+    device = "cuda" if ctx.gpu else "cpu"
     written = write_model(ctx.model_dir, ctx.shape, device=device)
     from pagoda.engine.loader import load_tokenizer
 

@@ -216,8 +216,12 @@ def run(ctx: Context) -> dict:
     data: dict = {"command": " ".join(cmd), "phases_s": server.phases}
     try:
         ready = wait_healthy(server, base, ready_limit)
-        checks["started"] = check(ready is not None, f"healthy after {ready} s" if ready else
-                                  f"not healthy within {ready_limit:.0f} s (exit code {server.proc.poll()})")  # fmt: skip
+        exited = server.proc.poll()
+        checks["started"] = check(
+            ready is not None,
+            f"healthy after {ready} s" if ready else f"exited with code {exited} after {server.since_start()} s"
+            if exited is not None else f"not healthy within {ready_limit:.0f} s",
+        )  # fmt: skip
         if ready is None:
             data["server_log_tail"] = server.tail()
             return verdict(checks, error="the server did not start", **data)
