@@ -7,8 +7,8 @@ with its name, so a loaded adapter always computes what PEFT computes:
 
     y = x W^T + scale * (x A^T) B^T,  scale = lora_alpha / r  (lora_alpha / sqrt(r) with use_rslora)
 
-with the rank and alpha of each module (`rank_pattern`, `alpha_pattern` honoured). The scale is folded into B
-here, once. The adapter's fingerprint (SHA-256 of its weight file and the numbers that shape the product)
+with the rank and alpha of each module (`rank_pattern`, `alpha_pattern` honoured, their keys matched without
+`re`: engine/lora/patterns.py). The scale is folded into B here, once. The adapter's fingerprint (SHA-256 of its weight file and the numbers that shape the product)
 is what the prefix cache keys its KV by, so the same adapter under two names shares KV and a different one
 under an old name never does.
 """
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pagoda.engine.lora.patterns import PatternError, PatternTable
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -76,14 +77,6 @@ class AdapterWeights:
         )
 
 
-def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
-    """PEFT's rule: a key of rank_pattern / alpha_pattern applies to the modules whose full name ends in it."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module_path):
-            return value
-    return default
-
-
 def read_adapter_config(path: Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
@@ -128,6 +121,12 @@ def load_adapter(
     if not path.is_dir():
         raise AdapterError(f"LoRA adapter {str(path)!r} is not a directory (nor a hub id in the local cache)")
     config = read_adapter_config(path)
+    # PEFT's rule: the first key that matches a dotted suffix of the module's full name (engine/lora/patterns.py)
+    try:
+        rank_pattern = PatternTable(config.get("rank_pattern") or {}, "rank_pattern")
+        alpha_pattern = PatternTable(config.get("alpha_pattern") or {}, "alpha_pattern")
+    except PatternError as exc:
+        raise AdapterError(f"{path / CONFIG_FILE}: {exc}") from None
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         pickled = [name for name in PICKLED_FILES if (path / name).exists()]
@@ -145,8 +144,6 @@ def load_adapter(
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
         raise AdapterError(f"{weights_file} is not a readable safetensors file: {exc}") from None
 
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
     default_rank, default_alpha = config["r"], config["lora_alpha"]
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -181,7 +178,11 @@ def load_adapter(
                 f"{weights_file}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
                 f"model needs [r, {shape.in_features}] and [{shape.out_features}, r]"
             )
-        expected = _pattern_value(rank_pattern, f"model.{where}", default_rank)
+        try:
+            expected = rank_pattern.value(f"model.{where}", default_rank)
+            alpha = alpha_pattern.value(f"model.{where}", default_alpha)
+        except PatternError as exc:
+            raise AdapterError(f"{path / CONFIG_FILE}: {exc}") from None
         if r != expected:
             raise AdapterError(f"{weights_file}: {where} has rank {r}, its config says {expected}")
         if r > max_rank:
@@ -189,7 +190,6 @@ def load_adapter(
                 f"{str(path)!r} has rank {r} ({where}), above --max-lora-rank {max_rank}; start the engine "
                 f"with --max-lora-rank {r} or more"
             )
-        alpha = _pattern_value(alpha_pattern, f"model.{where}", default_alpha)
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         modules[(layer, module)] = (a.float().contiguous(), (b.float() * scale).contiguous())
         top_rank = max(top_rank, r)

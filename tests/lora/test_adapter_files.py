@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 from pagoda.engine.lora import AdapterError, LoRARegistry, ModuleShape, load_adapter
+from pagoda.engine.lora.patterns import PatternError, PatternTable, compile_key
 from safetensors.torch import save_file
 
 SHAPES = {
@@ -134,3 +139,163 @@ def test_registry_names_ids_and_unload(tmp_path):
     with pytest.raises(KeyError, match="cannot be found"):
         registry.unload("sql")
     assert registry.load("sql", path).id not in (first.id, again.id)
+
+
+# ---------------------------------------------------------------- rank_pattern / alpha_pattern keys
+
+MODULE_NAMES = [
+    f"model.layers.{i}.{parent}.{module}"
+    for i in (0, 1, 2, 10, 11)
+    for module, parent in (
+        ("q_proj", "self_attn"),
+        ("v_proj", "self_attn"),
+        ("up_proj", "mlp"),
+        ("down_proj", "mlp"),
+    )
+] + ["q_proj", "lm_head", "a.b", "", "model.q_proj.x", "model.layers.1.mlp.down_projx"]
+# What PEFT users and PEFT itself (EVA writes full module names) put in the patterns.
+PEFT_KEYS = [
+    "q_proj", "down_proj", "model.layers.0.self_attn.q_proj", "^model.layers.0.self_attn.q_proj",
+    "layers.1.mlp.down_proj", r"layers\.\d+\.mlp\..*", r".*\.mlp\..*", "(q|v)_proj", "(?:q|v)_proj",
+    r"layers\.1[01]?\..*", r"layers\.[0-2]\.self_attn\.q_proj", "layers.1", "q.proj", "proj", "", ".*",
+    "^q_proj$", "mlp.down_proj|self_attn.q_proj", r"[^.]*_proj", r"\w+", r"layers\.\d{1,2}\.mlp\.up_proj",
+    r"layers\.\d{2}\.mlp\.up_proj", "a{", r"[]q]_proj", r"[a-z_]+", "model.*q_proj", "^$", "x?q_proj",
+    r"model\.layers\.(0|1)\.self_attn\.[qkv]_proj", "layers.1.*?proj", r"down_proj\Z"[:-2] + "$",
+]  # fmt: skip
+
+
+def peft_matches(key: str, name: str) -> bool:
+    """PEFT's own rule (peft.utils.other.get_pattern_key), run with `re` on safe keys only."""
+    return re.match(rf"(.*\.)?({key})$", name) is not None
+
+
+@pytest.mark.parametrize("key", PEFT_KEYS)
+def test_pattern_keys_mean_what_they_mean_to_peft(key):
+    matcher = compile_key(key)
+    assert [matcher.matches(n) for n in MODULE_NAMES] == [peft_matches(key, n) for n in MODULE_NAMES]
+
+
+ATOMS = [
+    "q",
+    "_",
+    "proj",
+    "layers",
+    "mlp",
+    "0",
+    "1",
+    ".",
+    r"\.",
+    r"\d",
+    r"\w",
+    "[a-q]",
+    "[^.]",
+    "[0-9_]",
+    "^",
+    "$",
+]
+
+
+@st.composite
+def safe_keys(draw, depth: int = 0) -> str:
+    """Keys of the supported kind: atoms (optionally quantified) and unrepeated groups with alternatives."""
+    parts = []
+    for _ in range(draw(st.integers(0, 5))):
+        if depth < 2 and draw(st.integers(0, 5)) == 0:
+            branches = draw(st.lists(safe_keys(depth + 1), min_size=1, max_size=3))
+            parts.append("(" + "|".join(branches) + ")")
+        else:
+            atom = draw(st.sampled_from(ATOMS))
+            quantifier = draw(st.sampled_from(["", "", "", "*", "+", "?", "{1,2}", "*?"]))
+            parts.append(atom + (quantifier if atom not in ("^", "$") and len(atom) <= 5 else ""))
+    return "".join(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=safe_keys(), extra=st.text(alphabet="q_proj.0123lm", max_size=12))
+def test_supported_keys_agree_with_peft_on_any_name(key, extra):
+    matcher = compile_key(key)
+    for name in [*MODULE_NAMES[::3], extra]:
+        assert matcher.matches(name) == peft_matches(key, name), (key, name)
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("(.|.)*Z", r"a repeated group \('\(\.\|\.\)\*'\) is not supported"),
+        ("(a+)+$", "a repeated group"),
+        ("(q_proj){2,}", "a repeated group"),
+        (r"(q)\1", "back-references"),
+        ("(?=q)q_proj", "look-arounds"),
+        ("(?i)Q_PROJ", "inline flags"),
+        ("q_proj*+", "possessive"),
+        ("a{1000}", "repeats more than"),
+        ("(q_proj", "not a valid regular expression"),
+        ("x" * 600, "longer than"),
+    ],
+)
+def test_keys_that_cannot_be_matched_safely_refuse_the_adapter(tmp_path, key, message):
+    for field in ("rank_pattern", "alpha_pattern"):
+        path = write_adapter(tmp_path / field, {field: {"down_proj": 2, key: 2}})
+        start = time.perf_counter()
+        with pytest.raises(AdapterError, match=f"adapter_config.json: {field}: pattern key .*{message}"):
+            load_adapter(path, LAYERS, SHAPES, 16)
+        assert time.perf_counter() - start < 1.0
+
+
+def test_the_work_of_matching_is_bounded_too():
+    """Within the supported kind, matching visits a bounded number of states for a whole adapter."""
+    keys = {"|".join([".*" * 10 + f"_{j}"] * 20): 2 for j in range(8)}
+    table = PatternTable(keys, "rank_pattern")
+    start = time.perf_counter()
+    with pytest.raises(PatternError, match=r"pattern key '\.\*.*'\.\.\.: matching .* takes too long"):
+        for i in range(600):
+            table.value(f"model.layers.{i}.self_attn.q_proj", 4)
+    assert time.perf_counter() - start < 10.0
+
+
+def test_patterns_set_rank_and_alpha_as_peft_does(tmp_path):
+    """A tiny Llama adapted by peft itself with rank and alpha patterns: every module's rank and scale here
+    are peft's."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+        rank_pattern={
+            "^model.layers.0.self_attn.q_proj": 2,
+            r"layers\.[12]\.mlp\.(up|down)_proj": 6,
+            "v_proj": 3,
+        },
+        alpha_pattern={"model.layers.2.mlp.down_proj": 3, r".*\.self_attn\..*": 5},
+    )
+    peft_model = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    peft_model.save_pretrained(tmp_path / "adapter", safe_serialization=True)
+    shapes = {
+        "q_proj": ModuleShape(16, 16), "k_proj": ModuleShape(16, 8), "v_proj": ModuleShape(16, 8),
+        "o_proj": ModuleShape(16, 16), "gate_proj": ModuleShape(16, 32), "up_proj": ModuleShape(16, 32),
+        "down_proj": ModuleShape(32, 16),
+    }  # fmt: skip
+    ours = load_adapter(tmp_path / "adapter", 3, shapes, 16).modules
+    seen = 0
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, peft.tuners.lora.LoraLayer):
+            continue
+        layer, kind = int(name.split(".layers.")[1].split(".")[0]), name.rsplit(".", 1)[1]
+        a, b = ours[(layer, kind)]
+        assert a.shape[0] == module.r["default"], name
+        want_b = module.lora_B["default"].weight * module.scaling["default"]
+        assert torch.allclose(b, want_b), name
+        seen += 1
+    assert seen == 12 and {m.shape[0] for m, _ in ours.values()} == {2, 3, 4, 6}
