@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pagoda.engine.cli.plan", "size the KV cache and engine settings for a model on a GPU"),
     "kernels": ("pagoda.engine.cli.kernels", "compile the GPU kernels ahead of time, without a GPU (warm)"),
     "render": ("pagoda.operator.render_cli", "print the Kubernetes objects an InferenceDeployment becomes"),
-    "router": ("pagoda.router.cli", "route requests across replicas by their cached KV (docs/router.md)"),
+    "router": ("pagoda.router.main", "route requests across replicas by their cached KV (docs/router.md)"),
 }
 
 

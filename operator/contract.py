@@ -1,9 +1,10 @@
 """The operator-to-engine contract, checked before any pod exists.
 
-Every engine command the operator renders goes through the engine's own dry run
-(pagoda.engine.cli.dry_run.check: the parser, EngineConfig and start-up arithmetic `pagoda serve --dry-run`
-runs), with the two facts the operator has and the pod will find for itself: the model's shape (the operator
-never sees the weights) and the GPU's memory (from the node's labels). A command the engine would refuse
+Every engine command the operator renders goes through the engine's own check
+(pagoda.engine.cli.serve_check.check: the parser, EngineConfig and start-up arithmetic `pagoda serve --dry-run`
+runs, torch-free), with the two facts the operator has and the pod will find for itself: the model's shape
+(the operator never sees the weights) and the GPU's memory (from the node's labels). Router commands go
+through the router's own parser and validation (pagoda.router.cli, without the router's app). A command the engine would refuse
 becomes a condition and an Event on the InferenceDeployment, never a crash-looping pod.
 """
 
@@ -13,7 +14,7 @@ import contextlib
 import io
 import json
 
-from pagoda.engine.cli.dry_run import DryRunError, DryRunReport, check, shape_config
+from pagoda.engine.cli.serve_check import DryRunError, DryRunReport, check, shape_config
 from pagoda.operator.planning import Decision
 from pagoda.operator.spec import SpecError
 

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from pagoda.engine import envs
-from pagoda.operator import render
+from pagoda.operator import objects
 from pagoda.operator.download.progress import parse_progress
 from pagoda.operator.download.result import (
     ACCESS_DENIED,
@@ -65,7 +65,7 @@ def download_image() -> str:
     override = envs.download_image()
     if override:
         return override
-    return f"{DEFAULT_IMAGE_REPO}:{render.default_image().rsplit(':', 1)[-1]}"
+    return f"{DEFAULT_IMAGE_REPO}:{objects.default_image().rsplit(':', 1)[-1]}"
 
 
 def claim_name(name: str, spec: InferenceSpec) -> str:
@@ -119,7 +119,7 @@ def download_container(spec: InferenceSpec) -> dict[str, Any]:
             "--source",
             spec.model.source.split("@", 1)[0] if spec.model.kind == "hf" else spec.model.source,
         ]
-    args += ["--dest", CACHE_DIR, "--termination-log", render.TERMINATION_LOG]
+    args += ["--dest", CACHE_DIR, "--termination-log", objects.TERMINATION_LOG]
     if spec.model.kind == "hf":
         args += ["--revision", spec.model.revision or "main"]
     for adapter in downloaded_adapters(spec):
@@ -146,7 +146,7 @@ def download_container(spec: InferenceSpec) -> dict[str, Any]:
             {"name": "model-cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
-        "terminationMessagePath": render.TERMINATION_LOG,
+        "terminationMessagePath": objects.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -172,16 +172,16 @@ def cache_claim(
     }
     if spec.model.cache.storage_class:
         claim_spec["storageClassName"] = spec.model.cache.storage_class
-    meta = render._metadata(body, claim_name(name, spec))
+    meta = objects.metadata(body, claim_name(name, spec))
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
 
 
 def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     """A Job that fills the cache claim once; retried (resuming) unless the failure is final."""
     name = body["metadata"]["name"]
-    labels = {**render.common_labels(name), COMPONENT_LABEL: COMPONENT}
-    labels[render.LABEL_NAME] = "pagoda-model-download"  # not an engine pod: selectors and PDB skip it
-    meta = render._metadata(body, job_name(name, spec))
+    labels = {**objects.common_labels(name), COMPONENT_LABEL: COMPONENT}
+    labels[objects.LABEL_NAME] = "pagoda-model-download"  # not an engine pod: selectors and PDB skip it
+    meta = objects.metadata(body, job_name(name, spec))
     meta["labels"] = dict(labels)
     pod_spec = {
         "restartPolicy": "Never",
@@ -200,8 +200,8 @@ def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    render._pod_fields(spec, pod_spec)  # pull secrets (the operator image may be private), scheduling
-    return render.with_hash(
+    objects.pod_fields(spec, pod_spec)  # pull secrets (the operator image may be private), scheduling
+    return objects.with_hash(
         {
             "apiVersion": "batch/v1",
             "kind": "Job",

@@ -21,6 +21,8 @@ from pagoda.engine.sizing import (
     shape_from_config,
     well_known_shape,
 )
+from pagoda.engine.sizing.errors import UnsupportedOnGPU
+from pagoda.engine.sizing.kv_dtypes import check_kv_cache_dtype
 from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE
 from pagoda.operator import refit as refitting
 from pagoda.operator.discovery import (
@@ -153,18 +155,14 @@ def _apply_overrides(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> Plan:
     changes: dict[str, Any] = {}
     e = spec.engine
     if e.kv_cache_dtype != "auto" and e.kv_cache_dtype != p.kv_cache_dtype:
-        if gpu is None or not gpu.fp8:
-            where = (
-                "CPU pods"
-                if gpu is None
-                else f"{gpu.name} (compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]})"
+        try:  # the engine's one rule (a CPU pod has no FP8), in the engine's words
+            check_kv_cache_dtype(
+                e.kv_cache_dtype,
+                "CPU pods" if gpu is None else gpu.name,
+                None if gpu is None else gpu.compute_capability,
             )
-            raise SpecError(
-                "engine.kvCacheDtype",
-                f"{e.kv_cache_dtype} needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {where} has "
-                "no FP8 KV cache: use kvCacheDtype auto or an L4, L40S, H100 or newer",
-                reason="UnsupportedKVCacheDtype",
-            )
+        except UnsupportedOnGPU as exc:
+            raise SpecError("engine.kvCacheDtype", str(exc), reason="UnsupportedKVCacheDtype") from None
         changes["kv_cache_dtype"] = e.kv_cache_dtype
         reasons["kv_cache_dtype"] = f"set by spec.engine.kvCacheDtype ({gpu.name} supports FP8)"
     elif e.kv_cache_dtype != "auto":

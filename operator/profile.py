@@ -51,15 +51,15 @@ def next_settings(
     """Re-fit settings from the measured profile: the measured KV cache and weights replace the plan's,
     and a context the measured cache cannot hold for workload.minConcurrency sequences is shortened (within
     the spec's bounds, as refit.py does)."""
-    new = dict(settings)
+    new = refitting.settings_of(settings)
     changes = []
     kv = measured_kv(profile)
     if kv is not None:
-        new["measuredKvCacheBytes"] = kv
+        new[refitting.MEASURED_KV_CACHE_BYTES] = kv
         changes.append(f"KV cache {p.kv_cache_bytes} -> {kv} bytes (measured)")
     weights = profile.get("weights_bytes")
     if isinstance(weights, int) and weights > 0:
-        new["measuredWeightsBytes"] = weights
+        new[refitting.MEASURED_WEIGHTS_BYTES] = weights
     if kv is not None and spec.engine.max_model_len is None:
         block_bytes = p.kv_cache_bytes // max(p.num_gpu_blocks, 1)
         tokens = int(kv // max(block_bytes, 1) * FIT_SLACK) * p.block_size
@@ -68,6 +68,8 @@ def next_settings(
         floor = refitting._length_floor(spec, p)
         length = max(length, floor)
         if length < p.max_model_len:
-            new["maxModelLen"] = length
-            changes.append(f"max-model-len {p.max_model_len} -> {length} (what the measured cache holds)")
+            new["max_model_len"] = length
+            changes.append(
+                f"{refitting.flag_word('max_model_len')} {p.max_model_len} -> {length} (what the measured cache holds)"
+            )
     return new, "; ".join(changes) or "measured figures recorded"

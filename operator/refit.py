@@ -14,7 +14,7 @@ spec's bounds, in this order:
    targetContext (or p99 prompt + output, else MIN_MODEL_LEN); skipped when the spec sets maxModelLen.
 3. max-num-seqs halved, not below workload.minConcurrency; skipped when the spec sets maxNumSeqs.
 
-The settings live in status.refit (with the failure that caused each change) for as long as the spec does
+The settings live in status.refit under EngineConfig's field names (with the failure that caused each change) for as long as the spec does
 not change, replicas aside (an autoscaler writes them; spec_key); any other spec change starts over from a
 fresh plan. An engine image upgrade whose pods measure a different memory profile re-plans through the same
 record and bound (profile.py). After MAX_ATTEMPTS starts in a row
@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.engine.cli.serve_args import flag
 from pagoda.engine.exit_codes import (
     EXIT_OUT_OF_MEMORY,
     REASON_CUDA_OOM,
@@ -52,6 +53,21 @@ OOM_KILLED = "OOMKilled"
 EXHAUSTED = "RefitExhausted"
 ENGINE_CONTAINER = "engine"
 _FITS = re.compile(r"the largest max_model_len that fits is (\d+)")
+# Settings are stored under EngineConfig's field names; measured figures (profile.py) under these.
+MEASURED_KV_CACHE_BYTES = "measured_kv_cache_bytes"
+MEASURED_WEIGHTS_BYTES = "measured_weights_bytes"
+_CAMEL = re.compile(r"(?<!^)([A-Z])")
+
+
+def settings_of(raw: dict[str, Any] | None) -> dict[str, Any]:
+    """status.refit.settings by EngineConfig field name; a status written in camelCase by an older operator
+    (maxModelLen) reads the same."""
+    return {_CAMEL.sub(r"_\1", key).lower(): value for key, value in (raw or {}).items()}
+
+
+def flag_word(field: str) -> str:
+    """A setting as the engine's flag names it, for the words of a change (max-model-len)."""
+    return flag(field).removeprefix("--")
 
 
 @dataclass(frozen=True)
@@ -144,21 +160,23 @@ def _budget_step(spec: Any, p: Plan, gpu_memory_bytes: int | None, floor: int) -
         if util < UTILIZATION_FLOOR:
             return None
         freed = int(UTILIZATION_STEP * gpu_memory_bytes)
-        settings: dict[str, Any] = {"gpuMemoryUtilization": util}
-        change = f"gpu-memory-utilization {p.gpu_memory_utilization:.2f} -> {util:.2f}"
+        settings: dict[str, Any] = {"gpu_memory_utilization": util}
+        change = f"{flag_word('gpu_memory_utilization')} {p.gpu_memory_utilization:.2f} -> {util:.2f}"
     elif p.device == "cpu" and p.kv_cache_memory_bytes:
         kv = int(p.kv_cache_memory_bytes * KV_CACHE_FACTOR) >> 20 << 20
         freed = p.kv_cache_memory_bytes - kv
-        settings = {"kvCacheMemoryBytes": kv}
-        change = f"kv-cache-memory-bytes {p.kv_cache_memory_bytes} -> {kv}"
+        settings = {"kv_cache_memory_bytes": kv}
+        change = f"{flag_word('kv_cache_memory_bytes')} {p.kv_cache_memory_bytes} -> {kv}"
     else:
         return None
     length = min(p.max_model_len, _round_down(_capacity_after(p, freed) // conc, p.block_size))
     if length < p.max_model_len:
         if e.max_model_len is not None or length < floor:
             return None  # the smaller budget would not hold the context the spec asks for
-        settings["maxModelLen"] = length
-        change += f", max-model-len {p.max_model_len} -> {length} (what the smaller cache holds)"
+        settings["max_model_len"] = length
+        change += (
+            f", {flag_word('max_model_len')} {p.max_model_len} -> {length} (what the smaller cache holds)"
+        )
     return settings, change
 
 
@@ -168,12 +186,12 @@ def next_settings(
     """The re-fit settings after `failure` of a pod running plan `p`, and the change in words; None when no
     setting has room left within the spec's bounds."""
     e, conc = spec.engine, spec.workload.min_concurrency or 1
-    new = dict(settings)
+    new = settings_of(settings)
     floor = _length_floor(spec, p)
     changes: list[str] = []
     if failure.reason == OOM_KILLED and p.device == "cuda" and p.kv_offload_host_bytes >= 2 << 30:
         host = p.kv_offload_host_bytes // 2 >> 30 << 30
-        new["kvOffloadHostBytes"] = host
+        new["kv_offload_host_bytes"] = host
         changes.append(
             f"host KV tier {p.kv_offload_host_bytes >> 30}Gi -> {host >> 30}Gi (the pod's RAM ran out)"
         )
@@ -185,10 +203,10 @@ def next_settings(
             length = min(length, _round_down(int(int(measured.group(1)) * FIT_SLACK), p.block_size))
         length = max(length, floor)
         if length < p.max_model_len:
-            step = {"maxModelLen": length}, f"max-model-len {p.max_model_len} -> {length}"
+            step = {"max_model_len": length}, f"{flag_word('max_model_len')} {p.max_model_len} -> {length}"
     if step is None and e.max_num_seqs is None and p.max_num_seqs > conc:
         seqs = max(conc, p.max_num_seqs // 2)
-        step = {"maxNumSeqs": seqs}, f"max-num-seqs {p.max_num_seqs} -> {seqs}"
+        step = {"max_num_seqs": seqs}, f"{flag_word('max_num_seqs')} {p.max_num_seqs} -> {seqs}"
     if step is not None:
         new.update(step[0])
         changes.insert(0, step[1])
@@ -197,12 +215,13 @@ def next_settings(
 
 def apply(p: Plan, settings: dict[str, Any], gpu_memory_bytes: int | None, why: str) -> Plan:
     """`p` with the re-fit settings applied (and the KV figures they imply), each reason saying so."""
+    settings = settings_of(settings)
     if not settings:
         return p
     reasons = dict(p.reasons)
     changes: dict[str, Any] = {}
     block_bytes = p.kv_cache_bytes // max(p.num_gpu_blocks, 1)
-    util = settings.get("gpuMemoryUtilization")
+    util = settings.get("gpu_memory_utilization")
     if util is not None and p.gpu_memory_utilization is not None and gpu_memory_bytes:
         freed = max(int((p.gpu_memory_utilization - util) * gpu_memory_bytes), 0)
         blocks = max(p.kv_cache_bytes - freed, 0) // max(block_bytes, 1)
@@ -210,25 +229,21 @@ def apply(p: Plan, settings: dict[str, Any], gpu_memory_bytes: int | None, why: 
             gpu_memory_utilization=util, num_gpu_blocks=blocks, kv_cache_bytes=blocks * block_bytes
         )
         reasons["gpu_memory_utilization"] = f"{why}: lowered from {p.gpu_memory_utilization:.2f}"
-    kv = settings.get("kvCacheMemoryBytes")
+    kv = settings.get("kv_cache_memory_bytes")
     if kv is not None and p.kv_cache_memory_bytes is not None:
         blocks = kv // max(block_bytes, 1)
         changes.update(kv_cache_memory_bytes=kv, num_gpu_blocks=blocks, kv_cache_bytes=blocks * block_bytes)
         reasons["kv_cache_memory_bytes"] = f"{why}: lowered from {p.kv_cache_memory_bytes}"
-    measured = settings.get("measuredKvCacheBytes")  # an image upgrade's measured profile (profile.py)
+    measured = settings.get(MEASURED_KV_CACHE_BYTES)  # an image upgrade's measured profile (profile.py)
     if measured is not None:
         blocks = measured // max(block_bytes, 1)
         changes.update(num_gpu_blocks=blocks, kv_cache_bytes=blocks * block_bytes)
         reasons["kv_cache_bytes"] = f"{why}: measured by the engine, planned {p.kv_cache_bytes}"
-    if settings.get("measuredWeightsBytes") is not None:
-        changes["weights_bytes_per_gpu"] = settings["measuredWeightsBytes"]
-    for key, name in (
-        ("maxModelLen", "max_model_len"),
-        ("maxNumSeqs", "max_num_seqs"),
-        ("kvOffloadHostBytes", "kv_offload_host_bytes"),
-    ):
-        if settings.get(key) is not None and settings[key] < getattr(p, name):
-            changes[name] = settings[key]
+    if settings.get(MEASURED_WEIGHTS_BYTES) is not None:
+        changes["weights_bytes_per_gpu"] = settings[MEASURED_WEIGHTS_BYTES]
+    for name in ("max_model_len", "max_num_seqs", "kv_offload_host_bytes"):
+        if settings.get(name) is not None and settings[name] < getattr(p, name):
+            changes[name] = settings[name]
             reasons[name] = f"{why}: lowered from {getattr(p, name)}"
     return dataclasses.replace(p, **changes, reasons=reasons)
 
@@ -257,7 +272,7 @@ def record(
     out: dict[str, Any] = {
         "generation": generation,
         "attempts": attempts,
-        "settings": dict(refit.get("settings") or {}),
+        "settings": settings_of(refit.get("settings")),
         "lastFailure": {**entry, "message": failure.message, "profile": failure.profile},
         "history": list(refit.get("history") or []),
         "exhausted": change is None,

@@ -10,28 +10,55 @@ import json
 from typing import Any
 
 from pagoda.engine import envs
+from pagoda.engine.cli.serve_args import to_argv
+from pagoda.operator.objects import (
+    API_VERSION as API_VERSION,
+)
+from pagoda.operator.objects import (
+    DEFAULT_IMAGE_REPO as DEFAULT_IMAGE_REPO,
+)
+from pagoda.operator.objects import (
+    GROUP as GROUP,
+)
+from pagoda.operator.objects import (
+    HASH_ANNOTATION as HASH_ANNOTATION,
+)
+from pagoda.operator.objects import (
+    KIND,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    TERMINATION_LOG,
+    common_labels,
+    default_image,
+    selector_labels,
+    with_hash,
+)
+from pagoda.operator.objects import (
+    LABEL_MANAGED as LABEL_MANAGED,
+)
+from pagoda.operator.objects import (
+    LABEL_OWNER as LABEL_OWNER,
+)
+from pagoda.operator.objects import (
+    MANAGED_BY as MANAGED_BY,
+)
+from pagoda.operator.objects import (
+    PLURAL as PLURAL,
+)
+from pagoda.operator.objects import (
+    VERSION as VERSION,
+)
+from pagoda.operator.objects import metadata as _metadata
+from pagoda.operator.objects import pod_fields as _pod_fields
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import AdapterSpec, InferenceSpec, SpecError
 
-GROUP = "pagoda.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceDeployment"
-PLURAL = "inferencedeployments"
 ENGINE_PORT = 8000
 KV_DIR = "/var/cache/pagoda/kv"
 MODELS_DIR = "/models"
-MANAGED_BY = "pagoda-operator"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_MANAGED = "app.kubernetes.io/managed-by"
-LABEL_OWNER = "pagoda.dev/inference-deployment"
-HASH_ANNOTATION = "pagoda.dev/spec-hash"
 PLAN_ANNOTATION = "pagoda.dev/plan-hash"  # on the pod template: which plan a pod was started with
-TERMINATION_LOG = "/dev/termination-log"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
-DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-engine"
 ROUTER_PORT = 8000
 LABEL_SERVICE = "pagoda.dev/service"
 LABEL_SCRAPE = "pagoda.dev/scrape"  # Services whose endpoints the ServiceMonitor scrapes
@@ -56,27 +83,9 @@ ROUTER_HOLD_SECONDS = 300
 SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
-def default_image() -> str:
-    """The engine image: $PAGODA_ENGINE_IMAGE (the chart sets it), else ours at this package's version."""
-    override = envs.engine_image()
-    if override:
-        return override
-    try:
-        from importlib.metadata import version
-
-        tag = version("pagoda")
-    except Exception:  # pragma: no cover - only outside an installed checkout
-        tag = "latest"
-    return f"{DEFAULT_IMAGE_REPO}:{tag}"
-
-
 def engine_image(spec: InferenceSpec) -> str:
     """The image the engine (and router) pods run: spec.image, else the operator's engine image."""
     return spec.image or default_image()
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    return {LABEL_NAME: "pagoda-engine", LABEL_INSTANCE: name}
 
 
 def router_selector_labels(name: str) -> dict[str, str]:
@@ -98,50 +107,6 @@ def prometheus_url() -> str:
 
 def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
-
-
-def common_labels(name: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        LABEL_MANAGED: MANAGED_BY,
-        LABEL_OWNER: name,
-        "app.kubernetes.io/part-of": "pagoda",
-    }
-
-
-def _owner(body: dict[str, Any]) -> list[dict[str, Any]]:
-    meta = body.get("metadata", {})
-    if not meta.get("uid"):
-        return []  # `pagoda render` of a file: there is no owner yet
-    return [
-        {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": meta["name"],
-            "uid": meta["uid"],
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-    ]
-
-
-def _metadata(body: dict[str, Any], name: str, **extra: Any) -> dict[str, Any]:
-    meta = body.get("metadata", {})
-    out: dict[str, Any] = {"name": name, "labels": common_labels(meta["name"])}
-    if meta.get("namespace"):
-        out["namespace"] = meta["namespace"]
-    owners = _owner(body)
-    if owners:
-        out["ownerReferences"] = owners
-    out.update(extra)
-    return out
-
-
-def with_hash(obj: dict[str, Any]) -> dict[str, Any]:
-    """Stamp the object with a hash of itself, so drift and change are one string comparison away."""
-    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-    obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
-    return obj
 
 
 def plan_hash(args: list[str]) -> str:
@@ -167,29 +132,27 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         args.append(f"{MODELS_DIR}/{claim}/{path}")
     elif model.kind == "file":
         args.append(model.source[len("file://") :])
-    args += ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--served-model-name", model.served_model_name]
-    if model.revision:
-        args += ["--revision", model.revision]
-    args += ["--device", "cpu" if decision.gpu is None else "cuda"]
     plan = decision.plan
-    args += plan.to_engine_args()
-    args += ["--max-num-queued-reqs", str(decision.max_num_queued_reqs)]
-    args.append(
-        "--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching"
-    )
-    if plan.kv_offload_disk_bytes:
-        args += ["--kv-offload-disk-dir", KV_DIR]
-    args += ["--shutdown-grace-seconds", str(spec.drain_seconds)]
+    settings: dict[str, Any] = {  # EngineConfig fields and serve's server settings, rendered by its naming
+        "host": "0.0.0.0",
+        "port": ENGINE_PORT,
+        "served_model_name": model.served_model_name,
+        "revision": model.revision or None,
+        "device": "cpu" if decision.gpu is None else "cuda",
+        **plan.engine_settings(),
+        "max_num_queued_reqs": decision.max_num_queued_reqs,
+        "enable_prefix_caching": spec.engine.enable_prefix_caching,
+        "kv_offload_disk_dir": KV_DIR if plan.kv_offload_disk_bytes else None,
+        "shutdown_grace_seconds": spec.drain_seconds,
+    }
     if spec.adapters:
-        args += [
-            "--enable-lora",
-            "--max-loras",
-            str(spec.max_loras),
-            "--max-lora-rank",
-            str(spec.engine.max_lora_rank),
-        ]
-        args += ["--lora-modules", *(f"{a.name}={adapter_path(a)}" for a in spec.adapters)]
-    return args + list(spec.engine.extra_args)
+        settings.update(
+            enable_lora=True,
+            max_loras=spec.max_loras,
+            max_lora_rank=spec.engine.max_lora_rank,
+            lora_modules=[f"{a.name}={adapter_path(a)}" for a in spec.adapters],
+        )
+    return args + to_argv(settings) + list(spec.engine.extra_args)
 
 
 def adapter_path(adapter: AdapterSpec) -> str:
@@ -277,17 +240,6 @@ def check_pod_fields(spec: InferenceSpec) -> None:
                 "that controls it (apiKeySecretRef, model.source) instead",
                 reason="InvalidPodFields",
             )
-
-
-def _pod_fields(spec: InferenceSpec, pod_spec: dict[str, Any]) -> None:
-    """spec.pod's pass-through fields, on an engine or router pod spec."""
-    pod = spec.pod
-    if pod.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s["name"]} for s in pod.image_pull_secrets]
-    if pod.affinity:
-        pod_spec["affinity"] = pod.affinity
-    if pod.priority_class_name:
-        pod_spec["priorityClassName"] = pod.priority_class_name
 
 
 def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:

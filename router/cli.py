@@ -1,15 +1,13 @@
-"""`pagoda router`: parse, validate (--dry-run prints the config as JSON), then serve."""
+"""`pagoda router`'s command line: the parser and the validated config, without the router's app (the operator
+checks every router command it renders with them, and its image has no server); main.py runs the router."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import sys
 
 from pagoda.engine import envs
 from pagoda.engine.cli.engine_args import parse_bytes
-from pagoda.router.config import POLICIES, ConfigError, RouterConfig
+from pagoda.router.config import POLICIES, RouterConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,26 +116,3 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         hold_max_requests=args.hold_max_requests,
         hold_max_bytes=args.hold_max_bytes,
     ).validate()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a bad value (2)
-        return int(exc.code or 0)
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"pagoda router: error: {exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(json.dumps(config.to_dict(), indent=2))
-        return 0
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
-    )
-    from pagoda.router.app import run
-
-    run(config)
-    return 0

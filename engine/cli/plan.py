@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from pagoda.engine.cli.serve_args import to_argv
 from pagoda.engine.sizing import (
     GPUInfo,
     Hints,
@@ -155,7 +156,7 @@ def _title(p: Plan, shape: ModelShape) -> str:
 
 def print_plan(p: Plan, shape: ModelShape, out=None) -> None:
     out = out or sys.stdout
-    flags = " ".join(p.to_engine_args())
+    flags = " ".join(to_argv(p.engine_settings()))
     if out.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -193,7 +194,7 @@ def main(argv: list[str]) -> int:
         print(f"pagoda plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict() | {"engine_args": result.to_engine_args()}, indent=2))
+        print(json.dumps(result.to_dict() | {"engine_args": to_argv(result.engine_settings())}, indent=2))
     else:
         print_plan(result, shape)
     return 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +141,43 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
 
 class UnknownFlagError(Exception):
     pass
+
+
+@functools.cache
+def _actions() -> dict[str, argparse.Action]:
+    """serve's parser's actions by destination (an EngineConfig field, or a server setting's name)."""
+    return {a.dest: a for a in build_parser()._actions if a.option_strings}
+
+
+def flag(name: str) -> str:
+    """The `pagoda serve` flag of an EngineConfig field or a server setting (max_model_len ->
+    --max-model-len): what the operator and `pagoda plan` render, so no flag is spelled outside engine/cli."""
+    action = _actions().get(name)
+    if action is None:
+        raise KeyError(f"`pagoda serve` has no flag for {name!r}")
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def to_argv(settings: Mapping[str, Any]) -> list[str]:
+    """Flags for settings named as EngineConfig fields (or server settings), in their order: None is left out,
+    a boolean is --flag or --no-flag, a list follows one flag, anything else is its str()."""
+    argv: list[str] = []
+    for name, value in settings.items():
+        if value is None:
+            continue
+        option = flag(name)
+        action = _actions()[name]
+        if isinstance(value, bool):
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(option if value else "--no-" + option.removeprefix("--"))
+            elif value:
+                argv.append(option)
+            continue
+        if isinstance(value, list | tuple):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, str(value)]
+    return argv
 
 
 def parse_args(argv: list[str], *, exit_on_error: bool = True) -> argparse.Namespace:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
 from pagoda.engine.sizing.errors import SizingError
@@ -127,30 +128,26 @@ class Plan:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
-    def to_engine_args(self) -> list[str]:
-        """vLLM-style flags for `pagoda serve` (and vLLM itself, offload flags aside)."""
-        args: list[str] = []
-        if self.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.2f}"]
-        if self.kv_cache_memory_bytes is not None:
-            args += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
-        args += [
-            "--max-model-len", str(self.max_model_len),
-            "--block-size", str(self.block_size),
-            "--kv-cache-dtype", self.kv_cache_dtype,
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
-        ]  # fmt: skip
-        if self.device == "cpu":
+    def engine_settings(self) -> dict[str, Any]:
+        """The plan as EngineConfig fields, in the order `pagoda plan` and the operator render them (flags by
+        engine/cli's naming: serve_args.to_argv); None: not set (the engine's default)."""
+        return {
+            "gpu_memory_utilization": None
+            if self.gpu_memory_utilization is None
+            else f"{self.gpu_memory_utilization:.2f}",
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "tensor_parallel_size": self.tensor_parallel_size,
             # Sized for float32: a node's CPU may or may not multiply bfloat16 natively (the engine's `auto`
             # picks bfloat16 where it does), and the operator cannot see which CPU the pod lands on.
-            args += ["--dtype", "float32"]
-        if self.kv_offload_host_bytes:
-            args += ["--kv-offload-host-bytes", str(self.kv_offload_host_bytes)]
-        if self.kv_offload_disk_bytes:
-            args += ["--kv-offload-disk-bytes", str(self.kv_offload_disk_bytes)]
-        return args
+            "dtype": "float32" if self.device == "cpu" else None,
+            "kv_offload_host_bytes": self.kv_offload_host_bytes or None,
+            "kv_offload_disk_bytes": self.kv_offload_disk_bytes or None,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- estimates

@@ -83,7 +83,7 @@ async def test_oom_killed_gives_a_lower_utilization_an_event_and_a_rolled_statef
         )  # OOMKilled: the pod's RAM ran out too (half of 16 GiB)
         state = refit_status(cluster)
         assert state["attempts"] == 1
-        assert state["settings"] == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 8 << 30}
+        assert state["settings"] == {"gpu_memory_utilization": 0.87, "kv_offload_host_bytes": 8 << 30}
         assert state["lastFailure"]["reason"] == "OOMKilled" and state["lastFailure"]["pod"] == f"{NAME}-1"
         plan = cluster.get(INFD, "default", NAME)["status"]["plan"]
         assert (
@@ -218,17 +218,17 @@ CUDA_OOM = refit.Failure("k", "p-0", REASON_CUDA_OOM, 3, "h")
 def test_the_order_is_utilization_then_length_then_sequences() -> None:
     spec, p, memory = _plan()
     settings, change = refit.next_settings(spec, p, memory, CUDA_OOM, {})
-    assert settings == {"gpuMemoryUtilization": 0.87} and "0.92 -> 0.87" in change
+    assert settings == {"gpu_memory_utilization": 0.87} and "0.92 -> 0.87" in change
     settings, change = refit.next_settings(spec, p, memory, FAILURE, {})  # OOMKilled: the host tier too
-    assert settings == {"gpuMemoryUtilization": 0.87, "kvOffloadHostBytes": 8 << 30}
+    assert settings == {"gpu_memory_utilization": 0.87, "kv_offload_host_bytes": 8 << 30}
     # utilization set by the spec: it is a bound, the context goes next
     spec, p, memory = _plan(engine={"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.92}, workload={})
     settings, change = refit.next_settings(spec, p, memory, CUDA_OOM, {})
-    assert list(settings) == ["maxModelLen"] and settings["maxModelLen"] < p.max_model_len
+    assert list(settings) == ["max_model_len"] and settings["max_model_len"] < p.max_model_len
     # context set by the spec too: the sequences go last
     spec, p, memory = _plan(engine={"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.9, "maxModelLen": 8192})
     settings, _ = refit.next_settings(spec, p, memory, CUDA_OOM, {})
-    assert settings == {"maxNumSeqs": p.max_num_seqs // 2}
+    assert settings == {"max_num_seqs": p.max_num_seqs // 2}
     # and with everything pinned there is nothing left to lower
     engine = {"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.9, "maxModelLen": 8192, "maxNumSeqs": 4}
     spec, p, memory = _plan(engine=engine)
@@ -239,8 +239,8 @@ def test_the_context_never_drops_below_the_workloads_target() -> None:
     spec, p, memory = _plan(engine={"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.9})
     assert p.max_model_len == spec.workload.target_context == 16384
     settings, _ = refit.next_settings(spec, p, memory, CUDA_OOM, {})
-    assert "maxModelLen" not in settings  # the target is a bound: the sequences go instead
-    assert settings == {"maxNumSeqs": p.max_num_seqs // 2}
+    assert "max_model_len" not in settings  # the target is a bound: the sequences go instead
+    assert settings == {"max_num_seqs": p.max_num_seqs // 2}
 
 
 def test_the_failure_is_read_from_the_pod_status() -> None:
@@ -274,3 +274,18 @@ def test_docs_state_the_rules_the_operator_uses() -> None:
     assert f"else {refit.MIN_MODEL_LEN}" in text and "by a quarter" in text and refit.LENGTH_FACTOR == 0.75
     assert refit.MAX_ATTEMPTS == 3 and "After three starts in a row" in text
     assert f"reason `{refit.EXHAUSTED}`" in text
+
+
+def test_a_status_written_in_camel_case_reads_the_same() -> None:
+    """Re-fit settings are stored under EngineConfig's field names; an older operator's camelCase status
+    (maxModelLen) is read the same, so an upgrade mid-re-fit keeps what was lowered."""
+    spec, p, memory = _plan(engine={"kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.92}, workload={})
+    old = refit.apply(p, {"maxModelLen": p.max_model_len // 2, "gpuMemoryUtilization": 0.87}, memory, "old")
+    new = refit.apply(
+        p, {"max_model_len": p.max_model_len // 2, "gpu_memory_utilization": 0.87}, memory, "new"
+    )
+    assert (old.max_model_len, old.gpu_memory_utilization) == (new.max_model_len, new.gpu_memory_utilization)
+    assert refit.settings_of({"kvOffloadHostBytes": 1, "measuredKvCacheBytes": 2}) == {
+        "kv_offload_host_bytes": 1,
+        "measured_kv_cache_bytes": 2,
+    }

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from pagoda.router.cli import main
+from pagoda.router.main import main
 
 
 def test_dry_run_prints_the_validated_config(capsys):
@@ -55,7 +55,7 @@ def test_unknown_policy_is_a_usage_error(capsys):
 def test_router_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import pagoda.router.app, pagoda.router.cli, pagoda.router.chain, pagoda.router.policies\n"
+        "import pagoda.router.app, pagoda.router.cli, pagoda.router.main, pagoda.router.chain, pagoda.router.policies\n"
         "from pagoda.cli.main import main\n"
         "assert main(['router', '--backend', 'http://a:1', '--dry-run']) == 0\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"

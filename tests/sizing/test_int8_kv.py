@@ -4,6 +4,7 @@ capacity is preferred, and the engine allocates exactly the bytes per token the 
 from __future__ import annotations
 
 import pytest
+from pagoda.engine.cli.serve_args import to_argv
 from pagoda.engine.sizing import Hints, SizingError, gpu_info, plan, well_known_shape
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
@@ -20,7 +21,10 @@ def test_int8_bytes_per_token_count_one_byte_per_element_plus_float32_scales():
     # the engine's start-up arithmetic (and the dry run) agree with the shape
     int8 = kv_cache_dtype("int8", "bfloat16")
     assert kv_bytes_per_token(32, 32, 8, 128, int8.element_bytes, 1, int8.scale_bytes) == 67584
-    assert kv_cache_dtype("fp8", "bfloat16").scale_bytes == 0 and kv_cache_dtype("auto", "bfloat16").scale_bytes == 0
+    assert (
+        kv_cache_dtype("fp8", "bfloat16").scale_bytes == 0
+        and kv_cache_dtype("auto", "bfloat16").scale_bytes == 0
+    )
 
 
 @pytest.mark.parametrize("gpu", ["A100-80GB", "A100", "A10G", "T4"])
@@ -31,7 +35,9 @@ def test_int8_is_offered_without_fp8_only_when_capacity_is_preferred(gpu):
     assert default.kv_cache_dtype == "auto"  # today's behaviour without the preference
     assert "prefer capacity" in default.reasons["kv_cache_dtype"]
     dense = plan(SMOL, info, Hints(prefer_capacity=True))
-    assert dense.kv_cache_dtype == "int8" and "--kv-cache-dtype int8" in " ".join(dense.to_engine_args())
+    assert dense.kv_cache_dtype == "int8" and "--kv-cache-dtype int8" in " ".join(
+        to_argv(dense.engine_settings())
+    )
     assert dense.kv_bytes_per_token == SMOL.kv_bytes_per_token("int8")
     why = dense.reasons["kv_cache_dtype"]
     assert "no FP8" in why and "12240 B/token instead of 23040" in why and "1.88x the tokens" in why

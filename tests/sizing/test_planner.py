@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pagoda.engine.cli.serve_args import to_argv
 from pagoda.engine.sizing import (
     Hints,
     ModelShape,
@@ -53,7 +54,7 @@ def test_70b_on_two_h100_plans_tp2():
     assert p.max_model_len >= 4096 and p.num_gpu_blocks * 16 >= p.max_model_len
     # per-GPU budget: weights + KV + reserve within the card
     assert p.weights_bytes_per_gpu + p.kv_cache_bytes + p.reserve_bytes <= 81559 * 2**20
-    assert "--tensor-parallel-size" in p.to_engine_args()
+    assert "--tensor-parallel-size" in to_argv(p.engine_settings())
 
 
 def test_70b_with_a_long_context_and_concurrency_asks_for_more_gpus():
@@ -85,7 +86,7 @@ def test_json_keys_are_the_engine_parameter_names_and_round_trip():
 
 def test_engine_args_are_vllm_flags():
     p = plan(LLAMA_8B, gpu_info("H100"), Hints(memory_limit_bytes=64 * GiB))
-    args = p.to_engine_args()
+    args = to_argv(p.engine_settings())
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--gpu-memory-utilization"] == f"{p.gpu_memory_utilization:.2f}"
     assert flags["--max-model-len"] == str(p.max_model_len)
@@ -189,7 +190,7 @@ def test_cpu_pod_plans_from_the_memory_limit():
     assert p.kv_cache_memory_bytes <= 4 * GiB - shape.weight_bytes_as("float32")
     assert p.num_gpu_blocks == p.kv_cache_memory_bytes // (46_080 * 16)
     assert p.kv_offload_host_bytes == 0 and p.max_model_len == 8192
-    args = p.to_engine_args()
+    args = to_argv(p.engine_settings())
     assert "--kv-cache-memory-bytes" in args and "--gpu-memory-utilization" not in args
     bigger = plan(shape, None, Hints(memory_limit_bytes=8 * GiB))
     assert bigger.num_gpu_blocks > p.num_gpu_blocks
