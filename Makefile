@@ -42,6 +42,7 @@ crds: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 serve: install
 	$(VENV)/bin/pagoda serve --host 0.0.0.0 --port 8000
