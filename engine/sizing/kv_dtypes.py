@@ -75,9 +75,9 @@ def kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str) -> KVCacheDtype
     return lookup(model_dtype if kv_cache_dtype in (None, "auto") else kv_cache_dtype)
 
 
-def kv_dtype_name(kv_cache_dtype: str | None, model_dtype: str) -> str:
+def kv_dtype_name(name: str | None, model_dtype: str) -> str:
     """The torch name of what the cache holds ("float8_e4m3fn", "int8", or the model's dtype)."""
-    return kv_cache_dtype(kv_cache_dtype, model_dtype).torch_dtype
+    return kv_cache_dtype(name, model_dtype).torch_dtype
 
 
 def dtype_names() -> list[str]:
