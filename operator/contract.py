@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 
+from pagoda.engine.cli.serve_args import to_argv
 from pagoda.engine.cli.serve_check import DryRunError, DryRunReport, check, shape_config
 from pagoda.operator.planning import Decision
 from pagoda.operator.spec import SpecError
@@ -26,13 +27,13 @@ def dry_run_argv(decision: Decision, args: list[str]) -> list[str]:
     """The pod's `pagoda serve` arguments plus what the dry run cannot find where the operator runs."""
     if decision.shape is None:
         raise ValueError("a decision without the model shape it was sized for")
-    extra = ["--dry-run", "--model-shape", json.dumps(shape_config(decision.shape), separators=(",", ":"))]
-    if decision.gpu is not None:
-        extra += [
-            "--gpu",
-            f"{decision.product_label or decision.gpu.product_label}@{decision.gpu.memory_mib}",
-        ]
-    return [*args, *extra]
+    gpu = decision.gpu
+    extra = {
+        "dry_run": True,
+        "model_shape": json.dumps(shape_config(decision.shape), separators=(",", ":")),
+        "gpu": None if gpu is None else f"{decision.product_label or gpu.product_label}@{gpu.memory_mib}",
+    }
+    return [*args, *to_argv(extra)]
 
 
 def check_engine_args(decision: Decision, args: list[str]) -> DryRunReport:
