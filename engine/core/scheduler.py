@@ -388,11 +388,14 @@ class Scheduler:
             self.kv.cache_blocks(seq.seq_id, tokens, seq.num_computed_tokens)
             for child in sched.sample_seqs[1:]:
                 child.num_computed_tokens = seq.num_computed_tokens
+        for sched in out.scheduled:
+            req = sched.request
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs:
+                # Nothing predicts the first prompt token: its entry is None once it is computed (a one-token
+                # prompt then has all its prompt logprobs, [None], and no longer keeps off the prefix cache).
+                req.prompt_logprobs.append(None)
         for index, entries in result.prompt_logprobs:
-            req = out.scheduled[index].request
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
-            req.prompt_logprobs.extend(entries)
+            out.scheduled[index].request.prompt_logprobs.extend(entries)
         updates: list[SeqUpdate] = []
         i = 0
         t_now = now()
