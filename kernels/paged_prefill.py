@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from pagoda.kernels.convert import widen
-from pagoda.kernels.launch_config import prefill_config
+from pagoda.kernels.launch_config import DOT_MIN, prefill_config
 from pagoda.kernels.runtime import check_int8_scales, device_limits, dtype_name, launch, prepare_attention
 
 # Integers kept out of Triton's specialization, as in paged_decode.
@@ -160,6 +160,8 @@ def paged_prefill_attention(
         device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_dim, group
     )
     block_m, block_n = block_m or config.block_m, block_n or config.block_n
+    if min(block_m, block_n) < DOT_MIN:  # the interpreter runs such tiles; the GPU compiler refuses them
+        raise ValueError(f"prefill tiles of {block_m} x {block_n}: tl.dot needs at least {DOT_MIN} each way")
     int8 = kv_cache.dtype == torch.int8
     if int8:
         check_int8_scales(kv_cache, kv_scales)

@@ -62,9 +62,16 @@ def test_sliding_window(paged, window):
 
 
 def test_tiles_larger_and_smaller_than_blocks(paged):
+    case = paged.make([45, 33], [45, 20], block_size=32, group=2, num_kv_heads=1, seed=9)
+    _check(paged, case, block_m=32, block_n=16)
+    _check(paged, case, block_m=16, block_n=64)
+
+
+def test_tiles_smaller_than_tl_dot_are_refused(paged):
+    """The interpreter would run an 8-key tile; an H100's compiler refuses it (tl.dot needs K >= 16)."""
     case = paged.make([45, 33], [45, 20], block_size=16, group=2, num_kv_heads=1, seed=9)
-    _check(paged, case, block_m=32, block_n=8)
-    _check(paged, case, block_m=16, block_n=32)
+    with pytest.raises(ValueError, match="at least 16"):
+        _check(paged, case, block_m=32, block_n=8)
 
 
 def test_serves_only_the_given_sequences(paged):
