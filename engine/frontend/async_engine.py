@@ -143,6 +143,7 @@ class AsyncEngine:
         self._dead_reason: str | None = None
         self._last_stats = SchedulerStats()
         self._lora = {a.name: a for a in self.info.lora_adapters}  # served now; the core's list follows it
+        self._lora_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # name -> (its lock, changes waiting)
         self.steps = 0
         self.failed_steps = 0
 
@@ -261,16 +262,46 @@ class AsyncEngine:
     def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:
         return dict(self._lora)
 
+    # The served list follows the core's answers. Loads and unloads of one name run one at a time, in the
+    # order they were asked for (an unload that raced a load of the same name used to leave the name served
+    # here after the core had dropped it), and each finishes its bookkeeping even when its caller goes away.
     async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterInfo:
-        # Served from the core's answer on: every request sent after it reaches the core after the load.
-        adapter = LoRAAdapterInfo(**await self.call("load_lora_adapter", name, path))
-        self._lora[name] = adapter
-        return adapter
+        async def load() -> LoRAAdapterInfo:
+            # Served from the core's answer on: every request sent after it reaches the core after the load.
+            adapter = LoRAAdapterInfo(**await self.call("load_lora_adapter", name, path))
+            self._lora[name] = adapter
+            return adapter
+
+        return await self._lora_change(name, load)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        # Refused here at once: a request admitted before the core unloads it finishes with it.
-        self._lora.pop(name, None)
-        await self.call("unload_lora_adapter", name)
+        async def unload() -> None:
+            # Refused here at once: a request admitted before the core unloads it finishes with it.
+            self._lora.pop(name, None)
+            await self.call("unload_lora_adapter", name)
+
+        await self._lora_change(name, unload)
+
+    async def _lora_change(self, name: str, change: Callable[[], Any]) -> Any:
+        lock, users = self._lora_locks.get(name, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._lora_locks[name] = (lock, users + 1)
+
+        async def run() -> Any:
+            try:
+                async with lock:
+                    return await change()
+            finally:
+                lock_, left = self._lora_locks[name]
+                if left <= 1:
+                    del self._lora_locks[name]
+                else:
+                    self._lora_locks[name] = (lock_, left - 1)
+
+        # Shielded: a caller that goes away (a closed connection) must not cut the change in half.
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, whoever awaits it
+        return await asyncio.shield(task)
 
     # ------------------------------------------------------------ what the core sends (on the event loop)
 
