@@ -103,3 +103,141 @@ def test_every_rank_profiles_and_the_least_budget_sizes_every_cache(tiny_model):
         assert two == one  # the scratch cache of the profiling forward left nothing behind
     finally:
         llm.engine.close()
+
+
+# ---------------------------------------------------------------- the ranks' lifetime
+
+# A user's script: TP=2, a greedy generate, then either its end ("end") or generates until it is stopped.
+SCRIPT = """
+import sys
+from pagoda.engine import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2,
+              kv_cache_memory_bytes=4 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)
+    print("TOKENS", len(out[0].outputs[0].token_ids), flush=True)
+    print("RANKS", *[p.pid for p in llm.engine.workers.procs], flush=True)
+    if sys.argv[2] == "loop":
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        while True:
+            llm.generate([[5, 6, 7, 8]] * 4, long, use_tqdm=False)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaps counts as gone: it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_script(tmp_path, model: str, mode: str):
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), model, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a script run from a terminal
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("RANKS"):
+            return proc, [int(p) for p in line.split()[1:]], lines
+    raise AssertionError("the script ended before its ranks started:\n" + "".join(lines))
+
+
+def _assert_gone(pids: list[int], within: float) -> None:
+    import time
+
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "a tensor-parallel rank outlived its script"
+
+
+@pytest.mark.timeout(120)
+def test_a_script_with_tp2_exits_by_itself_when_it_ends(tiny_model, tmp_path):
+    """No close() in the script: its end stops the ranks (multiprocessing's exit join waited forever on a
+    rank waiting for a message)."""
+    import os
+    import signal
+
+    proc, ranks, lines = _start_script(tmp_path, str(tiny_model("llama")), "end")
+    try:
+        assert len(ranks) == 1 and "TOKENS 4\n" in lines
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        _assert_gone(ranks, within=5)
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_a_script_with_tp2_interrupted_mid_generate_leaves_no_rank(tiny_model, tmp_path, how):
+    """Ctrl-C (SIGINT to the script's whole process group, ranks included), a SIGTERM or a SIGKILL to the
+    script while its ranks are busy in steps: the script ends and no rank is left behind."""
+    import os
+    import signal
+    import time
+
+    proc, ranks, _ = _start_script(tmp_path, str(tiny_model("llama")), "loop")
+    time.sleep(1.0)  # inside the generate loop: the ranks meet rank 0 in every step's all-reduces
+    try:
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        expected = {"ctrl-c": -signal.SIGINT, "sigterm": -signal.SIGTERM, "sigkill": -signal.SIGKILL}[how]
+        assert proc.returncode == expected, out
+        if how == "ctrl-c":
+            assert "KeyboardInterrupt" in out
+        _assert_gone(ranks, within=10)
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_a_collective_exits_on_sigterm(tiny_model):
+    """Rank 1 runs a profiling forward alone, so it waits in its first all-reduce for a rank 0 that never
+    comes (as when rank 0 died or left mid-step): a SIGTERM ends it there at once (ranks ignored SIGTERM,
+    and lingered until the collective's timeout), and the engine reports the rank's exit."""
+    import signal
+    import time
+
+    import torch
+    from pagoda.engine.worker.rank_messages import Profile
+
+    _, llm = _greedy(str(tiny_model("llama")), 2, [[1, 2, 3]], kv_cache_memory_bytes=4 << 20)
+    workers = llm.engine.workers
+    (rank1,) = workers.procs
+    try:
+        workers.send(Profile(64, 16, torch.float32, 0.9, forward_on_cpu=True))
+        time.sleep(1.0)  # inside the forward's all-reduce by now
+        assert rank1.is_alive()
+        rank1.terminate()
+        rank1.join(5)
+        assert rank1.exitcode == -signal.SIGTERM
+        deadline = time.monotonic() + 5
+        while workers.dead_reason is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers.dead_reason == f"tensor-parallel rank 1 exited (code {-signal.SIGTERM})"
+    finally:
+        if rank1.is_alive():
+            rank1.kill()
+        llm.engine.close()
