@@ -35,6 +35,8 @@ def _plan(meta: AttentionMetadata) -> _Plan:
             return None
         if len(rows) == meta.num_seqs:
             return torch.arange(meta.num_seqs, dtype=torch.int32, device=device)
+        if device.type == "cuda":  # pinned and asynchronous: a pageable copy waits for the queued kernels
+            return torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
         return torch.tensor(rows, dtype=torch.int32, device=device)
 
     return _Plan(

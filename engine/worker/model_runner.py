@@ -26,6 +26,7 @@ from pagoda.engine.worker.decode_graphs import Capture, DecodeGraphs, capture_si
 from pagoda.engine.worker.rank_messages import CaptureGraphs, Profile, Step
 from pagoda.engine.worker.sampler import SamplingRow, logprob_entries, sample
 from pagoda.engine.worker.step_input import StepInput, prepare_step, prompt_logprob_rows
+from pagoda.engine.worker.uploads import upload
 
 SCALE_DTYPE = torch.float32  # INT8 caches: one scale per token, KV head and K|V
 SCALE_BYTES = lookup("int8").scale_bytes
@@ -76,6 +77,7 @@ class ModelRunner:
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.graphs_off: str | None = None  # why start-up profiling turned the decode graphs off, if it did
         self.lora = None  # pagoda.engine.lora.model.LoRAModel when the engine serves LoRA adapters
         self.attention_backend = ""  # the backend's name (build_rank sets it: "torch" or "triton")
 
@@ -167,6 +169,12 @@ class ModelRunner:
             request.num_tokens, request.block_size, request.kv_dtype, request.forward_on_cpu
         )
         graphs = self.profile_graph_bytes(request)
+        if request.graph_sizes:  # the ranks agree: graphs stay off on every rank if one rank's failed
+            failed = gather_ints(int(self.graphs_off is not None), self.device)
+            if self.graphs_off is None and any(failed):
+                self.graphs_off = f"tensor-parallel rank {failed.index(1)} could not record them"
+            if self.graphs_off is not None:
+                graphs = 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
@@ -192,21 +200,30 @@ class ModelRunner:
         """Device memory the decode graphs will take (0 without graphs, or off CUDA): record the largest
         batch size and then the smallest into one pool over a two-block scratch cache, measuring the
         device's free memory around each; the pool the largest needs plus every other recording's own
-        cost (the smallest's) bound what `capture_decode_graphs` takes later. Every rank records at once."""
+        cost (the smallest's) bound what `capture_decode_graphs` takes later. Every rank records at once.
+
+        A recording that fails here turns the graphs off (`graphs_off`, 0 bytes) with a warning: the engine
+        starts and decodes eagerly, as when the later capture fails; it never stops the engine."""
         if not request.graph_sizes:
             return 0
         saved = self.kv_caches, self.block_size
         self.allocate_kv_cache(2, request.block_size, request.kv_dtype)
         capture = request.capture or cuda_capture()
         recordings, costs = [], []  # the recordings stay alive: the smallest records into the largest's pool
-        for size in dict.fromkeys((request.graph_sizes[-1], request.graph_sizes[0])):
-            free = self._free_device_bytes()
-            recordings.append(self._record([size], request.max_model_len, capture))
-            costs.append(max(free - self._free_device_bytes(), 0))
-        del recordings
-        self.kv_caches, self.block_size = saved
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            for size in dict.fromkeys((request.graph_sizes[-1], request.graph_sizes[0])):
+                free = self._free_device_bytes()
+                recordings.append(self._record([size], request.max_model_len, capture))
+                costs.append(max(free - self._free_device_bytes(), 0))
+        except Exception as exc:  # noqa: BLE001 - any recording failure means: run eagerly
+            self.graphs_off = f"recording failed while measuring their memory: {type(exc).__name__}: {exc}"
+            log.warning("CUDA graphs will be off, decode runs eagerly (%s)", self.graphs_off)
+            return 0
+        finally:
+            del recordings
+            self.kv_caches, self.block_size = saved
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         return costs[0] + (len(request.graph_sizes) - 1) * costs[-1]
 
     def _free_device_bytes(self) -> int:
@@ -227,9 +244,11 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(CaptureGraphs(max_num_seqs, max_model_len, capture))
         self.decode_graphs = None
+        why = self.graphs_off  # profiling could not record them: no second try (every rank agrees)
         try:
-            graphs = self._record(capture_sizes(max_num_seqs), max_model_len, capture or cuda_capture())
-            why = self._check_decode_graphs(graphs)
+            if why is None:
+                graphs = self._record(capture_sizes(max_num_seqs), max_model_len, capture or cuda_capture())
+                why = self._check_decode_graphs(graphs)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             why = f"capture failed: {type(exc).__name__}: {exc}"
         failed = gather_ints(int(why is not None), self.device)
@@ -417,7 +436,7 @@ class ModelRunner:
                 row_index.append(logits_row[i])
         if rows:
             if row_index != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(row_index, device=logits.device)]
+                logits = logits[upload([np.asarray(row_index, dtype=np.int64)], logits.device)[0]]
             sampled = sample(logits, rows, out.token_bitmask)
             result.token_ids = sampled.token_ids
             result.logprobs = sampled.logprobs
@@ -478,7 +497,7 @@ class ModelRunner:
         if len(rows) == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if prompt_rows or len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(rows).to(hidden.device)]
+            hidden = hidden[upload([rows], hidden.device)[0]]
         return self.model.compute_logits(hidden)
 
     def _metadata(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -489,17 +508,29 @@ class ModelRunner:
         np.cumsum(qlens, out=qsl[1:])
         cache_pos = step.context_lens[row] + np.arange(len(row)) - qsl[row]  # where each new token goes
         slots = tables[row, cache_pos // bs].astype(np.int64) * bs + cache_pos % bs
-        dev = self.device
         seq_lens = step.context_lens + qlens
         qlist, slist = qlens.tolist(), seq_lens.tolist()
+        # one asynchronous copy from pinned memory on CUDA (engine/worker/uploads.py), no copy on the CPU
+        input_ids, positions, qsl_d, seq_lens_d, context_lens_d, tables_d, slots_d = upload(
+            [
+                step.input_ids,
+                pos,
+                qsl,
+                seq_lens.astype(np.int32),
+                step.context_lens.astype(np.int32),
+                tables,
+                slots,
+            ],
+            self.device,
+        )
         meta = AttentionMetadata(
             num_seqs=len(qlist),
             num_tokens=int(qsl[-1]),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            context_lens=torch.from_numpy(step.context_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=qsl_d,
+            seq_lens=seq_lens_d,
+            context_lens=context_lens_d,
+            block_tables=tables_d,
+            slot_mapping=slots_d,
             max_query_len=max(qlist),
             max_seq_len=max(slist),
             query_lens_list=qlist,
@@ -507,7 +538,7 @@ class ModelRunner:
             is_decode_only=all(q == 1 for q in qlist),
             max_position=int(pos.max()) if len(pos) else 0,
         )
-        return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(pos).to(dev), meta
+        return input_ids, positions, meta
 
 
 def _blocks_of(op: KVOp) -> set[int]:
