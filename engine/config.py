@@ -177,6 +177,11 @@ class EngineConfig:
         "several may follow one flag",
         nargs="+",
     )
+    max_cpu_loras: int | None = _opt(
+        None,
+        "most LoRA adapters loaded at once (each held in host memory; a load past it is refused until one "
+        "is unloaded); default: the larger of --max-loras and the number of --lora-modules",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -251,8 +256,20 @@ class EngineConfig:
                 bad("lora_modules", str(exc))
             if len(set(names)) != len(names):
                 bad("lora_modules", "names an adapter twice")
+        if self.max_cpu_loras is not None:
+            if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+                bad("max_cpu_loras", f"must be an integer of at least max_loras ({self.max_loras})")
+            elif len(self.lora_modules or ()) > self.max_cpu_loras:
+                bad("max_cpu_loras", f"is below the {len(self.lora_modules or ())} adapters of lora_modules")
         if self.enable_lora and self.tensor_parallel_size > 1:
             bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
+
+    @property
+    def lora_adapter_limit(self) -> int:
+        """--max-cpu-loras, or its default: the larger of --max-loras and the number of --lora-modules."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return max(self.max_loras, len(self.lora_modules or ()))
 
     @property
     def lora_module_paths(self) -> dict[str, str]:

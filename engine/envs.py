@@ -1,4 +1,4 @@
-"""Every ``PAGODA_*`` environment variable Pagoda reads, read here and nowhere else.
+"""Every environment variable Pagoda reads (``PAGODA_*``, and one of vLLM's), read here and nowhere else.
 
 Each is read when asked for (not at import), so a test or a supervisor that sets one before a call sees it
 take effect. Importing this module needs nothing beyond the standard library: the operator and the router
@@ -18,6 +18,12 @@ read their variables here too.
 | PAGODA_ENGINE_IMAGE | unset | the operator: engine image to render instead of its default |
 | PAGODA_PROMETHEUS_URL | unset | the operator: Prometheus it reads load from |
 | PAGODA_DOWNLOAD_IMAGE | unset | the operator: image of the model-download Jobs instead of its default |
+
+And one of vLLM's, under its own name so its deployments carry over:
+
+| variable | default | meaning |
+|---|---|---|
+| VLLM_ALLOW_RUNTIME_LORA_UPDATING | unset | 1/true: `pagoda serve` offers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as `--allow-runtime-lora-updating`) |
 """
 
 from __future__ import annotations
@@ -97,3 +103,8 @@ def prometheus_url() -> str | None:
 
 def download_image() -> str | None:
     return _get("PAGODA_DOWNLOAD_IMAGE")
+
+
+def allow_runtime_lora_updating() -> bool:
+    """vLLM's switch for the runtime LoRA routes: on for 1 or true (any case), as vLLM reads it."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")

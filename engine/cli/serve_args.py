@@ -131,6 +131,13 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
         help="how tool calls are read from outputs; auto: from the chat template (hermes when it has none)",
     )
     s.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=envs.allow_runtime_lora_updating(),
+        help="offer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (env VLLM_ALLOW_RUNTIME_LORA_UPDATING); "
+        "without it they are 404s",
+    )
+    s.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM command lines: tool_choice auto is always on",
@@ -225,6 +232,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         engine_process=args.engine_process,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
 
 

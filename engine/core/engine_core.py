@@ -207,7 +207,11 @@ class EngineCore:
         self.lora_registry = None
         if self.lora is not None:
             self.lora_registry = LoRARegistry(
-                mc.num_hidden_layers, self.lora.shapes, config.max_lora_rank, (self.model_name,)
+                mc.num_hidden_layers,
+                self.lora.shapes,
+                config.max_lora_rank,
+                (self.model_name,),
+                max_adapters=config.lora_adapter_limit,
             )
             for name, adapter_path in config.lora_module_paths.items():
                 self.lora_registry.load(name, adapter_path)

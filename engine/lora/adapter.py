@@ -28,6 +28,7 @@ from pagoda.engine.lora.patterns import PatternError, PatternTable
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+MAX_CONFIG_BYTES = 16 << 20  # EVA writes a pattern key per module: a few MiB for the largest models
 # module -> (the decoder sub-module it lives in, the fused layer of ours that carries it)
 TARGET_MODULES = {
     "q_proj": "self_attn",
@@ -50,6 +51,19 @@ _REFUSED_FLAGS = {
 
 class AdapterError(ValueError):
     """An adapter directory that cannot be served; the message says what and why."""
+
+
+class UnreadableAdapterError(AdapterError):
+    """A path that is not a readable PEFT adapter, said the same way whatever is or is not there (no such
+    path, not a directory, a file missing, unreadable or not what its name says): whoever may load adapters
+    learns nothing about the files the engine can see. ``detail`` says which, for the engine's log."""
+
+    def __init__(self, path: object, detail: str) -> None:
+        super().__init__(
+            f"LoRA adapter path {str(path)!r} is not a readable PEFT adapter directory: it needs {CONFIG_FILE} "
+            f"and {WEIGHTS_FILE} (weights saved with safe_serialization=True; pickled weights are never loaded)"
+        )
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -77,16 +91,22 @@ class AdapterWeights:
         )
 
 
-def read_adapter_config(path: Path) -> dict:
+def read_adapter_config(path: Path, given: object = None) -> dict:
+    """``given``: the path as the caller named it (what an unreadable path's message shows)."""
+    given = path if given is None else given
     file = path / CONFIG_FILE
-    if not file.is_file():
-        raise AdapterError(f"{str(path)!r} is not a PEFT adapter directory: it has no {CONFIG_FILE}")
     try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{file} is not valid JSON: {exc}") from None
+        if not file.is_file():  # a regular file (never a device or a FIFO)
+            raise OSError("missing, or not a regular file")
+        with file.open("rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(text)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UnreadableAdapterError(given, f"{file}: {exc}") from None
     if not isinstance(config, dict):
-        raise AdapterError(f"{file} must hold a JSON object")
+        raise UnreadableAdapterError(given, f"{file} does not hold a JSON object")
     peft_type = str(config.get("peft_type") or "LORA").upper()
     if peft_type != "LORA":
         raise AdapterError(f"{file}: peft_type {peft_type} is not supported; only LORA adapters are")
@@ -114,13 +134,18 @@ def load_adapter(
     ``shapes``; refuse a rank above ``max_rank`` (--max-lora-rank)."""
     from pagoda.engine.loader.resolve import ModelNotFoundError, locate_adapter
 
+    given = path
     try:
         path = locate_adapter(path)
-    except ModelNotFoundError as exc:
-        raise AdapterError(str(exc)) from None
-    if not path.is_dir():
-        raise AdapterError(f"LoRA adapter {str(path)!r} is not a directory (nor a hub id in the local cache)")
-    config = read_adapter_config(path)
+        if not path.is_dir():
+            raise UnreadableAdapterError(
+                given, f"{str(path)!r} is not a directory (nor a hub id in the local cache)"
+            )
+    except (ModelNotFoundError, OSError, ValueError) as exc:
+        if isinstance(exc, UnreadableAdapterError):
+            raise
+        raise UnreadableAdapterError(given, str(exc)) from None
+    config = read_adapter_config(path, given)
     # PEFT's rule: the first key that matches a dotted suffix of the module's full name (engine/lora/patterns.py)
     try:
         rank_pattern = PatternTable(config.get("rank_pattern") or {}, "rank_pattern")
@@ -128,21 +153,22 @@ def load_adapter(
     except PatternError as exc:
         raise AdapterError(f"{path / CONFIG_FILE}: {exc}") from None
     weights_file = path / WEIGHTS_FILE
-    if not weights_file.is_file():
+    try:
+        if not weights_file.is_file():
+            raise OSError("missing, or not a regular file")
+        raw = weights_file.read_bytes()
+    except OSError as exc:
         pickled = [name for name in PICKLED_FILES if (path / name).exists()]
-        if pickled:
-            raise AdapterError(
-                f"{str(path)!r} holds its weights as {pickled[0]} (a pickle), which Pagoda never loads: save "
-                f"the adapter with safe_serialization=True to get {WEIGHTS_FILE}"
-            )
-        raise AdapterError(f"{str(path)!r} has no {WEIGHTS_FILE}")
-    raw = weights_file.read_bytes()
+        why = f"its weights are {pickled[0]} (a pickle, never loaded)" if pickled else str(exc)
+        raise UnreadableAdapterError(given, f"{weights_file}: {why}") from None
     try:
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(raw)
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
-        raise AdapterError(f"{weights_file} is not a readable safetensors file: {exc}") from None
+        raise UnreadableAdapterError(
+            given, f"{weights_file} is not a readable safetensors file: {exc}"
+        ) from None
 
     default_rank, default_alpha = config["r"], config["lora_alpha"]
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

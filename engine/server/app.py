@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pagoda.engine import envs
 from pagoda.engine.frontend.engine_client import EngineClient
 from pagoda.engine.server import protocol as P
 from pagoda.engine.server.errors import APIError, ErrorResponseModel, bad_request, install_error_handlers
@@ -92,7 +93,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
 
     app.state.draining = False  # set on SIGTERM (cli/serve.py): routers stop sending, in-flight work ends
     install_kv_routes(app, engine)
-    install_lora_routes(app, engine, serving.model_names, ERROR_RESPONSES)
+    if settings.allow_runtime_lora_updating or envs.allow_runtime_lora_updating():
+        install_lora_routes(app, engine, serving.model_names, ERROR_RESPONSES)
     if engine.info.memory_profile:
         install_memory_status(app, engine.info.memory_profile)
 

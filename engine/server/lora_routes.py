@@ -1,8 +1,11 @@
 """LoRA adapters while serving (docs/lora.md): POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 vLLM's routes and answers (plain-text success, 400 for an adapter that cannot be served, 404 for unloading a
-name nobody has), behind the API key like every route but the probes. The adapter is read in the engine
-core; the served names that requests are checked against are the client's (`EngineClient.lora_adapters`).
+name nobody has), behind the API key like every route but the probes, and like vLLM's only where enabled
+(--allow-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING: app.py installs them then, so they are
+404s otherwise). The adapter is read in the engine core, which also refuses loads past --max-cpu-loras and
+words every unreadable path the same; the served names that requests are checked against are the client's
+(`EngineClient.lora_adapters`).
 """
 
 from __future__ import annotations

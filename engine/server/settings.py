@@ -32,6 +32,9 @@ class ServerSettings:
     chat_template: str | None = None
     # How tool calls are read from outputs (engine/tool_parsers); "auto": from the chat template.
     tool_call_parser: str = "auto"
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (--allow-runtime-lora-updating, or vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they are 404s as in vLLM.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_queued_reqs is None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from pagoda.engine.lora import AdapterError, LoRARegistry, ModuleShape, load_adapter
+from pagoda.engine.lora.adapter import UnreadableAdapterError
 from pagoda.engine.lora.patterns import PatternError, PatternTable, compile_key
 from safetensors.torch import save_file
 
@@ -82,8 +83,11 @@ def test_pickled_weights_are_never_loaded(tmp_path):
     path.mkdir()
     (path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
     (path / "adapter_model.bin").write_bytes(b"\x80\x04 not to be unpickled")
-    with pytest.raises(AdapterError, match=r"adapter_model.bin \(a pickle\).*safe_serialization=True"):
+    with pytest.raises(
+        UnreadableAdapterError, match=r"safe_serialization=True; pickled weights are never"
+    ) as err:
         load_adapter(path, LAYERS, SHAPES, 16)
+    assert "adapter_model.bin (a pickle, never loaded)" in err.value.detail  # for the log only
 
 
 def _tensor(layer, parent, module, which, shape):
@@ -130,7 +134,7 @@ def test_registry_names_ids_and_unload(tmp_path):
         registry.load("base-model", path)
     with pytest.raises(AdapterError, match="must be 1-128 letters"):
         registry.load("bad name", path)
-    with pytest.raises(AdapterError, match="not a PEFT adapter directory"):
+    with pytest.raises(AdapterError, match="not a readable PEFT adapter directory"):
         registry.load("empty", tmp_path)
     again = registry.load("sql-copy", path)
     assert again.id != first.id and again.cache_root == first.cache_root  # same weights, same KV
@@ -299,3 +303,90 @@ def test_patterns_set_rank_and_alpha_as_peft_does(tmp_path):
         assert torch.allclose(b, want_b), name
         seen += 1
     assert seen == 12 and {m.shape[0] for m, _ in ours.values()} == {2, 3, 4, 6}
+
+
+# ---------------------------------------------------------------- what a runtime load may learn and hold
+
+
+def test_every_unreadable_path_gets_the_same_message(tmp_path):
+    """Whoever may load adapters learns nothing about which files exist: one message for every path that is not
+    a readable adapter (the log gets the reason)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    write_adapter(tmp_path / "no-weights").joinpath("adapter_model.safetensors").unlink()
+    write_adapter(tmp_path / "pickled").joinpath("adapter_model.safetensors").rename(
+        tmp_path / "pickled" / "adapter_model.bin"
+    )
+    write_adapter(tmp_path / "bad-json").joinpath("adapter_config.json").write_text("{not json")
+    write_adapter(tmp_path / "list-json").joinpath("adapter_config.json").write_text("[1]")
+    write_adapter(tmp_path / "bad-weights").joinpath("adapter_model.safetensors").write_bytes(b"\0" * 64)
+    config_dir = write_adapter(tmp_path / "config-dir")
+    config_dir.joinpath("adapter_config.json").unlink()
+    config_dir.joinpath("adapter_config.json").mkdir()
+    paths = [
+        "/nonexistent/adapter", "/etc", "/etc/hostname", "/proc/self", "/dev/zero", "org/not-in-cache",
+        "bad\0byte", *(str(tmp_path / n) for n in (
+            "file", "empty", "no-weights", "pickled", "bad-json", "list-json", "bad-weights", "config-dir"
+        )),
+    ]  # fmt: skip
+    registry = LoRARegistry(LAYERS, SHAPES, 16, reserved_names=())
+    messages = set()
+    for path in paths:
+        with pytest.raises(UnreadableAdapterError) as err:
+            registry.load("probe", path)
+        messages.add(str(err.value).replace(repr(path), "PATH"))
+    assert messages == {
+        "LoRA adapter path PATH is not a readable PEFT adapter directory: it needs adapter_config.json and "
+        "adapter_model.safetensors (weights saved with safe_serialization=True; pickled weights are never loaded)"
+    }
+    assert registry.adapters() == []
+
+
+def test_the_same_content_under_two_names_is_stored_once(tmp_path):
+    registry = LoRARegistry(LAYERS, SHAPES, 16, reserved_names=())
+    path = write_adapter(tmp_path / "a")
+    copy = write_adapter(tmp_path / "copy")  # the same files in another folder
+    other = write_adapter(tmp_path / "other", {"lora_alpha": 8})
+    first, second, third = (
+        registry.load("one", path),
+        registry.load("two", path),
+        registry.load("three", copy),
+    )
+    assert first.weights is second.weights is third.weights
+    assert (first.path, third.path) == (str(path), str(copy))  # each name keeps where it was loaded from
+    assert registry.load("four", other).weights is not first.weights
+    registry.unload("one")
+    registry.unload("two")
+    assert registry.get("three").weights is first.weights  # still served, still the one copy
+    registry.unload("three")
+    assert registry.load("five", path).weights is not first.weights  # nothing of that content was left
+    assert len(registry._weights) == 2
+
+
+def test_loads_past_max_cpu_loras_are_refused_before_reading(tmp_path):
+    registry = LoRARegistry(LAYERS, SHAPES, 16, reserved_names=(), max_adapters=2)
+    path = write_adapter(tmp_path / "a")
+    registry.load("one", path)
+    registry.load("two", path)
+    for target in (path, "/nonexistent"):  # refused before anything is read
+        with pytest.raises(
+            AdapterError, match=r"2 LoRA adapters are loaded, as many as --max-cpu-loras \(2\)"
+        ):
+            registry.load("three", target)
+    registry.unload("one")
+    assert registry.load("three", path).name == "three"
+
+
+def test_max_cpu_loras_is_an_engine_flag_with_a_default_that_fits_the_start_up_adapters():
+    from pagoda.engine.cli.serve_args import engine_config_kwargs, parse_args
+    from pagoda.engine.config import EngineConfig
+
+    kwargs = engine_config_kwargs(parse_args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "5"]))
+    assert EngineConfig(**kwargs).lora_adapter_limit == 5
+    assert EngineConfig(enable_lora=True, max_loras=3).lora_adapter_limit == 3
+    modules = [f"a{i}=/x" for i in range(4)]
+    assert EngineConfig(enable_lora=True, lora_modules=modules).lora_adapter_limit == 4
+    with pytest.raises(ValueError, match="max_cpu_loras must be an integer of at least max_loras"):
+        EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_cpu_loras is below the 4 adapters of lora_modules"):
+        EngineConfig(enable_lora=True, lora_modules=modules, max_cpu_loras=3)

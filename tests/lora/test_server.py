@@ -1,6 +1,7 @@
 """LoRA adapters through `pagoda serve` (the engine core in its own process) with the official openai client:
 a request picks an adapter by `model` and gets what transformers + peft say, /v1/models lists adapters with
-their parent, adapters load and unload through the routes behind the API key, and the replica's router_info
+their parent, adapters load and unload through the routes (enabled by --allow-runtime-lora-updating) behind
+the API key, at most --max-cpu-loras of them, and the replica's router_info
 root is the one its adapter blocks are cached under."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def server(adapters, tmp_path_factory):
         "--dtype", "float32", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "256",
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"beta={adapters['beta']}", "--api-key", KEY,
+        "--allow-runtime-lora-updating", "--max-cpu-loras", "3",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
     with open(log, "wb") as out:
@@ -108,8 +110,15 @@ def test_adapters_load_and_unload_through_the_routes(server, reference, adapters
 
     with pytest.raises(openai.BadRequestError, match="already been loaded"):
         post("/load_lora_adapter", lora_name="alpha", lora_path=str(adapters["gamma"]))
-    with pytest.raises(openai.BadRequestError, match="adapter_config.json"):
+    with pytest.raises(openai.BadRequestError, match="not a readable PEFT adapter directory"):
         post("/load_lora_adapter", lora_name="delta", lora_path=str(adapters["alpha"].parent))
+    assert "added successfully" in post(
+        "/load_lora_adapter", lora_name="alpha-again", lora_path=str(adapters["alpha"])
+    )  # the same content under another name: one stored copy
+    assert complete(c, "alpha-again", prompt)[1] == complete(c, "alpha", prompt)[1]
+    with pytest.raises(openai.BadRequestError, match=r"as many as --max-cpu-loras \(3\)"):
+        post("/load_lora_adapter", lora_name="gamma", lora_path=str(adapters["gamma"]))
+    assert "removed successfully" in post("/unload_lora_adapter", lora_name="alpha-again")
     assert "removed successfully" in post("/unload_lora_adapter", lora_name="alpha")
     with pytest.raises(openai.NotFoundError):
         complete(c, "alpha", prompt)

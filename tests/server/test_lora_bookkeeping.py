@@ -91,3 +91,44 @@ async def test_a_caller_that_goes_away_mid_load_still_leaves_both_lists_equal(lo
             break
         await asyncio.sleep(0.01)
     assert core.adapters == {"a": "/adapters/a"} and set(engine.lora_adapters) == {"a"}
+
+
+# ---------------------------------------------------------------- the runtime routes are off unless enabled
+
+
+async def test_runtime_lora_routes_are_404_unless_enabled(lora_core, monkeypatch) -> None:
+    import httpx
+    from pagoda.engine.cli.serve_args import parse_args, server_settings
+    from pagoda.engine.server.app import build_app
+    from pagoda.engine.server.settings import ServerSettings
+
+    engine, core = lora_core()
+    load = {"lora_name": "a", "lora_path": "/adapters/a"}
+
+    async def post(settings: ServerSettings, route: str, body: dict) -> httpx.Response:
+        app = build_app(engine, settings)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://pagoda"
+        ) as client:
+            return await client.post(route, json=body)
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    for route, body in (("/v1/load_lora_adapter", load), ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        r = await post(ServerSettings(), route, body)
+        assert r.status_code == 404, r.text
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    assert (await post(ServerSettings(), "/v1/load_lora_adapter", load)).status_code == 404
+    assert core.adapters == {}
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's variable, read as vLLM reads it
+    r = await post(ServerSettings(), "/v1/load_lora_adapter", load)
+    assert r.status_code == 200 and "added successfully" in r.text and core.adapters == {"a": "/adapters/a"}
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    settings = server_settings(parse_args(["--allow-runtime-lora-updating"]))  # Pagoda's flag
+    assert (
+        settings.allow_runtime_lora_updating
+        and not server_settings(parse_args([])).allow_runtime_lora_updating
+    )
+    r = await post(settings, "/v1/unload_lora_adapter", {"lora_name": "a"})
+    assert r.status_code == 200 and core.adapters == {}
