@@ -169,12 +169,6 @@ class ModelRunner:
             request.num_tokens, request.block_size, request.kv_dtype, request.forward_on_cpu
         )
         graphs = self.profile_graph_bytes(request)
-        if request.graph_sizes:  # the ranks agree: graphs stay off on every rank if one rank's failed
-            failed = gather_ints(int(self.graphs_off is not None), self.device)
-            if self.graphs_off is None and any(failed):
-                self.graphs_off = f"tensor-parallel rank {failed.index(1)} could not record them"
-            if self.graphs_off is not None:
-                graphs = 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
@@ -203,7 +197,9 @@ class ModelRunner:
         cost (the smallest's) bound what `capture_decode_graphs` takes later. Every rank records at once.
 
         A recording that fails here turns the graphs off (`graphs_off`, 0 bytes) with a warning: the engine
-        starts and decodes eagerly, as when the later capture fails; it never stops the engine."""
+        starts and decodes eagerly, as when the later capture fails; it never stops the engine. The ranks
+        agree after every recording, so none goes on to the next (whose warm-up meets the others in its
+        all-reduces) while another has given up: graphs stay off on every rank if one rank's failed."""
         if not request.graph_sizes:
             return 0
         saved = self.kv_caches, self.block_size
@@ -213,12 +209,17 @@ class ModelRunner:
         try:
             for size in dict.fromkeys((request.graph_sizes[-1], request.graph_sizes[0])):
                 free = self._free_device_bytes()
-                recordings.append(self._record([size], request.max_model_len, capture))
-                costs.append(max(free - self._free_device_bytes(), 0))
-        except Exception as exc:  # noqa: BLE001 - any recording failure means: run eagerly
-            self.graphs_off = f"recording failed while measuring their memory: {type(exc).__name__}: {exc}"
-            log.warning("CUDA graphs will be off, decode runs eagerly (%s)", self.graphs_off)
-            return 0
+                why = None
+                try:
+                    recordings.append(self._record([size], request.max_model_len, capture))
+                    costs.append(max(free - self._free_device_bytes(), 0))
+                except Exception as exc:  # noqa: BLE001 - any recording failure means: run eagerly
+                    why = f"recording failed while measuring their memory: {type(exc).__name__}: {exc}"
+                failed = gather_ints(int(why is not None), self.device)
+                if any(failed):
+                    self.graphs_off = why or f"tensor-parallel rank {failed.index(1)} could not record them"
+                    log.warning("CUDA graphs will be off, decode runs eagerly (%s)", self.graphs_off)
+                    return 0
         finally:
             del recordings
             self.kv_caches, self.block_size = saved
