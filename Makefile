@@ -8,7 +8,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve image-check bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured clean
+.PHONY: install test lint serve image-check image-gpu bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured clean
 
 CPU_KERNELS := kernels/cpu/lib/build.json
 
@@ -51,6 +51,12 @@ serve: install
 # spec runs them (images/check.py; needs root). `buildah images` lists them afterwards.
 image-check: install
 	$(PY) images/check.py
+
+# The GPU engine image (torch 2.13.0 and its CUDA 13 libraries from PyPI, about 2.6 GB of wheels; kernels
+# compiled ahead for every catalogue GPU and model), built with buildah like image-check and checked without a
+# GPU (images/check.py --gpu; needs root). docs/images.md has its times and size.
+image-gpu: install
+	$(PY) images/check.py --gpu
 
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py

@@ -10,7 +10,7 @@ read their variables here too.
 | PAGODA_API_KEY | unset | the key `pagoda serve` and `pagoda router` require (``--api-key``) |
 | PAGODA_TERMINATION_LOG | /dev/termination-log | where a failed start-up writes its termination message |
 | PAGODA_NATIVE_KERNELS | auto | the CPU path's C kernels: auto (the best variant this CPU runs), 0/off (torch fallbacks), or a variant name |
-| PAGODA_KERNEL_CACHE | unset | a directory of kernels compiled ahead of time (the engine image's) to seed the cache from |
+| PAGODA_KERNEL_CACHE | unset | directories (':' between) of kernels compiled ahead of time (the deployment's, the engine image's) to seed the cache from |
 | PAGODA_ONEDNN_LINEAR | 1 | 0: CPU linears run `F.linear` instead of oneDNN's packed weights |
 | PAGODA_HOST_MALLOC_TUNING | 1 | 0: glibc may return freed heap to the system (see host_allocator.py) |
 | PAGODA_CORE_THREADS | all cores | compute threads of the engine core process (`pagoda serve`) |

@@ -13,6 +13,12 @@ a chat completion through the official `openai` client, /metrics names a prebuil
 was compiled at run time; Triton's own run-time C build (the path of its GPU driver module) works inside the
 engine image; the operator reconciles a sample InferenceDeployment into its StatefulSet on the test kit's
 Kubernetes emulator. Prints each step's time and the image sizes. Needs root (buildah's storage, namespaces).
+
+`--gpu` (`make image-gpu`) builds the GPU engine image instead, the same way (torch 2.13.0 and its CUDA 13
+libraries from PyPI, about 2.6 GB of wheels), and checks it without a GPU: torch is the CUDA 13.0 build and
+lists the architectures the planner counts on, the NVIDIA container variables are set, Triton builds its
+real driver module (triton/backends/nvidia/driver.c, linked against a stand-in libcuda.so.1) inside the image,
+and `pagoda kernels warm` for a catalogue GPU and model finds every variant already in the image's cache.
 """
 
 from __future__ import annotations
@@ -176,11 +182,11 @@ def base_image() -> None:
         REPLACED.append(previous)
 
 
-def wheels() -> None:
-    """Every wheel both images install, downloaded once into images/wheels (emptied first: the builds install
-    from it with --no-index, so nothing stale may linger)."""
-    shutil.rmtree(fetch_wheels.WHEELS, ignore_errors=True)
-    fetch_wheels.download("cpu")
+def wheels(flavour: str = "cpu") -> None:
+    """Every wheel the flavour's images install, downloaded into images/wheels/<flavour> (emptied first: the
+    builds install from it with --no-index, so nothing stale may linger)."""
+    shutil.rmtree(fetch_wheels.flavour_dir(flavour), ignore_errors=True)
+    fetch_wheels.download(flavour)
 
 
 def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
@@ -407,6 +413,68 @@ def check_triton_build(box: Sandbox, logs: Path) -> None:
     say(out.strip().splitlines()[-1])
 
 
+GPU_CHECK = r"""
+import glob, json, os, subprocess, sys, sysconfig, tempfile
+import torch
+env = {k: os.environ.get(k) for k in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA",
+                                      "LD_LIBRARY_PATH", "PAGODA_KERNEL_CACHE")}
+archs = sorted(a for a in torch._C._cuda_getArchFlags().split() if a.startswith("sm_"))
+import triton
+from triton.backends.nvidia import driver as nv
+from triton.runtime.build import _build
+# Triton's driver module, as its first launch builds it, linked against a stand-in libcuda.so.1 (no GPU here)
+stub = tempfile.mkdtemp()
+subprocess.run(["gcc", "-shared", "-fPIC", "-x", "c", "/dev/null", "-o", f"{stub}/libcuda.so.1"], check=True)
+src = open(os.path.join(os.path.dirname(nv.__file__), "driver.c")).read()
+built = tempfile.mkdtemp()
+with open(f"{built}/cuda_utils.c", "w") as f:
+    f.write(src)
+so = _build("cuda_utils", f"{built}/cuda_utils.c", built, [nv.libdevice_dir, stub], nv.include_dirs, nv.libraries, [])
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "archs": archs, "triton": triton.__version__,
+                  "driver_module": os.path.basename(so), "seed_entries": len(os.listdir(env["PAGODA_KERNEL_CACHE"])),
+                  "env": env}))
+"""
+
+
+def check_gpu_image(box: Sandbox, logs: Path) -> dict:
+    """Inside the GPU image, as its pod runs (no GPU): torch's build, the container toolkit's variables, Triton's
+    driver-module build, and `pagoda kernels warm` for a catalogue GPU and model compiling nothing new."""
+    from pagoda.engine.sizing.gpus import ENGINE_CUDA, TORCH_WHEEL_ARCHS
+
+    with started(box.command(["python", "-c", GPU_CHECK]), logs / "gpu.log") as proc:
+        rc = proc.wait(600)
+    out = (logs / "gpu.log").read_text()
+    assert rc == 0, out[-4000:]
+    facts = json.loads(out.strip().splitlines()[-1])
+    say(f"gpu image: {json.dumps(facts)}")
+    assert facts["cuda"] == ENGINE_CUDA and "+" not in facts["torch"], facts
+    assert facts["archs"] == [f"sm_{a}{b}" for a, b in TORCH_WHEEL_ARCHS], facts
+    env = facts["env"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_REQUIRE_CUDA"] == f"cuda>={ENGINE_CUDA}", (
+        env
+    )
+    assert (
+        "compute" in env["NVIDIA_DRIVER_CAPABILITIES"] and "/usr/local/nvidia/lib64" in env["LD_LIBRARY_PATH"]
+    )
+    assert facts["seed_entries"] > 0, facts
+    # a catalogue GPU and model, warmed again into /tmp: every entry it makes is one the image already has
+    warm = ["sh", "-c", "pagoda kernels warm --gpu L4 --model meta-llama/Llama-3.1-8B-Instruct --common --jobs 1 "
+            "--cache-dir /tmp/warm > /dev/null && ls /tmp/warm && echo --- && ls \"$PAGODA_KERNEL_CACHE\""]  # fmt: skip
+    with started(box.command(warm), logs / "warm.log") as proc:
+        rc = proc.wait(1200)
+    out = (logs / "warm.log").read_text()
+    assert rc == 0, out[-4000:]
+    lines = out.splitlines()
+    fresh, seed = lines[: lines.index("---")], set(lines[lines.index("---") + 1 :])
+    fresh = [e for e in fresh if len(e) > 20]  # cache entries are named by their key
+    missing = [e for e in fresh if e not in seed]
+    assert fresh and not missing, f"{len(missing)} of {len(fresh)} L4 variants are not in the image's cache"
+    say(
+        f"gpu image: kernels warm --gpu L4 (Llama-3.1-8B, common variants): {len(fresh)} cache entries, all in the image's"
+    )
+    return facts
+
+
 def check_operator(image: str, logs: Path) -> None:
     from pagoda_testkit import chart_operator_args
 
@@ -511,9 +579,46 @@ def sizes(images: list[str]) -> None:
         say(f"size {image}: {size}")
 
 
+CPU_ARGS = {"TORCH_FLAVOUR": "cpu", "NVIDIA_VISIBLE_DEVICES": "", "NVIDIA_REQUIRE_CUDA": ""}
+
+
+def gpu_main() -> int:
+    """`make image-gpu`: the GPU engine image, built and checked here without a GPU."""
+    engine = f"localhost/pagoda-engine:{version()}"
+    logs = Path(tempfile.mkdtemp(prefix="pagoda-image-gpu-"))
+    start = time.monotonic()
+    with step("tools (buildah, debootstrap)"):
+        tools()
+        storage_conf()
+        remove_leftover_containers()
+    with step("base image and wheels"):
+        side_by_side(
+            {"base image (debootstrap bookworm)": base_image, "wheels cu130 (PyPI)": lambda: wheels("cu130")}
+        )
+    with step(f"build {engine}"):
+        build(
+            "images/engine/Dockerfile",
+            engine,
+            {"BASE_IMAGE": BASE, "VERSION": version(), "TORCH_FLAVOUR": "cu130"},
+        )
+    with step("remove the images this run replaced"):
+        remove_replaced()
+    with sandbox(engine) as box:
+        with step("gpu image: torch, toolkit variables, Triton's driver module, warmed kernels"):
+            check_gpu_image(box, logs)
+        with step("engine: Triton's run-time C build"):
+            check_triton_build(box, logs)
+    sizes([engine])
+    for name, seconds in TIMINGS:
+        say(f"{seconds:6.0f} s  {name}")
+    say(f"{time.monotonic() - start:6.0f} s  total (logs in {logs})")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help="build and check the GPU engine image instead")
     args = parser.parse_args()
     if args.client:
         sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -523,6 +628,8 @@ def main() -> int:
     if os.geteuid() != 0 or not sys.platform.startswith("linux"):
         raise SystemExit("image-check needs root on Linux (buildah's storage, mount and network namespaces)")
     sys.path.insert(0, str(ROOT / "tests" / "support"))
+    if args.gpu:
+        return gpu_main()
     engine, operator = f"localhost/pagoda-engine:{version()}-cpu", f"localhost/pagoda-operator:{version()}"
     logs = Path(tempfile.mkdtemp(prefix="pagoda-image-check-"))
     start = time.monotonic()
@@ -537,7 +644,7 @@ def main() -> int:
     common = {"BASE_IMAGE": BASE, "VERSION": version()}
     with step("both images"):
         side_by_side({
-            f"build {engine}": lambda: build("images/engine/Dockerfile", engine, {**common, "TORCH_FLAVOUR": "cpu"}),
+            f"build {engine}": lambda: build("images/engine/Dockerfile", engine, {**common, **CPU_ARGS}),
             f"build {operator}": lambda: build("images/operator/Dockerfile", operator, common),
         })  # fmt: skip
     with step("remove the images this run replaced"):

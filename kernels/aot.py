@@ -90,6 +90,41 @@ def compile_kernel(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def variant_key(kernel: Any, args: tuple, kwargs: dict, target: Any) -> tuple:
+    """What tells a launch's compiled variant apart (Triton's specialization of its arguments, its constexprs
+    and options for ``target``), without compiling: the same steps as compile_kernel up to the source."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return (kernel.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
+            repr(sorted(attrs.items(), key=str)), repr(sorted(options.__dict__.items())))  # fmt: skip
+
+
+@contextmanager
+def recording_for(limits: DeviceLimits) -> Iterator[set[tuple]]:
+    """Launches inside the block record their variant_key for a device with these limits (nothing compiles):
+    the set of variants a sequence of launches needs, in seconds."""
+    keys: set[tuple] = set()
+    target = target_of(limits)
+
+    def record(kernel: Any, args: tuple, kwargs: dict, bound: int) -> None:
+        keys.add(variant_key(kernel, args, kwargs, target))
+
+    token = COMPILING.set(Compiler(limits, record))
+    try:
+        yield keys
+    finally:
+        COMPILING.reset(token)
+
+
 @contextmanager
 def compiling_for(limits: DeviceLimits) -> Iterator[Compilation]:
     """Launches inside the block compile for a device with these limits instead of running."""

@@ -6,7 +6,13 @@ constexprs, dtypes and launch configuration only (see pagoda.kernels.runtime), s
 every step of a deployment with this shape. The decoder layer's element-wise kernels (RMSNorm with and
 without the residual add, rotary on q and k, silu-and-mul) follow: their variants depend on the dtype and
 head dim, and on whether rows are whole 16-byte vectors, which every catalogue model's hidden and
-intermediate sizes are (the sizes below are too).
+intermediate sizes are (the sizes below are too). With LoRA on, each fused linear's shrink and expand
+(qkv: three slices, gate_up: two, o and down: one) follow, their variants fixed by the dtype and the rank.
+
+`KernelPlan` is what decides the variant set of one engine; pagoda.engine.cli.kernels.kernel_plan derives it
+from the model's shape, the GPU, the dtypes, the tensor-parallel size, the block size and LoRA (the one
+function `pagoda kernels warm` and the operator's kernel step, which passes the engine's own serve flags, go
+through); `launch_plan` launches every variant of a plan.
 """
 
 from __future__ import annotations
@@ -87,6 +93,80 @@ def launch_layer_ops(shape: AttentionShape, qkv: torch.Tensor) -> None:
     table = torch.empty((tokens, d), dtype=shape.dtype, device=META)
     rotary_(qkv, shape.num_heads + shape.num_kv_heads, d, table, table)
     silu_mul(torch.empty((tokens, 2 * hidden), dtype=shape.dtype, device=META))
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything that decides which Triton kernel variants one engine (all its ranks) launches."""
+
+    compute_capability: tuple[int, int]
+    shared_memory_per_block: int
+    ranks: tuple[tuple[int, int], ...]  # distinct (query heads, KV heads) of the tensor-parallel ranks
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    block_size: int
+    dtype: str  # torch's name of the activations' dtype ("bfloat16")
+    kv_cache_dtype: str  # torch's name of what the cache holds ("float8_e4m3fn", "int8", or the dtype)
+    sliding_window: int | None = None
+    lora_rank: int | None = None  # --max-lora-rank when LoRA is on (every slot is this wide)
+    attention: bool = True  # False with --attention-backend torch: no attention or layer kernels, LoRA only
+
+    @property
+    def limits(self) -> DeviceLimits:
+        return DeviceLimits(self.compute_capability, self.shared_memory_per_block)
+
+    def attention_shapes(self) -> list[AttentionShape]:
+        """One per rank shape; a model with a sliding window may also have full-attention layers (Qwen2's
+        max_window_layers), so both."""
+        windows = (self.sliding_window, None) if self.sliding_window else (None,)
+        dtype, kv = getattr(torch, self.dtype), getattr(torch, self.kv_cache_dtype)
+        return [
+            AttentionShape(heads, kv_heads, self.head_dim, self.block_size, dtype, kv, window)
+            for heads, kv_heads in self.ranks
+            for window in windows
+        ]
+
+
+def launch_lora(plan: KernelPlan) -> None:
+    """Each fused linear's LoRA shrink and expand, as engine/lora/layers.py launches them (tensor
+    parallelism is 1 with LoRA: the whole model's sizes)."""
+    from pagoda.kernels.lora import lora_expand, lora_shrink
+
+    dtype, r, tokens, slots = getattr(torch, plan.dtype), plan.lora_rank, 4, 2
+    heads, kv_heads = plan.ranks[0]
+    q, kv, hidden, inter = (
+        heads * plan.head_dim,
+        kv_heads * plan.head_dim,
+        plan.hidden_size,
+        plan.intermediate_size,
+    )
+    fused = [(hidden, [q, kv, kv]), (q, [hidden]), (hidden, [inter, inter]), (inter, [hidden])]
+    seg = [torch.empty(1, dtype=torch.int32, device=META) for _ in range(3)]
+    for in_features, slices in fused:
+        x = torch.empty((tokens, in_features), dtype=dtype, device=META)
+        a = torch.empty((slots, in_features, len(slices) * r), dtype=dtype, device=META)
+        h = lora_shrink(x, a, *seg, tokens, out=torch.empty((tokens, len(slices) * r), device=META))
+        y = torch.empty((tokens, sum(slices)), dtype=dtype, device=META)
+        offset = 0
+        for i, size in enumerate(slices):
+            b = torch.empty((slots, r, size), dtype=dtype, device=META)
+            lora_expand(h, b, y[:, offset : offset + size], *seg, tokens, h_offset=i * r)
+            offset += size
+
+
+def launch_plan(plan: KernelPlan) -> None:
+    """One launch of every variant of the plan (inside `compiling_for(plan.limits)`)."""
+    for shape in dict.fromkeys(plan.attention_shapes() if plan.attention else []):
+        launch_all(shape)
+    if plan.lora_rank:
+        launch_lora(plan)
+
+
+def compile_plan(plan: KernelPlan) -> Compilation:
+    with compiling_for(plan.limits) as compilation:
+        launch_plan(plan)
+    return compilation
 
 
 def compile_shapes(limits: DeviceLimits, shapes: list[AttentionShape]) -> Compilation:

@@ -8,6 +8,13 @@ engine pods start only when the Job has succeeded, and mount the claim read-only
 `spec.model.cache.perPod` each pod has its own claim (a volumeClaimTemplate) filled by an init container.
 Credentials reach the download container only, as optional secretKeyRefs of spec.model.secretRef: the operator
 never reads the Secret, and no rendered object, log line or status holds a token.
+
+On GPUs the same Job compiles the deployment's Triton kernels once, after the download (which becomes its init
+container): `pagoda kernels warm` from the engine image, given the GPU and the engine's own `pagoda serve`
+flags, writes every variant that engine launches into a folder of the cache volume named by a digest of the
+image, GPU and flags (`kernel_dir`); the engine pods read it through PAGODA_KERNEL_CACHE, before the image's
+own warmed kernels. No GPU is needed to compile. A failed compile fails nothing: the engine then compiles
+what it misses when it starts, as it would without the step.
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ CACHE_DIR = (
 HF_HOME = f"{CACHE_DIR}/hf"
 S3_DIR = f"{CACHE_DIR}/s3"
 CONTAINER = "model-download"
+KERNEL_CONTAINER = "kernels-warm"
+KERNELS_DIR = f"{CACHE_DIR}/kernels"  # one folder per kernel set (kernel_dir)
+IMAGE_KERNEL_CACHE = (
+    "/opt/pagoda/kernel-cache"  # the engine image's own warmed kernels (its PAGODA_KERNEL_CACHE)
+)
+# exit 0 whatever the compile did: the weights are what the Job is for, a kernel compiled at start-up is slower
+KERNEL_SCRIPT = (
+    'pagoda kernels warm "$@" > /dev/null || echo "pagoda kernels warm failed (exit $?): the engine compiles '
+    'its kernels when it starts" >&2'
+)
 COMPONENT_LABEL = "pagoda.dev/component"
 COMPONENT = "model-download"
 DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-operator"
@@ -158,6 +175,53 @@ def download_container(spec: InferenceSpec) -> dict[str, Any]:
     }
 
 
+def kernel_dir(image: str, gpu_product: str, serve_args: list[str]) -> str:
+    """The cache volume's folder of the kernels an engine with these serve flags launches on this GPU, from
+    this image (its torch and Triton make the cache keys): a new plan or image is a new folder."""
+    what = json.dumps([image, gpu_product, serve_args])
+    return f"{KERNELS_DIR}/{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+
+def kernel_cache_env(image: str, gpu_product: str, serve_args: list[str]) -> dict[str, str]:
+    """PAGODA_KERNEL_CACHE of an engine pod: the deployment's kernels first, then the image's."""
+    return {
+        "name": "PAGODA_KERNEL_CACHE",
+        "value": f"{kernel_dir(image, gpu_product, serve_args)}:{IMAGE_KERNEL_CACHE}",
+    }
+
+
+def kernel_container(
+    image: str, gpu_product: str, serve_args: list[str], spec: InferenceSpec
+) -> dict[str, Any]:
+    """`pagoda kernels warm` for the engine `pagoda serve <serve_args>` on this GPU (a catalogue name or GFD
+    product label), from the engine image, into kernel_dir on the cache volume; reads the model's config from
+    the cache (HF_HOME, offline), needs no GPU, and exits 0 even when it fails (KERNEL_SCRIPT)."""
+    args = ["--gpu", gpu_product, "--cache-dir", kernel_dir(image, gpu_product, serve_args), "--jobs", "2",
+            "--", *serve_args]  # fmt: skip
+    env = [
+        {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+        {"name": "PAGODA_NATIVE_KERNELS", "value": "0"},
+    ]
+    return {
+        "name": KERNEL_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["sh", "-c", KERNEL_SCRIPT, KERNEL_CONTAINER],
+        "args": args,
+        "env": env,
+        "resources": {"requests": {"cpu": "2", "memory": "2Gi"}, "limits": {"memory": "8Gi"}},
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": download_container(spec)["securityContext"],
+    }
+
+
 def cache_claim(
     body: dict[str, Any], spec: InferenceSpec, decision: Decision, replicas: int
 ) -> dict[str, Any]:
@@ -176,8 +240,12 @@ def cache_claim(
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
 
 
-def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
-    """A Job that fills the cache claim once; retried (resuming) unless the failure is final."""
+def download_job(
+    body: dict[str, Any], spec: InferenceSpec, kernels: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Job that fills the cache claim once; retried (resuming) unless the failure is final. With
+    ``kernels`` (kernel_container's, GPU deployments) the download is its init container and the kernels
+    are compiled after it."""
     name = body["metadata"]["name"]
     labels = {**objects.common_labels(name), COMPONENT_LABEL: COMPONENT}
     labels[objects.LABEL_NAME] = "pagoda-model-download"  # not an engine pod: selectors and PDB skip it
@@ -185,7 +253,11 @@ def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     meta["labels"] = dict(labels)
     pod_spec = {
         "restartPolicy": "Never",
-        "containers": [download_container(spec)],
+        **(
+            {"initContainers": [download_container(spec)], "containers": [kernels]}
+            if kernels
+            else {"containers": [download_container(spec)]}
+        ),
         "volumes": [
             {"name": "model-cache", "persistentVolumeClaim": {"claimName": claim_name(name, spec)}},
             {"name": "tmp", "emptyDir": {}},
@@ -229,7 +301,8 @@ def download_job(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
 def _result(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The download's result line from the newest finished pod's termination message."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        status = pod.get("status") or {}
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
             message = ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
             for line in reversed(message.strip().splitlines()):
                 try:

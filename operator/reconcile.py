@@ -317,7 +317,11 @@ class Reconciler:
         job_name = model_cache.job_name(name, spec)
         job = await self.kube.get(object_path("Job", namespace, job_name))
         if job is None:
-            job = await self.kube.create(object_path("Job", namespace), model_cache.download_job(body, spec))
+            kernels = render.kernel_step(spec, decision)
+            job = model_cache.download_job(
+                body, spec, model_cache.kernel_container(*kernels, spec) if kernels else None
+            )
+            job = await self.kube.create(object_path("Job", namespace), job)
             outcome.writes.append(f"created Job {namespace}/{job_name}")
         pods = [
             p

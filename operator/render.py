@@ -155,6 +155,14 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
     return args + to_argv(settings) + list(spec.engine.extra_args)
 
 
+def kernel_step(spec: InferenceSpec, decision: Decision) -> tuple[str, str, list[str]] | None:
+    """(engine image, catalogue GPU, serve flags) of the kernels the download Job compiles into the model
+    cache (model_cache.kernel_container) for a GPU deployment whose weights it downloads; None otherwise."""
+    if decision.gpu is None or decision.gpu.spec is None or not spec.downloads:
+        return None
+    return engine_image(spec), decision.gpu.spec.name, engine_args(spec, decision)
+
+
 def adapter_path(adapter: AdapterSpec) -> str:
     """Where the engine pod finds an adapter: in the model cache (hf://, s3://), on its claim (pvc://, mounted
     like a pvc:// model) or in the image (file://)."""
@@ -244,7 +252,13 @@ def check_pod_fields(spec: InferenceSpec) -> None:
 
 def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
     name = body["metadata"]["name"]
-    env = engine_env(spec) + list(spec.pod.env)
+    kernels = kernel_step(spec, decision)
+    env = engine_env(spec)
+    if kernels:
+        from pagoda.operator import model_cache
+
+        env.append(model_cache.kernel_cache_env(*kernels))
+    env += list(spec.pod.env)
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -262,6 +276,8 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
         mounts.append({"name": "model-cache", "mountPath": model_cache.CACHE_DIR, "readOnly": True})
         if spec.model.cache.per_pod:  # each pod downloads into its own claim before the engine starts
             init_containers.append(model_cache.download_container(spec))
+            if kernels:
+                init_containers.append(model_cache.kernel_container(*kernels, spec))
             claim = model_cache.cache_claim(body, spec, decision, 1)
             claim_templates.append(
                 {**claim, "metadata": {"name": "model-cache", "labels": selector_labels(name)}}

@@ -1,14 +1,21 @@
 """`pagoda kernels warm`: compile the Triton kernels for a GPU ahead of time, without one.
 
     pagoda kernels warm --gpu H100 [--gpu L4 ...] [--model M ...] [--dtype D] [--kv-cache-dtype K]
-                        [--tensor-parallel-size N] [--block-size B] [--cache-dir DIR] [--jobs J] [--json]
+                        [--tensor-parallel-size N] [--block-size B] [--max-lora-rank R] [--common]
+                        [--cache-dir DIR] [--jobs J] [--json] [-- SERVE FLAGS]
 
 For each GPU (a catalogue name, or `all`: every catalogue GPU the installed torch build can run) and
-model (what `pagoda plan` takes; the catalogue's shapes need no weights), every kernel variant the engine
-launches on every tensor-parallel rank is compiled for the GPU's architecture into the Triton cache the
-engine reads (`TRITON_CACHE_DIR`, or --cache-dir), so a pod does not compile at start-up. Defaults follow
-the planner's choices for that GPU (tensor-parallel size, KV dtype, block size); `--dtype auto` is the
-engine's rule. Every variant's shared memory is checked against the GPU's limit per block.
+model (what `pagoda plan` takes, `default`, or `catalogue`: the default model and every well-known one;
+their shapes need no weights), every kernel variant the engine launches on every tensor-parallel rank is
+compiled for the GPU's architecture into the Triton cache the engine reads (`TRITON_CACHE_DIR`, or
+--cache-dir), so a pod does not compile at start-up. Defaults follow the planner's choices for that GPU
+(tensor-parallel size, KV dtype, block size); `--dtype auto` is the engine's rule; `--max-lora-rank R` adds
+the LoRA kernels. `--common` warms what deployments most often run: the KV dtype `auto` (plain `pagoda
+serve`) and the planner's, each without and (at tensor-parallel size 1) with LoRA at its default rank.
+After `--`, the flags of a `pagoda serve` command (the operator passes its engine's own): the variants that
+engine launches, read by serve's own parser, whatever the planner would choose. Every variant's shared
+memory is checked against the GPU's limit per block. One function, `kernel_plan`, turns either into the
+set of variants (pagoda.kernels.warm).
 
 Exit codes: 0 every variant compiled and fits; 1 a variant does not fit or does not compile (named);
 2 bad flags, or a dtype the GPU cannot run (FP8 KV below compute capability 8.9: the same refusal as
@@ -24,7 +31,9 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
+from pagoda.engine.cli.plan import resolve_shape
 from pagoda.engine.config import DTYPES, KV_CACHE_DTYPES
 from pagoda.engine.sizing import (
     GPU_CATALOGUE,
@@ -41,14 +50,19 @@ from pagoda.engine.sizing.engine_plan import (
     resolve_dtype_name,
     shard_range,
 )
-from pagoda.engine.sizing.errors import UnsupportedOnGPU
+from pagoda.engine.sizing.errors import SizingError, UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import TORCH_WHEEL_ARCHS, check_dtypes, torch_supports
 from pagoda.engine.sizing.kv_dtypes import kv_dtype_name
+from pagoda.engine.sizing.shapes import well_known_model_ids
+
+if TYPE_CHECKING:
+    from pagoda.kernels.warm import KernelPlan
 
 DEFAULT_MODEL = (
     "default"  # --model default: the embedded SmolLM2-135M-Instruct, as `pagoda serve` without one
 )
 MAX_GPUS = 64  # the planner's largest tensor-parallel size: let it choose the size a model needs
+COMMON_LORA_RANK = 16  # --common: `pagoda serve --enable-lora`'s default --max-lora-rank
 
 
 def torch_cuda_archs() -> tuple[tuple[int, int], ...]:
@@ -63,19 +77,24 @@ def torch_cuda_archs() -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class Unit:
-    """One model on one GPU architecture: the attention shapes of its ranks (GPUs sharing limits share it)."""
+    """One model's kernel plan on one GPU architecture (GPUs sharing limits share it)."""
 
     gpus: tuple[str, ...]
-    compute_capability: tuple[int, int]
-    shared_memory_per_block: int
     model: str
-    dtype: str
-    kv_cache_dtype: str
     tensor_parallel_size: int
-    block_size: int
-    ranks: tuple[tuple[int, int], ...]  # (query heads, KV heads) per rank
-    head_dim: int
-    sliding_window: int | None
+    plan: KernelPlan
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        return self.plan.compute_capability
+
+    @property
+    def dtype(self) -> str:
+        return self.plan.dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.plan.kv_cache_dtype
 
 
 @dataclass
@@ -125,9 +144,23 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="default: the planner's for the GPU")
     w.add_argument("--tensor-parallel-size", type=int, help="default: the planner's for the model and GPU")
     w.add_argument("--block-size", type=int, help="default: the planner's (16)")
+    w.add_argument(
+        "--max-lora-rank", type=int, help="LoRA on, slots this wide: its kernels too (default: off)"
+    )
+    w.add_argument(
+        "--common",
+        action="store_true",
+        help="KV dtype auto and the planner's, each without and (tensor-parallel size 1) with LoRA at rank 16",
+    )
     w.add_argument("--cache-dir", help="Triton cache to fill (default: $TRITON_CACHE_DIR, else Triton's)")
     w.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     w.add_argument("--json", action="store_true", help="print the variants as JSON")
+    w.add_argument(
+        "serve_argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- SERVE FLAGS",
+        help="a `pagoda serve` command's flags: warm exactly what that engine launches",
+    )
     return p
 
 
@@ -154,32 +187,167 @@ def _unsupported(spec: GPUSpec) -> str:
     return f"compute capability {major}.{minor} is not among the installed torch build's CUDA architectures"
 
 
-def plan_unit(spec: GPUSpec, model: str, shape: ModelShape, args: argparse.Namespace) -> Unit:
+def plan_unit(
+    spec: GPUSpec,
+    model: str,
+    shape: ModelShape,
+    args: argparse.Namespace,
+    *,
+    kv_cache_dtype: str | None = None,
+    lora_rank: int | None = None,
+) -> Unit:
     """What the engine would run for `shape` on `spec` by default (the planner's choices) or as flagged."""
-    cc = spec.compute_capability
     chosen = plan(shape, GPUInfo.from_spec(spec, MAX_GPUS), Hints())
     tp = args.tensor_parallel_size or chosen.tensor_parallel_size
-    check_tensor_parallel(shape.num_attention_heads, tp)
-    dtype = resolve_dtype_name(args.dtype, "cuda", shape.dtype, cc)
-    kv = args.kv_cache_dtype or chosen.kv_cache_dtype
-    check_dtypes(spec.name, cc, dtype, kv)
+    kv = kv_cache_dtype or args.kv_cache_dtype or chosen.kv_cache_dtype
+    lora = lora_rank if lora_rank is not None else getattr(args, "max_lora_rank", None)
+    return unit_for(spec, model, shape, dtype=args.dtype, kv_cache_dtype=kv, tensor_parallel_size=tp,
+                    block_size=args.block_size or chosen.block_size, lora_rank=lora)  # fmt: skip
+
+
+def unit_for(
+    spec: GPUSpec,
+    model: str,
+    shape: ModelShape,
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    tensor_parallel_size: int,
+    block_size: int,
+    lora_rank: int | None,
+    attention: bool = True,
+) -> Unit:
+    """The kernel plan of an engine with these settings (as `pagoda serve` takes them: `auto` dtypes) on
+    ``spec``, refusing what the GPU cannot run as serve does."""
+    cc = spec.compute_capability
+    resolved = resolve_dtype_name(dtype, "cuda", shape.dtype, cc)
+    check_dtypes(spec.name, cc, resolved, kv_cache_dtype)
+    if lora_rank and tensor_parallel_size > 1:
+        raise ValueError("LoRA is not supported with tensor_parallel_size > 1 (as in pagoda serve)")
+    kernel = kernel_plan(
+        num_attention_heads=shape.num_attention_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        sliding_window=shape.sliding_window, compute_capability=cc,
+        shared_memory_per_block=spec.shared_memory_per_block, dtype=resolved,
+        kv_cache_dtype=kv_dtype_name(kv_cache_dtype, resolved), tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size, lora_rank=lora_rank or None, attention=attention,
+    )  # fmt: skip
+    return Unit((spec.name,), model, tensor_parallel_size, kernel)
+
+
+def kernel_plan(
+    *,
+    num_attention_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    sliding_window: int | None,
+    compute_capability: tuple[int, int],
+    shared_memory_per_block: int,
+    dtype: str,
+    kv_cache_dtype: str,
+    tensor_parallel_size: int,
+    block_size: int,
+    lora_rank: int | None,
+    attention: bool = True,
+) -> KernelPlan:
+    """The kernel plan of an engine with these settings (dtypes resolved: torch names): its ranks' heads as
+    the engine shards them. Pure; `pagoda kernels warm` in every mode goes through it."""
+    from pagoda.kernels.warm import KernelPlan
+
+    tp = tensor_parallel_size
+    check_tensor_parallel(num_attention_heads, tp)
     ranks = []
     for rank in range(tp):
-        lo, hi = shard_range(shape.num_attention_heads, rank, tp)
-        ranks.append((hi - lo, kv_heads_per_rank(shape.num_attention_heads, shape.num_kv_heads, tp, rank)))
-    return Unit(
-        (spec.name,), cc, spec.shared_memory_per_block, model, dtype, kv_dtype_name(kv, dtype), tp,
-        args.block_size or chosen.block_size, tuple(dict.fromkeys(ranks)), shape.head_dim, shape.sliding_window,
+        lo, hi = shard_range(num_attention_heads, rank, tp)
+        ranks.append((hi - lo, kv_heads_per_rank(num_attention_heads, num_kv_heads, tp, rank)))
+    return KernelPlan(
+        tuple(compute_capability), shared_memory_per_block, tuple(dict.fromkeys(ranks)), head_dim, hidden_size,
+        intermediate_size, block_size, dtype, kv_cache_dtype, sliding_window, lora_rank, attention,
     )  # fmt: skip
+
+
+def serve_unit(spec: GPUSpec, serve_argv: list[str]) -> Unit:
+    """The kernel plan of the engine `pagoda serve <serve_argv>` starts on ``spec``: its flags read by serve's
+    own parser into EngineConfig's fields (the defaults serve has, not the planner's)."""
+    from pagoda.engine.cli.serve_args import engine_config_kwargs, parse_args
+
+    settings = engine_config_kwargs(parse_args(serve_argv, exit_on_error=False))
+    model = settings.get("model")
+    shape = model_shape(model, settings.get("revision"))
+    return unit_for(
+        spec, model or f"{DEFAULT_MODEL} ({shape.name})", shape, dtype=settings["dtype"],
+        kv_cache_dtype=settings["kv_cache_dtype"], tensor_parallel_size=settings["tensor_parallel_size"],
+        block_size=settings["block_size"],
+        lora_rank=settings["max_lora_rank"] if settings["enable_lora"] else None,
+        attention=settings["attention_backend"] != "torch",
+    )  # fmt: skip
+
+
+def model_shape(model: str | None, revision: str | None = None) -> ModelShape:
+    """A model's shape as serve reads it: a local path, else its snapshot in the Hugging Face cache (HF_HOME:
+    the model cache volume, read offline), else the well-known table."""
+    from pathlib import Path
+
+    from pagoda.engine.sizing.shapes import shape_from_path
+
+    if model is None or model == DEFAULT_MODEL:
+        return resolve_shape(None)
+    if not Path(model).expanduser().exists() and model.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(model, revision=revision, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache (or no hub client): the table may know it
+            folder = None
+        if folder and (Path(folder) / "config.json").exists():
+            return shape_from_path(folder)
+    return resolve_shape(model)
+
+
+def units_of(args: argparse.Namespace, specs: list[GPUSpec], skipped: list[str] | None = None) -> list[Unit]:
+    """Every unit the flags ask for (before GPUs sharing an architecture are merged). With `--model catalogue`,
+    a catalogue model the planner cannot fit on any number of a GPU is skipped (said in ``skipped``)."""
+    if args.serve_argv:
+        argv = args.serve_argv[1:] if args.serve_argv[0] == "--" else args.serve_argv
+        return [serve_unit(spec, argv) for spec in specs]
+    models = args.model or [DEFAULT_MODEL]
+    catalogue = [DEFAULT_MODEL, *well_known_model_ids()] if "catalogue" in models else []
+    models = [m for m in models if m != "catalogue"] + catalogue
+    units = []
+    for model in dict.fromkeys(models):
+        shape = resolve_shape(None if model == DEFAULT_MODEL else model)
+        name = f"{model} ({shape.name})" if model == DEFAULT_MODEL else model
+        for spec in specs:
+            try:
+                planned = plan_unit(spec, name, shape, args)
+            except SizingError as exc:
+                if model not in catalogue or skipped is None:
+                    raise
+                skipped.append(f"{spec.name} / {name}: {exc}")
+                continue
+            units.append(planned)
+            if not args.common:
+                continue
+            planner_kv = plan(shape, GPUInfo.from_spec(spec, MAX_GPUS), Hints()).kv_cache_dtype
+            for kv in dict.fromkeys(("auto", args.kv_cache_dtype or planner_kv)):
+                units.append(plan_unit(spec, name, shape, args, kv_cache_dtype=kv))
+                if planned.tensor_parallel_size == 1:
+                    units.append(
+                        plan_unit(spec, name, shape, args, kv_cache_dtype=kv, lora_rank=COMMON_LORA_RANK)
+                    )
+    return units
 
 
 def _merge(units: list[Unit]) -> list[Unit]:
     """GPUs with the same architecture and limit compile the same variants: one unit for all of them."""
     merged: dict[tuple, Unit] = {}
     for u in units:
-        key = tuple(v for k, v in asdict(u).items() if k != "gpus")
+        key = (u.model, u.tensor_parallel_size, u.plan)
         seen = merged.get(key)
-        merged[key] = u if seen is None else Unit(**{**asdict(seen), "gpus": seen.gpus + u.gpus})
+        gpus = u.gpus if seen is None else seen.gpus + tuple(g for g in u.gpus if g not in seen.gpus)
+        merged[key] = Unit(gpus, u.model, u.tensor_parallel_size, u.plan)
     return list(merged.values())
 
 
@@ -189,41 +357,24 @@ def compile_unit(unit: Unit, cache_dir: str | None) -> list[Row]:
     if cache_dir:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
     os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-    from pagoda.kernels.launch_config import DeviceLimits
-    from pagoda.kernels.warm import AttentionShape, compile_shapes
+    from pagoda.kernels.warm import compile_plan
 
-    limits = DeviceLimits(unit.compute_capability, unit.shared_memory_per_block)
-    # a model with a sliding window may also have full-attention layers (Qwen2's max_window_layers)
-    windows = (unit.sliding_window, None) if unit.sliding_window else (None,)
-    shapes = [
-        AttentionShape(heads, kv_heads, unit.head_dim, unit.block_size, getattr(torch, unit.dtype),
-                       getattr(torch, unit.kv_cache_dtype), window)
-        for heads, kv_heads in unit.ranks
-        for window in windows
-    ]  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # Triton prints ptxas' complaints; stdout carries --json
-        compilation = compile_shapes(limits, shapes)
+        compilation = compile_plan(unit.plan)
     cc = f"{unit.compute_capability[0]}.{unit.compute_capability[1]}"
+    limit = unit.plan.shared_memory_per_block
     return [
         Row(list(unit.gpus), cc, unit.model, unit.dtype, unit.kv_cache_dtype, v.label, v.shared_memory,
-            v.shared_memory_bound, unit.shared_memory_per_block, v.shared_memory <= unit.shared_memory_per_block)
+            v.shared_memory_bound, limit, v.shared_memory <= limit)
         for v in compilation.variants
     ]  # fmt: skip
 
 
 def warm(args: argparse.Namespace) -> Result:
-    from pagoda.engine.cli.plan import resolve_shape
-
     start = time.monotonic()
     result = Result()
     specs = _gpus(args.gpu, torch_cuda_archs(), result)
-    units = []
-    for model in args.model or [DEFAULT_MODEL]:
-        shape = resolve_shape(None if model == DEFAULT_MODEL else model)
-        name = f"{model} ({shape.name})" if model == DEFAULT_MODEL else model
-        units += [plan_unit(spec, name, shape, args) for spec in specs]
-    units = _merge(units)
+    units = _merge(units_of(args, specs, result.skipped))
     for unit, rows in _run(units, args):
         if isinstance(rows, str):
             result.errors.append(f"{', '.join(unit.gpus)} / {unit.model}: {rows}")

@@ -20,10 +20,13 @@ SHARED_MEMORY_PER_BLOCK = {
     (7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
     (9, 0): 232_448, (10, 0): 232_448, (12, 0): 101_376,
 }  # fmt: skip
-# The torch build of the engine image (images/engine/Dockerfile, docs/images.md) and the CUDA architectures
-# it carries kernels for (PyTorch's RELEASE.md support matrix: CUDA 12.8 builds, Volta dropped from 2.11
-# on). A GPU runs code built for its major version and a minor at most its own (8.9 runs sm_86 code).
-ENGINE_TORCH_BUILD = "torch 2.13.0+cu128 (CUDA 12.8)"
+# The torch build of the engine image (images/engine/Dockerfile, docs/images.md): PyPI's torch 2.13.0, the
+# CUDA 13.0 build, and the CUDA architectures it carries kernels for (what torch.cuda.get_arch_list() reported
+# on an H100; CUDA 13 has no Volta: 7.0 is gone). A GPU runs code built for its major version and a minor at
+# most its own (8.9 runs sm_86 code). CUDA 13.0 needs an NVIDIA driver of 580 or newer.
+ENGINE_CUDA = "13.0"
+ENGINE_MIN_DRIVER = 580
+ENGINE_TORCH_BUILD = f"torch 2.13.0 (CUDA {ENGINE_CUDA}, PyPI)"
 TORCH_WHEEL_ARCHS = ((7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0))
 ENGINE_MIN_COMPUTE = TORCH_WHEEL_ARCHS[0]
 
@@ -234,8 +237,8 @@ def check_engine_runs_on(gpu: GPUInfo) -> None:
         archs = ", ".join(f"{major}.{minor}" for major, minor in TORCH_WHEEL_ARCHS)
         raise UnsupportedGPUError(
             f"{gpu.name} has compute capability {cc[0]}.{cc[1]}; the engine image's {ENGINE_TORCH_BUILD} has "
-            f"kernels for compute capability {archs} (Turing and newer): use another GPU, or gpu.count: 0 "
-            "for CPU pods"
+            f"kernels for compute capability {archs} (Turing and newer; NVIDIA driver {ENGINE_MIN_DRIVER} or "
+            "newer): use another GPU, or gpu.count: 0 for CPU pods"
         )
 
 

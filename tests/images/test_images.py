@@ -98,21 +98,80 @@ def _arg(path: Path, name: str) -> str:
 
 
 def test_engine_image_flavour_cuda_driver_and_planner_agree():
-    """The GPU flavour's torch build, the base image's CUDA and the documented driver say the same thing, and
-    the planner refuses GPUs that build cannot run."""
-    from pagoda.engine.sizing.gpus import ENGINE_MIN_COMPUTE, ENGINE_TORCH_BUILD
+    """The GPU flavour (torch from PyPI: its CUDA 13.0 build), the container toolkit's driver requirement, the
+    documented driver and the planner say the same thing, and the planner refuses GPUs that build cannot run."""
+    from pagoda.engine.sizing.gpus import (
+        ENGINE_CUDA,
+        ENGINE_MIN_COMPUTE,
+        ENGINE_MIN_DRIVER,
+        ENGINE_TORCH_BUILD,
+    )
 
-    base, flavour = _arg(IMAGES["engine"], "BASE_IMAGE"), _arg(IMAGES["engine"], "TORCH_FLAVOUR")
-    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-base-ubuntu24\.04", base)
-    assert cuda and flavour == f"cu{cuda[1]}{cuda[2]}", (base, flavour)
+    path = IMAGES["engine"]
+    flavour = _arg(path, "TORCH_FLAVOUR")
+    assert flavour == "cu" + ENGINE_CUDA.replace(".", "") == "cu130"
+    assert _arg(path, "BASE_IMAGE") == "debian:bookworm-slim"  # no CUDA base image: the wheels bring CUDA
+    assert _arg(path, "NVIDIA_REQUIRE_CUDA") == f'"cuda>={ENGINE_CUDA}"'
+    assert (
+        _arg(path, "NVIDIA_VISIBLE_DEVICES") == "all"
+        and _arg(path, "NVIDIA_DRIVER_CAPABILITIES") == "compute,utility"
+    )
+    env = " ".join(rest for w, rest in _final_stage(path) if w == "ENV")
+    for value in ("NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES}", "NVIDIA_REQUIRE_CUDA=${NVIDIA_REQUIRE_CUDA}",
+                  "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"):  # fmt: skip
+        assert value in env, value
     torch_pin = next(d for d in _extras()["engine"] if d.startswith("torch"))
     version = torch_pin.removeprefix("torch==")
-    assert ENGINE_TORCH_BUILD == f"torch {version}+{flavour} (CUDA {cuda[1]}.{cuda[2]})"
-    assert ENGINE_MIN_COMPUTE == (7, 5)  # CUDA 12.8 builds of torch: Turing (sm_75) to Blackwell
-    for doc in (ROOT / "docs" / "images.md", ROOT / "charts" / "pagoda" / "README.md"):
+    assert ENGINE_TORCH_BUILD == f"torch {version} (CUDA {ENGINE_CUDA}, PyPI)"
+    # CUDA 13: Turing to Blackwell, driver 580
+    assert ENGINE_MIN_COMPUTE == (7, 5) and ENGINE_MIN_DRIVER == 580
+    for doc in (ROOT / "docs" / "images.md", ROOT / "charts" / "pagoda" / "README.md", ROOT / "README.md"):
         text = doc.read_text()
-        for fact in (f"torch {version}+{flavour}", f"CUDA {cuda[1]}.{cuda[2]}", "driver 570", "7.5"):
+        for fact in (f"torch {version}", f"CUDA {ENGINE_CUDA}", f"driver {ENGINE_MIN_DRIVER}", "7.5"):
             assert fact in text, f"{doc.name} does not say {fact!r}"
+        assert "cu128" not in text and "570" not in text, doc.name
+
+
+def test_the_gpu_wheel_set_is_pypis_cuda_13_build():
+    """What the GPU flavour installs, resolved from the package registries as `make image-gpu` would (pip's
+    dry run with the image's pins, Python and platform; nothing downloaded): torch 2.13.0 as PyPI builds it
+    (no local +cu or +cpu version, whatever else the host's pip configuration offers) with the nvidia-* wheels
+    of CUDA 13; the CPU flavour's rule takes only +cpu. Skipped where no registry answers."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "images"))
+    import fetch_wheels
+
+    assert "torch===2.13.0" in fetch_wheels.requirements("cu130")
+    assert "torch==2.13.0" in fetch_wheels.requirements("cpu")
+    with pytest.raises(SystemExit, match="PyPI's torch build"):
+        fetch_wheels.check_set(["torch-2.13.0+cu128-cp311-cp311-linux_x86_64.whl"], "cu130")
+    with pytest.raises(SystemExit, match=r"\+cpu build"):
+        fetch_wheels.check_set(["torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl"], "cpu")
+    with pytest.raises(SystemExit, match="CUDA 12, not 13"):
+        fetch_wheels.check_set(["torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+                                "nvidia_cublas-12.8.4.1-py3-none-manylinux_2_27_x86_64.whl",
+                                "nvidia_cuda_runtime-13.0.96-py3-none-manylinux_2_17_x86_64.whl",
+                                "nvidia_cudnn_cu13-9.20.0.48-py3-none-manylinux_2_27_x86_64.whl",
+                                "nvidia_nccl_cu13-2.29.7-py3-none-manylinux_2_18_x86_64.whl"], "cu130")  # fmt: skip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            data = fetch_wheels.resolve(
+                "cu130", Path(tmp) / "report.json"
+            )  # raises SystemExit if the set is wrong
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"no package registry answered pip's dry run: {exc}")
+    installed = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in data["install"]}
+    assert installed["torch"] == "2.13.0" and installed["triton"] == _extras()["triton"][0].removeprefix(
+        "triton=="
+    )
+    urls = [i["download_info"]["url"] for i in data["install"]]
+    assert not any("download.pytorch.org" in u for u in urls), urls
+    assert installed["nvidia-cuda-runtime"].startswith("13.") and installed["nvidia-cublas"].startswith("13.")
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13"} <= set(installed)
+    assert not any(name.endswith("-cu12") for name in installed), installed
 
 
 def _extras() -> dict[str, list[str]]:
@@ -143,8 +202,9 @@ def test_engine_image_carries_what_triton_and_the_cpu_kernels_need_at_run_time()
     env = " ".join(rest for w, rest in final if w == "ENV")
     assert "TRITON_CACHE_DIR=/tmp/" in env and "HF_HUB_OFFLINE=1" in env and "HOME=/tmp" in env
     code = " ".join(rest for w, rest in final if w == "RUN")
-    assert "--no-index --find-links /wheels" in code and "python -m pagoda.kernels.cpu.build --check" in code
-    assert "torch.__version__.endswith('+${TORCH_FLAVOUR}')" in code
+    assert "--no-index --find-links" in code and "python -m pagoda.kernels.cpu.build --check" in code
+    assert "'/wheels/${TORCH_FLAVOUR}'" in code.replace('"', "'") and "torch.version.cuda" in code
+    assert "pagoda kernels warm --gpu all --model catalogue --common" in code
     assert _exec_form(IMAGES["engine"], "ENTRYPOINT") == ["pagoda", "serve"]
 
 

@@ -113,9 +113,8 @@ def test_the_engines_launch_path_finds_every_warmed_variant(catalogue, tmp_path)
                 kernel.device_caches.clear()  # Triton keeps one target per device index
             limits = DeviceLimits(spec.compute_capability, spec.shared_memory_per_block)
             token = runtime.COMPILING.set(runtime.Compiler(limits, jit_launch))
-            for heads, kv_heads in unit.ranks:
-                launch_all(AttentionShape(heads, kv_heads, unit.head_dim, unit.block_size,
-                                          getattr(torch, unit.dtype), getattr(torch, unit.kv_cache_dtype)))
+            for shape in unit.plan.attention_shapes():
+                launch_all(shape)
             runtime.COMPILING.reset(token)
         """
     )
@@ -164,3 +163,77 @@ def test_a_variant_that_does_not_fit_is_named(catalogue):
         and "98304 B" in done.stderr
         and "allows 65536" in done.stderr
     )
+
+
+SERVE_EQUALS_WARM = textwrap.dedent(
+    """
+    import json, sys
+    from pagoda.engine.cli.kernels import (DEFAULT_MODEL, _gpus, _merge, _parser, Result, plan_unit, serve_unit,
+                                           torch_cuda_archs, units_of)
+    from pagoda.engine.cli.plan import resolve_shape
+    from pagoda.engine.cli.serve_args import to_argv
+    from pagoda.engine.sizing import GPUInfo, Hints, plan
+    from pagoda.engine.sizing.errors import SizingError
+    from pagoda.engine.sizing.shapes import well_known_model_ids
+    from pagoda.kernels.aot import recording_for
+    from pagoda.kernels.warm import launch_plan
+
+    def launched(unit):
+        with recording_for(unit.plan.limits) as keys:
+            launch_plan(unit.plan)
+        return {(unit.plan.limits, key) for key in keys}
+
+    # what the engine image warms: pagoda kernels warm --gpu all --model catalogue --common
+    args = _parser().parse_args(["warm", "--gpu", "all", "--model", "catalogue", "--common"])
+    result = Result()
+    specs = _gpus(args.gpu, torch_cuda_archs(), result)
+    warmed = set()
+    for unit in _merge(units_of(args, specs, result.skipped)):
+        warmed |= launched(unit)
+    explicit = _parser().parse_args(["warm", "--gpu", "x"])
+    report = {"plans": 0, "serve_units": 0, "missing": [], "differ": [], "warmed": len(warmed)}
+    for model in [DEFAULT_MODEL, *well_known_model_ids()]:
+        shape = resolve_shape(None if model == DEFAULT_MODEL else model)
+        for spec in specs:
+            try:
+                planned = plan(shape, GPUInfo.from_spec(spec, 64), Hints())
+            except SizingError:
+                continue
+            report["plans"] += 1
+            # the engine's command as `pagoda plan` and the operator render it, then plain serve's KV dtype and LoRA
+            argv = ([] if model == DEFAULT_MODEL else [model]) + to_argv(planned.engine_settings())
+            auto = [a for i, a in enumerate(argv) if "--kv-cache-dtype" not in argv[max(i - 1, 0) : i + 1]]
+            variants = [argv, auto]
+            if planned.tensor_parallel_size == 1:
+                variants += [argv + ["--enable-lora"], auto + ["--enable-lora"]]
+            for serve_argv in variants:
+                unit = serve_unit(spec, serve_argv)
+                report["serve_units"] += 1
+                # the same plan as warm's own flags give (the planner's choices, or the KV dtype and LoRA named)
+                kv = "auto" if "--kv-cache-dtype" not in serve_argv else planned.kv_cache_dtype
+                lora = 16 if "--enable-lora" in serve_argv else None
+                mine = plan_unit(spec, unit.model, shape, explicit, kv_cache_dtype=kv, lora_rank=lora)
+                if mine.plan != unit.plan:
+                    report["differ"].append([spec.name, model, serve_argv, str(unit.plan), str(mine.plan)])
+                missing = launched(unit) - warmed
+                if missing:
+                    report["missing"].append([spec.name, model, serve_argv, sorted(k[1][0] for k in missing)])
+    print(json.dumps(report))
+    """
+)
+
+
+def test_what_serve_launches_for_each_catalogue_plan_is_what_the_image_warmed():
+    """For every catalogue model on every catalogue GPU the build runs, the engine command the planner makes
+    (`pagoda plan`, the operator's render), the same with plain serve's KV dtype `auto`, and both with
+    `--enable-lora` (tensor-parallel size 1): serve's own parser reads it, `kernel_plan` turns it into the
+    plan warm's flags give too, and every variant its launches need (recorded, not compiled) is among those
+    `pagoda kernels warm --gpu all --model catalogue --common` (the engine image's step) launches."""
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_EQUALS_WARM], capture_output=True, text=True, timeout=900, env=_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["plans"] > 150 and report["serve_units"] > 2 * report["plans"], report
+    assert report["differ"] == [], report["differ"][:3]
+    assert report["missing"] == [], report["missing"][:3]

@@ -57,8 +57,9 @@ async def test_download_job_then_engine_pods_with_progress_on_the_way(cluster: C
         size = pvc["spec"]["resources"]["requests"]["storage"]
         assert size.endswith("Gi") and 18 <= int(size[:-2]) <= 22, size
         assert pvc["metadata"]["ownerReferences"][0]["name"] == "qwen"
-        # The Job: the operator's image, the claim read-write, the token only as an optional secretKeyRef.
-        container = job["spec"]["template"]["spec"]["containers"][0]
+        # The Job: the operator's image, the claim read-write, the token only as an optional secretKeyRef; the
+        # download is its init container (the deployment's kernels are compiled after it, below).
+        container = job["spec"]["template"]["spec"]["initContainers"][0]
         assert container["command"] == ["pagoda-model-download"]
         assert container["args"][:2] == ["--source", "hf://Qwen/Qwen2.5-7B-Instruct"]
         assert container["args"][-2:] == ["--revision", "main"]
@@ -100,6 +101,24 @@ async def test_download_job_then_engine_pods_with_progress_on_the_way(cluster: C
     [vol] = [v for v in pod_spec["volumes"] if v["name"] == "model-cache"]
     assert vol["persistentVolumeClaim"] == {"claimName": "qwen-model-cache", "readOnly": True}
     assert cluster.get(INFD, "default", "qwen")["status"]["model"]["phase"] == "Ready"
+    # After the download the Job compiled the engine's kernels into the cache volume, from the engine image,
+    # for the planned GPU and with the engine's own serve flags; the engine reads them before the image's.
+    [warm] = job["spec"]["template"]["spec"]["containers"]
+    assert warm["name"] == model_cache.KERNEL_CONTAINER and warm["image"] == engine["image"]
+    assert warm["command"][:2] == ["sh", "-c"] and "pagoda kernels warm" in warm["command"][2]
+    args = warm["args"]
+    assert args[:2] == ["--gpu", "L4"] and args[args.index("--") + 1 :] == engine["args"]
+    folder = args[args.index("--cache-dir") + 1]
+    assert folder == model_cache.kernel_dir(engine["image"], "L4", engine["args"])
+    assert folder.startswith(model_cache.KERNELS_DIR + "/")
+    assert {"name": "model-cache", "mountPath": model_cache.CACHE_DIR} in warm["volumeMounts"]
+    assert {"name": "HF_HOME", "value": model_cache.HF_HOME} in warm["env"]
+    assert {"name": "PAGODA_KERNEL_CACHE", "value": f"{folder}:{model_cache.IMAGE_KERNEL_CACHE}"} in engine[
+        "env"
+    ]
+    assert "resources" in warm and "nvidia.com/gpu" not in json.dumps(
+        warm["resources"]
+    )  # compiles without one
     # The token's value was never anywhere: only the Secret's name.
     everything = json.dumps([cluster.objects(r) for r in (JOBS, PVCS, STS, INFD, PODS)])
     assert "hf-token" in everything and "HF_TOKEN" in everything
@@ -154,11 +173,63 @@ async def test_s3_sources_and_per_pod_caches_render_without_a_job(cluster: Clust
         await cluster.settle()
     assert job_of(cluster, "froms3") is None and cluster.objects(PVCS) == []
     pod_spec = sts["spec"]["template"]["spec"]
-    [init] = pod_spec["initContainers"]
+    [init, warm] = pod_spec["initContainers"]  # download, then the kernels into the pod's own cache
     assert init["args"][:2] == ["--source", "s3://models/qwen/7b"]
+    engine = pod_spec["containers"][0]
+    assert (
+        warm["name"] == model_cache.KERNEL_CONTAINER
+        and warm["args"][warm["args"].index("--") + 1 :] == engine["args"]
+    )
     keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e}
     assert set(keys) == set(model_cache.SECRET_KEYS["s3"]) and all(k["optional"] for k in keys.values())
     assert pod_spec["containers"][0]["args"][0] == f"{model_cache.S3_DIR}/models/qwen/7b"
     [template] = [t for t in sts["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == "model-cache"]
     assert template["spec"]["resources"]["requests"]["storage"] == "40Gi"
     assert template["spec"]["storageClassName"] == "local-nvme"
+
+
+async def test_a_failed_kernel_compile_fails_nothing_and_the_download_stays_the_jobs_verdict() -> None:
+    """The kernels step exits 0 whatever `pagoda kernels warm` did (the engine then compiles at start-up), and
+    the Job's final-failure rule and result still name the download, now its init container."""
+    import subprocess
+
+    from pagoda.operator.spec import parse_spec
+
+    cr = qwen("q")
+    spec = parse_spec(cr["spec"])
+    kernels = model_cache.kernel_container("engine:1", "L4", ["Qwen/Qwen2.5-7B-Instruct"], spec)
+    job = model_cache.download_job(cr, spec, kernels)
+    pod = job["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["initContainers"]] == [model_cache.CONTAINER]
+    assert [c["name"] for c in pod["containers"]] == [model_cache.KERNEL_CONTAINER]
+    rule = job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]
+    assert rule["containerName"] == model_cache.CONTAINER
+    script = kernels["command"][2]
+    failing = subprocess.run(
+        ["sh", "-c", script.replace("pagoda kernels warm", "false"), "x"], capture_output=True, text=True
+    )
+    assert failing.returncode == 0 and "the engine compiles its kernels when it starts" in failing.stderr
+    # the download's result is read from the init container's status
+    message = Result("ModelNotFound", "no such revision").to_json() + "\n"
+    status = {
+        "initContainerStatuses": [
+            {"name": model_cache.CONTAINER, "state": {"terminated": {"message": message}}}
+        ]
+    }
+    state = model_cache.download_state(
+        spec, {"metadata": {"name": "j"}, "status": {}}, [{"status": status}], "", "c"
+    )
+    assert state["lastError"] == "ModelNotFound: no such revision"
+    # a GPU deployment's folder changes with the image, the GPU or any serve flag
+    base = model_cache.kernel_dir("engine:1", "L4", ["m"])
+    assert (
+        len(
+            {
+                base,
+                model_cache.kernel_dir("engine:2", "L4", ["m"]),
+                model_cache.kernel_dir("engine:1", "H100-SXM", ["m"]),
+                model_cache.kernel_dir("engine:1", "L4", ["m", "--kv-cache-dtype", "fp8"]),
+            }
+        )
+        == 4
+    )

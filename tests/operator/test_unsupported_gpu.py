@@ -28,7 +28,8 @@ def test_the_planner_refuses_exactly_the_gpus_below_the_builds_compute_capabilit
         plan(SMOL, info, Hints())
     message = str(exc.value)
     assert f"compute capability {spec.compute_capability[0]}.{spec.compute_capability[1]}" in message
-    assert "torch 2.13.0+cu128" in message and "7.5" in message and "gpu.count: 0" in message
+    assert "torch 2.13.0 (CUDA 13.0, PyPI)" in message and "7.5" in message and "gpu.count: 0" in message
+    assert "driver 580" in message
 
 
 @pytest.mark.asyncio
