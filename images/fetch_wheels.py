@@ -101,7 +101,12 @@ def check_set(wheels: list[str], flavour: str) -> None:
         raise SystemExit(f"the {flavour} flavour takes PyPI's torch build, not a local one: {torch[0]}")
     major = CUDA[flavour].split(".")[0]
     nvidia = [w for w in wheels if w.startswith("nvidia_")]
-    for lib in ("nvidia_cublas-", "nvidia_cuda_runtime-", f"nvidia_cudnn_cu{major}-", f"nvidia_nccl_cu{major}-"):
+    for lib in (
+        "nvidia_cublas-",
+        "nvidia_cuda_runtime-",
+        f"nvidia_cudnn_cu{major}-",
+        f"nvidia_nccl_cu{major}-",
+    ):
         found = [w for w in nvidia if w.startswith(lib)]
         if not found:
             raise SystemExit(f"{flavour}: no {lib.rstrip('-')} wheel among {', '.join(nvidia) or 'none'}")
@@ -115,7 +120,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavour", choices=FLAVOURS, default="cpu")
     parser.add_argument("--dest", type=Path, default=WHEELS)
-    parser.add_argument("--report", type=Path, help="resolve only (pip --dry-run --report FILE), download nothing")
+    parser.add_argument(
+        "--report", type=Path, help="resolve only (pip --dry-run --report FILE), download nothing"
+    )
     args = parser.parse_args()
     if args.report:
         data = resolve(args.flavour, args.report)
