@@ -93,7 +93,8 @@ def _mask_stops(logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: set
         if i in grammar_rows:
             continue
         if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
-            logits[i, _upload(row.stop_ids, torch.long, logits.device)] = float("-inf")
+            # index_fill_, not indexed assignment: on CUDA the latter waits for the device (index_put_)
+            logits[i].index_fill_(0, _upload(row.stop_ids, torch.long, logits.device), float("-inf"))
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
