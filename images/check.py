@@ -447,7 +447,9 @@ def check_gpu_image(box: Sandbox, logs: Path) -> dict:
     assert rc == 0, out[-4000:]
     facts = json.loads(out.strip().splitlines()[-1])
     say(f"gpu image: {json.dumps(facts)}")
-    assert facts["cuda"] == ENGINE_CUDA and "+" not in facts["torch"], facts
+    assert facts["cuda"] == ENGINE_CUDA and facts["torch"].endswith("+cu" + ENGINE_CUDA.replace(".", "")), (
+        facts
+    )
     assert facts["archs"] == [f"sm_{a}{b}" for a, b in TORCH_WHEEL_ARCHS], facts
     env = facts["env"]
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_REQUIRE_CUDA"] == f"cuda>={ENGINE_CUDA}", (

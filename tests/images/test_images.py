@@ -204,6 +204,7 @@ def test_engine_image_carries_what_triton_and_the_cpu_kernels_need_at_run_time()
     code = " ".join(rest for w, rest in final if w == "RUN")
     assert "--no-index --find-links" in code and "python -m pagoda.kernels.cpu.build --check" in code
     assert "'/wheels/${TORCH_FLAVOUR}'" in code.replace('"', "'") and "torch.version.cuda" in code
+    assert "v.endswith('+${TORCH_FLAVOUR}')" in code
     assert "pagoda kernels warm --gpu all --model catalogue --common" in code
     assert _exec_form(IMAGES["engine"], "ENTRYPOINT") == ["pagoda", "serve"]
 
