@@ -242,7 +242,12 @@ def check_args(
         info["memory_measured"] = True
         warnings.append("on CPU the KV cache is sized from the available RAM where the engine starts")
     else:
-        tokens = profile_tokens(config.max_num_batched_tokens, model.max_position_embeddings)
+        tokens = profile_tokens(
+            config.max_num_batched_tokens,
+            model.max_position_embeddings,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_model_len=config.max_model_len,
+        )
         act = activation_bytes(model.shape, tokens, 1, tp, dtype)  # as the engine profiles it (no scratch KV)
         info["activation_bytes_estimated"] = act
         if cuda is not None:

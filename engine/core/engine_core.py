@@ -40,7 +40,6 @@ from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
 from pagoda.engine.offload import build_offload
 from pagoda.engine.request import Request, Sequence, now
 from pagoda.engine.sizing.engine_plan import (
-    DEFAULT_BATCHED_TOKENS,
     engine_plan,
     kv_bytes_per_token,
     profile_tokens,
@@ -343,12 +342,12 @@ class EngineCore:
         max_len = self.model_config.max_position_embeddings  # the plan's length is not known yet: at most
         if isinstance(cfg.max_model_len, int):
             max_len = min(max_len, cfg.max_model_len)
-        # The largest step the scheduler may build: its token budget. Without chunked prefill a whole prompt
-        # of up to max_model_len is one step (the plan's budget is then at least max_model_len).
-        batched = cfg.max_num_batched_tokens
-        if batched is None and not cfg.enable_chunked_prefill:
-            batched = max(DEFAULT_BATCHED_TOKENS, max_len)
-        tokens = profile_tokens(batched, self.model_config.max_position_embeddings)
+        tokens = profile_tokens(
+            cfg.max_num_batched_tokens,
+            self.model_config.max_position_embeddings,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_model_len=cfg.max_model_len,
+        )
         request = Profile(
             tokens,
             cfg.block_size,

@@ -182,9 +182,21 @@ def check_tensor_parallel(num_heads: int, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {num_heads} attention heads")
 
 
-def profile_tokens(max_num_batched_tokens: int | None, model_max_len: int) -> int:
-    """Tokens of the one step the engine profiles for its activation peak."""
-    return min(max_num_batched_tokens or DEFAULT_BATCHED_TOKENS, model_max_len)
+def profile_tokens(
+    max_num_batched_tokens: int | None,
+    model_max_len: int,
+    *,
+    enable_chunked_prefill: bool = True,
+    max_model_len: int | str | None = None,
+) -> int:
+    """Tokens of the one step the engine profiles for its activation peak: the largest step the scheduler may
+    build. Without chunked prefill and without a budget a whole prompt of up to max_model_len is one step
+    (the planned length is not known yet: the model's, or a smaller --max-model-len)."""
+    batched = max_num_batched_tokens
+    if batched is None and not enable_chunked_prefill:
+        max_len = min(model_max_len, max_model_len) if isinstance(max_model_len, int) else model_max_len
+        batched = max(DEFAULT_BATCHED_TOKENS, max_len)
+    return min(batched or DEFAULT_BATCHED_TOKENS, model_max_len)
 
 
 def gpu_kv_budget(

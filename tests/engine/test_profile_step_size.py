@@ -57,3 +57,26 @@ def test_the_plan_s_budget_without_chunked_prefill_is_what_was_profiled(tiny_mod
     path = str(tiny_model("llama", max_position_embeddings=4096))
     llm = LLM(path, device="cpu", dtype="float32", max_model_len=3000, enable_chunked_prefill=False)
     assert seen == [llm.engine.scheduler.max_num_batched_tokens] == [3000]
+
+
+def test_the_dry_run_estimates_the_step_the_engine_profiles():
+    """The operator's check (serve_check, no torch) sizes the activation peak of the same step: without
+    chunked prefill a whole 8,192-token prompt, 4x the 2,048 it assumed before."""
+    from pagoda.engine.cli.serve_check import check
+
+    shape = '{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, ' \
+        '"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, ' \
+        '"max_position_embeddings": 131072, "torch_dtype": "bfloat16"}'  # fmt: skip
+    base = [
+        "--model",
+        "m",
+        "--model-shape",
+        shape,
+        "--gpu",
+        "NVIDIA-H100-80GB-HBM3",
+        "--max-model-len",
+        "8192",
+    ]
+    chunked = check(base).device["activation_bytes_estimated"]
+    whole = check([*base, "--no-enable-chunked-prefill"]).device["activation_bytes_estimated"]
+    assert whole == pytest.approx(4 * chunked, rel=0.25)
