@@ -59,6 +59,7 @@ def test_pod_fields_reach_engine_and_router_pods() -> None:
         "PAGODA_NATIVE_KERNELS",
         "HF_HOME",
         "PAGODA_API_KEY",
+        "PAGODA_KERNEL_CACHE",  # the deployment's kernels, compiled by the download Job, then the image's
         "NCCL_DEBUG",
         "FROM_SECRET",
     ]
