@@ -639,8 +639,8 @@ class InferenceSpec:
     adapters: list[AdapterSpec] = prop(
         ListOf(AdapterSpec, key="name", max_items=MAX_ADAPTERS),
         "adapters",
-        "LoRA adapters of the model, served by every engine next to it and loaded at start (more can be loaded "
-        "at run time through POST /v1/load_lora_adapter).",
+        "LoRA adapters of the model, served by every engine next to it and loaded at start (this list is the "
+        "source of truth: the engine's run-time load and unload routes stay off in the pods it renders).",
         default=[],
         show_default=False,
     )
