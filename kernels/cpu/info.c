@@ -13,10 +13,11 @@ const char *pagoda_cpu_variant(void) { return PAGODA_VARIANT; }
 int pagoda_cpu_features(void)
 {
     int features = 0;
-#if defined(__AVX512F__)
-    features |= 1;
-#elif defined(__AVX2__) && defined(__FMA__)
-    features |= 1 | 2;
+#ifdef VLEN
+    features |= 1; /* the vector variants (pagoda_cpu.h) */
+#if VLEN == 8
+    features |= 2; /* the AVX2 variant */
+#endif
 #endif
     return features;
 }

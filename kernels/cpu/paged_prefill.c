@@ -1,97 +1,23 @@
 /* Causal prefill attention over the paged cache, flash-attention style (engine/attention/cpu_prefill.py binds
-   it): AVX-512 tiles over 16-key chunks, AVX2 tiles over 8-key chunks; the portable build returns 2. */
+   it): tiles over chunks of one vector of keys (16 on AVX-512, 8 on AVX2); the portable build returns 2. */
 #include "pagoda_cpu.h"
 
 #define PF_R 12        /* query rows per tile: positions x query heads of one KV head */
 #define PF_MAXD 256
+#define PF_RV 16       /* PF_R rounded up to whole vectors (of 8 or 16 lanes) */
 
-#if defined(__AVX512F__)
-#define PF_W 16 /* keys per chunk: one vector of scores per query row */
+#ifdef VLEN
+#define PF_W VLEN /* keys per chunk: one vector of scores per query row */
+/* One tile of PF_R query rows against the key chunks [c0, c1) of the transposed K in kt, with P.V ordered by
+   head-dimension slice (outer) and key (inner) so the 12 rows' accumulators of one slice stay in registers
+   (AVX2 has 16). */
 static inline __attribute__((always_inline)) void pf_tile(
     const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
     int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
     float *m, float *l, const int D, const int BF)
 {
-    const int DV = D / 16;
-    const int RB = 24 / DV > PF_R ? PF_R : 24 / DV; /* rows per P.V pass: accumulators stay in registers */
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    int minpos = pos[0], maxws = ws[0];
-    for (int r = 1; r < R; r++) { minpos = pos[r] < minpos ? pos[r] : minpos; maxws = ws[r] > maxws ? ws[r] : maxws; }
-    int maxpos = pos[0], minws = ws[0];
-    for (int r = 1; r < R; r++) { maxpos = pos[r] > maxpos ? pos[r] : maxpos; minws = ws[r] < minws ? ws[r] : minws; }
-    float ps[PF_R][16] __attribute__((aligned(64)));
-    float corr[PF_R];
-    const int cl = minws / 16, ch = maxpos / 16 + 1; /* chunks any row of this tile sees */
-    for (int c = cl > c0 ? cl : c0; c < ch && c < c1; c++) {
-        const float *ktc = kt + (int64_t)(c - c0) * D * 16;
-        __m512 S[PF_R];
-        for (int r = 0; r < PF_R; r++) S[r] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d++) {
-            const __m512 kv = _mm512_load_ps(ktc + d * 16);
-            for (int r = 0; r < PF_R; r++) S[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), kv, S[r]);
-        }
-        const int full = c * 16 + 15 <= minpos && c * 16 >= maxws;
-        const __m512i kidx = _mm512_add_epi32(_mm512_set1_epi32(c * 16), iota);
-        for (int r = 0; r < PF_R; r++) {
-            __mmask16 mk = 0xFFFF;
-            if (!full)
-                mk = _mm512_cmp_epi32_mask(kidx, _mm512_set1_epi32(pos[r]), _MM_CMPINT_LE) &
-                     _mm512_cmp_epi32_mask(kidx, _mm512_set1_epi32(ws[r]), _MM_CMPINT_NLT);
-            const float mx = mk ? _mm512_mask_reduce_max_ps(mk, S[r]) : -INFINITY;
-            const float mnew = mx > m[r] ? mx : m[r];
-            if (mnew == -INFINITY) {
-                _mm512_store_ps(ps[r], _mm512_setzero_ps());
-                corr[r] = 1.0f;
-                continue;
-            }
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(S[r], _mm512_set1_ps(mnew))));
-            _mm512_store_ps(ps[r], e);
-            corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(e);
-            m[r] = mnew;
-        }
-        const int j0 = 0, j1 = kend - c * 16 < 16 ? kend - c * 16 : 16;
-        int64_t vrow[16]; /* element offsets of the chunk's V rows */
-        for (int j = j0; j < j1; j++) {
-            const int key = c * 16 + j;
-            vrow[j] = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
-        }
-        for (int rb = 0; rb < PF_R; rb += RB) {
-            const int nr = PF_R - rb < RB ? PF_R - rb : RB;
-            __m512 acc[24];
-            for (int rr = 0; rr < nr; rr++) {
-                const __m512 cv = _mm512_set1_ps(corr[rb + rr]);
-                for (int i = 0; i < DV; i++)
-                    acc[rr * DV + i] = _mm512_mul_ps(_mm512_load_ps(O + (rb + rr) * D + 16 * i), cv);
-            }
-            for (int j = j0; j < j1; j++) {
-                __m512 vv[PF_MAXD / 16];
-                if (BF)
-                    for (int i = 0; i < DV; i++) vv[i] = bf16x16((const uint16_t *)vc + vrow[j] + 16 * i);
-                else
-                    for (int i = 0; i < DV; i++) vv[i] = _mm512_loadu_ps((const float *)vc + vrow[j] + 16 * i);
-                for (int rr = 0; rr < nr; rr++) {
-                    const __m512 p = _mm512_set1_ps(ps[rb + rr][j]);
-                    for (int i = 0; i < DV; i++) acc[rr * DV + i] = _mm512_fmadd_ps(p, vv[i], acc[rr * DV + i]);
-                }
-            }
-            for (int rr = 0; rr < nr; rr++)
-                for (int i = 0; i < DV; i++) _mm512_store_ps(O + (rb + rr) * D + 16 * i, acc[rr * DV + i]);
-        }
-    }
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PF_W 8
-/* The AVX-512 tile at 8 lanes, with P.V ordered by head-dimension slice (outer) and key (inner) so the 12
-   rows' accumulators of one slice stay in the 16 ymm registers. */
-static inline __attribute__((always_inline)) void pf_tile(
-    const float *qs /* [PF_R][D] scaled */, const int *pos, const int *ws, int R, const float *kt, int c0,
-    int c1, const void *vc, const int32_t *bt_row, int bs, int64_t tok_stride, int h, int kend, float *O,
-    float *m, float *l, const int D, const int BF)
-{
-    const int DV = D / 8;
-    const __m256i iota = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const int DV = D / VLEN;
+    const vint iota = viota();
     int minpos = pos[0], maxws = ws[0], maxpos = pos[0], minws = ws[0];
     for (int r = 1; r < R; r++) {
         minpos = pos[r] < minpos ? pos[r] : minpos;
@@ -99,72 +25,64 @@ static inline __attribute__((always_inline)) void pf_tile(
         maxpos = pos[r] > maxpos ? pos[r] : maxpos;
         minws = ws[r] < minws ? ws[r] : minws;
     }
-    float ps[PF_R][8] __attribute__((aligned(32)));
-    float sc[PF_R][8] __attribute__((aligned(32)));
-    float corr[16] __attribute__((aligned(32))), rsum[PF_R];
+    float ps[PF_R][VLEN] __attribute__((aligned(64)));
+    float sc[PF_R][VLEN] __attribute__((aligned(64)));
+    float corr[PF_RV] __attribute__((aligned(64))), rsum[PF_R];
     float qt[PF_MAXD][PF_R]; /* the queries transposed: one pointer serves the 12 broadcasts of a d */
     for (int r = 0; r < PF_R; r++)
         for (int d = 0; d < D; d++) qt[d][r] = qs[r * D + d];
-    const int cl = minws / 8, ch = maxpos / 8 + 1;
+    const int cl = minws / VLEN, ch = maxpos / VLEN + 1; /* chunks any row of this tile sees */
     for (int c = cl > c0 ? cl : c0; c < ch && c < c1; c++) {
-        const float *ktc = kt + (int64_t)(c - c0) * D * 8;
-        __m256 S[PF_R]; /* indexed by constants only (unrolled), so it lives in registers */
+        const float *ktc = kt + (int64_t)(c - c0) * D * VLEN;
+        vfloat S[PF_R]; /* indexed by constants only (unrolled), so it lives in registers */
 #pragma GCC unroll 12
-        for (int r = 0; r < PF_R; r++) S[r] = _mm256_setzero_ps();
+        for (int r = 0; r < PF_R; r++) S[r] = vzero();
         for (int d = 0; d < D; d++) {
-            const __m256 kv = _mm256_load_ps(ktc + d * 8);
+            const vfloat kv = vload(ktc + d * VLEN);
 #pragma GCC unroll 12
-            for (int r = 0; r < PF_R; r++) S[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qt[d][r]), kv, S[r]);
+            for (int r = 0; r < PF_R; r++) S[r] = vfmadd(vbroadcast(&qt[d][r]), kv, S[r]);
         }
 #pragma GCC unroll 12
-        for (int r = 0; r < PF_R; r++) _mm256_store_ps(sc[r], S[r]);
-        const int full = c * 8 + 7 <= minpos && c * 8 >= maxws;
-        const __m256i kidx = _mm256_add_epi32(_mm256_set1_epi32(c * 8), iota);
+        for (int r = 0; r < PF_R; r++) vstore(sc[r], S[r]);
+        const int full = c * VLEN + VLEN - 1 <= minpos && c * VLEN >= maxws;
+        const vint kidx = viadd(viset1(c * VLEN), iota);
         for (int r = 0; r < PF_R; r++) {
-            __m256 mk = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-            if (!full) /* key <= pos and key >= window start */
-                mk = _mm256_castsi256_ps(_mm256_andnot_si256(
-                    _mm256_or_si256(_mm256_cmpgt_epi32(kidx, _mm256_set1_epi32(pos[r])),
-                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(ws[r]), kidx)),
-                    _mm256_set1_epi32(-1)));
-            const __m256 sr = _mm256_load_ps(sc[r]);
-            const float mx = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sr, mk));
+            const vmask mk = full ? vmask_first(VLEN) : vmask_range(kidx, ws[r], pos[r]); /* ws <= key <= pos */
+            const vfloat sr = vload(sc[r]);
+            const float mx = vhmax(vblend(vset1(-INFINITY), sr, mk));
             const float mnew = mx > m[r] ? mx : m[r];
             if (mnew == -INFINITY) {
-                _mm256_store_ps(ps[r], _mm256_setzero_ps());
+                vstore(ps[r], vzero());
                 corr[r] = 0.0f; /* exp(0): the row's sums stay as they are (zero) */
                 rsum[r] = 0.0f;
                 continue;
             }
-            const __m256 e = _mm256_and_ps(mk, exp8(_mm256_sub_ps(sr, _mm256_set1_ps(mnew))));
-            _mm256_store_ps(ps[r], e);
+            const vfloat e = vmaskz(mk, vexp(vsub(sr, vset1(mnew))));
+            vstore(ps[r], e);
             corr[r] = m[r] == -INFINITY ? -INFINITY : m[r] - mnew; /* exp below: 0 where nothing was seen */
-            rsum[r] = hsum8(e);
+            rsum[r] = vhsum(e);
             m[r] = mnew;
         }
-        for (int r = PF_R; r < 16; r++) corr[r] = 0.0f;
-        _mm256_store_ps(corr, exp8(_mm256_load_ps(corr))); /* the rows' rescale factors, 8 at a time */
-        _mm256_store_ps(corr + 8, exp8(_mm256_load_ps(corr + 8)));
+        for (int r = PF_R; r < PF_RV; r++) corr[r] = 0.0f;
+        for (int r = 0; r < PF_RV; r += VLEN) vstore(corr + r, vexp(vload(corr + r))); /* the rows' rescales */
         for (int r = 0; r < PF_R; r++) l[r] = l[r] * corr[r] + rsum[r];
-        const int j1 = kend - c * 8 < 8 ? kend - c * 8 : 8;
-        int64_t vrow[8]; /* element offsets of the chunk's V rows */
+        const int j1 = kend - c * VLEN < VLEN ? kend - c * VLEN : VLEN;
+        int64_t vrow[VLEN]; /* element offsets of the chunk's V rows */
         for (int j = 0; j < j1; j++) {
-            const int key = c * 8 + j;
+            const int key = c * VLEN + j;
             vrow[j] = ((int64_t)bt_row[key / bs] * bs + key % bs) * tok_stride + (int64_t)h * D;
         }
         for (int i = 0; i < DV; i++) {
-            __m256 acc[PF_R];
+            vfloat acc[PF_R];
 #pragma GCC unroll 12
-            for (int r = 0; r < PF_R; r++)
-                acc[r] = _mm256_mul_ps(_mm256_load_ps(O + r * D + 8 * i), _mm256_set1_ps(corr[r]));
+            for (int r = 0; r < PF_R; r++) acc[r] = vmul(vload(O + r * D + VLEN * i), vset1(corr[r]));
             for (int j = 0; j < j1; j++) {
-                const __m256 vv = BF ? bf16x8((const uint16_t *)vc + vrow[j] + 8 * i)
-                                     : _mm256_loadu_ps((const float *)vc + vrow[j] + 8 * i);
+                const vfloat vv = vload_as(vc, vrow[j] + VLEN * i, BF);
 #pragma GCC unroll 12
-                for (int r = 0; r < PF_R; r++) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ps[r][j]), vv, acc[r]);
+                for (int r = 0; r < PF_R; r++) acc[r] = vfmadd(vbroadcast(&ps[r][j]), vv, acc[r]);
             }
 #pragma GCC unroll 12
-            for (int r = 0; r < PF_R; r++) _mm256_store_ps(O + r * D + 8 * i, acc[r]);
+            for (int r = 0; r < PF_R; r++) vstore(O + r * D + VLEN * i, acc[r]);
         }
     }
 }
@@ -242,7 +160,7 @@ static inline __attribute__((always_inline)) int paged_prefill(
     const int G = H / Hkv;
     if (G * Hkv != H || G > PF_R || D > PF_MAXD || D % 16) return 1;
     const int P = PF_R / G;
-    const int pr = P * (PF_W == 8 ? 16 : 8);
+    const int pr = P * (128 / PF_W); /* positions per task range: 16 tiles on AVX2, 8 on AVX-512 */
     int64_t ntask = 0;
     for (int i = 0; i < n; i++) ntask += (int64_t)Hkv * ((qlens[i] + pr - 1) / pr);
     #pragma omp parallel num_threads(nthreads)

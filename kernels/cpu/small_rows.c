@@ -13,70 +13,59 @@
 #define STREAM_ROWS_MAX 8
 #define ROWS_MAX 64
 
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __attribute__((always_inline)) __m256 w8(const void *w, int64_t k, const int BF)
-{
-    return BF ? bf16x8((const uint16_t *)w + k) : _mm256_loadu_ps((const float *)w + k);
-}
-
+#ifdef VLEN
 /* One weight row against M rows of x: up to four rows keep two accumulators each to hide the FMA latency;
    more rows are enough independent chains with one each. */
-static inline __attribute__((always_inline)) void row_avx2(const float *x, int64_t xs, const void *wr, int64_t K,
+static inline __attribute__((always_inline)) void row_vec(const float *x, int64_t xs, const void *wr, int64_t K,
                                                            float *y, int64_t ys, const int M, const int BF)
 {
-    __m256 a0[STREAM_ROWS_MAX], a1[STREAM_ROWS_MAX];
+    vfloat a0[STREAM_ROWS_MAX], a1[STREAM_ROWS_MAX];
     for (int m = 0; m < M; m++) {
-        a0[m] = _mm256_setzero_ps();
-        a1[m] = _mm256_setzero_ps();
+        a0[m] = vzero();
+        a1[m] = vzero();
     }
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256 w0 = w8(wr, k, BF), w1 = w8(wr, k + 8, BF);
+    for (; k + 2 * VLEN <= K; k += 2 * VLEN) {
+        const vfloat w0 = vload_as(wr, k, BF), w1 = vload_as(wr, k + VLEN, BF);
         for (int m = 0; m < M; m++) {
-            if (M <= 4) {
-                a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * xs + k), a0[m]);
-                a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * xs + k + 8), a1[m]);
-            } else {
-                a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * xs + k), a0[m]);
-                a0[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * xs + k + 8), a0[m]);
-            }
+            a0[m] = vfmadd(w0, vloadu(x + m * xs + k), a0[m]);
+            if (M <= 4) a1[m] = vfmadd(w1, vloadu(x + m * xs + k + VLEN), a1[m]);
+            else a0[m] = vfmadd(w1, vloadu(x + m * xs + k + VLEN), a0[m]);
         }
     }
     for (int m = 0; m < M; m++) {
-        float s = hsum8(M <= 4 ? _mm256_add_ps(a0[m], a1[m]) : a0[m]);
-        for (int64_t j = k; j < K; j++)
-            s += (BF ? bf16_to_f32(((const uint16_t *)wr)[j]) : ((const float *)wr)[j]) * x[m * xs + j];
+        float s = vhsum(M <= 4 ? vadd(a0[m], a1[m]) : a0[m]);
+        for (int64_t j = k; j < K; j++) s += load_as(wr, j, BF) * x[m * xs + j];
         y[m * ys] = s;
     }
 }
 
 /* A tile of M (<= 4) rows of x by N (<= 3) weight rows, each output a dot product over K: twelve accumulators,
-   three weight vectors and one x vector fill the sixteen registers; per eight k, four x loads and three weight
-   loads feed twelve fused multiply-adds. */
-static inline __attribute__((always_inline)) void tile_avx2(const float *x, int64_t xs, const void *w, int64_t ws,
+   three weight vectors and one x vector fill AVX2's sixteen registers; per VLEN k, four x loads and three
+   weight loads feed twelve fused multiply-adds. */
+static inline __attribute__((always_inline)) void tile_vec(const float *x, int64_t xs, const void *w, int64_t ws,
                                                             int64_t K, float *y, int64_t ys, const int M,
                                                             const int N, const int BF)
 {
     const int64_t esize = BF ? 2 : 4;
     const char *wr[3];
     for (int j = 0; j < N; j++) wr[j] = (const char *)w + j * ws * esize;
-    __m256 acc[4][3];
+    vfloat acc[4][3];
     for (int m = 0; m < M; m++)
-        for (int j = 0; j < N; j++) acc[m][j] = _mm256_setzero_ps();
+        for (int j = 0; j < N; j++) acc[m][j] = vzero();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[3];
-        for (int j = 0; j < N; j++) wv[j] = w8(wr[j], k, BF);
+    for (; k + VLEN <= K; k += VLEN) {
+        vfloat wv[3];
+        for (int j = 0; j < N; j++) wv[j] = vload_as(wr[j], k, BF);
         for (int m = 0; m < M; m++) {
-            const __m256 xv = _mm256_loadu_ps(x + m * xs + k);
-            for (int j = 0; j < N; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+            const vfloat xv = vloadu(x + m * xs + k);
+            for (int j = 0; j < N; j++) acc[m][j] = vfmadd(xv, wv[j], acc[m][j]);
         }
     }
     for (int m = 0; m < M; m++)
         for (int j = 0; j < N; j++) {
-            float s = hsum8(acc[m][j]);
-            for (int64_t t = k; t < K; t++)
-                s += (BF ? bf16_to_f32(((const uint16_t *)wr[j])[t]) : ((const float *)wr[j])[t]) * x[m * xs + t];
+            float s = vhsum(acc[m][j]);
+            for (int64_t t = k; t < K; t++) s += load_as(wr[j], t, BF) * x[m * xs + t];
             y[m * ys + j] = s;
         }
 }
@@ -84,7 +73,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, int6
 #define TILE_N 3
 #define CHUNK_N 12 /* weight rows per chunk: four tiles wide */
 
-static inline __attribute__((always_inline)) void tiles_avx2(const float *x, int64_t M, int64_t K, int64_t xs,
+static inline __attribute__((always_inline)) void tiles_vec(const float *x, int64_t M, int64_t K, int64_t xs,
                                                              const void *w, int64_t n0, int64_t n1, int64_t ws,
                                                              float *y, int64_t ys, int64_t n_end, const int BF)
 {
@@ -106,7 +95,7 @@ static inline __attribute__((always_inline)) void tiles_avx2(const float *x, int
             float *yt = y + m * ys + n;
             for (int64_t i = 0; i < per_tile && pf_done < pf_lines; i++, pf_done++)
                 _mm_prefetch(pf + pf_done * 64, _MM_HINT_T1);
-#define T(MR, NR) tile_avx2(xm, xs, wn, ws, K, yt, ys, MR, NR, BF)
+#define T(MR, NR) tile_vec(xm, xs, wn, ws, K, yt, ys, MR, NR, BF)
 #define BY_ROWS(NR) \
     switch (mr) { case 4: T(4, NR); break; case 3: T(3, NR); break; case 2: T(2, NR); break; default: T(1, NR); }
             if (nr == 3) BY_ROWS(3)
@@ -126,8 +115,8 @@ static int tiled_rows(const float *x, int64_t M, int64_t K, int64_t xs, const vo
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * CHUNK_N, n1 = n0 + CHUNK_N < N ? n0 + CHUNK_N : N;
-        if (BF) tiles_avx2(x, M, K, xs, w, n0, n1, ws, y, ys, N, 1);
-        else tiles_avx2(x, M, K, xs, w, n0, n1, ws, y, ys, N, 0);
+        if (BF) tiles_vec(x, M, K, xs, w, n0, n1, ws, y, ys, N, 1);
+        else tiles_vec(x, M, K, xs, w, n0, n1, ws, y, ys, N, 0);
     }
     return 0;
 }
@@ -138,7 +127,7 @@ static inline __attribute__((always_inline)) int small_rows(const float *x, int6
                                                             int64_t y_stride, int nthreads, const int BF)
 {
     if (M < 1 || M > ROWS_MAX) return 1;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef VLEN
     if (M > STREAM_ROWS_MAX) return tiled_rows(x, M, K, x_stride, w, N, w_stride, y, y_stride, nthreads, BF);
 #endif
     (void)nthreads;
@@ -146,16 +135,16 @@ static inline __attribute__((always_inline)) int small_rows(const float *x, int6
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         const void *wr = (const char *)w + n * w_stride * esize;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef VLEN
         switch (M) {
-        case 1: row_avx2(x, x_stride, wr, K, y + n, y_stride, 1, BF); break;
-        case 2: row_avx2(x, x_stride, wr, K, y + n, y_stride, 2, BF); break;
-        case 3: row_avx2(x, x_stride, wr, K, y + n, y_stride, 3, BF); break;
-        case 4: row_avx2(x, x_stride, wr, K, y + n, y_stride, 4, BF); break;
-        case 5: row_avx2(x, x_stride, wr, K, y + n, y_stride, 5, BF); break;
-        case 6: row_avx2(x, x_stride, wr, K, y + n, y_stride, 6, BF); break;
-        case 7: row_avx2(x, x_stride, wr, K, y + n, y_stride, 7, BF); break;
-        default: row_avx2(x, x_stride, wr, K, y + n, y_stride, 8, BF); break;
+        case 1: row_vec(x, x_stride, wr, K, y + n, y_stride, 1, BF); break;
+        case 2: row_vec(x, x_stride, wr, K, y + n, y_stride, 2, BF); break;
+        case 3: row_vec(x, x_stride, wr, K, y + n, y_stride, 3, BF); break;
+        case 4: row_vec(x, x_stride, wr, K, y + n, y_stride, 4, BF); break;
+        case 5: row_vec(x, x_stride, wr, K, y + n, y_stride, 5, BF); break;
+        case 6: row_vec(x, x_stride, wr, K, y + n, y_stride, 6, BF); break;
+        case 7: row_vec(x, x_stride, wr, K, y + n, y_stride, 7, BF); break;
+        default: row_vec(x, x_stride, wr, K, y + n, y_stride, 8, BF); break;
         }
 #else
         for (int64_t m = 0; m < M; m++) {
