@@ -6,9 +6,10 @@ build) before pagoda is importable, and the loader runs it as a development fall
 
 A variant is a set of compiler flags and the CPU features it needs. x86-64 gets a portable baseline (the
 plain C loops, vectorised with SSE2 only), an AVX2 + FMA build (x86-64-v3, the same loops wider) and an
-AVX-512 build (x86-64-v4); the two wider builds also compile the intrinsics paths and the prefill kernel, at
-8 and 16 lanes. Elsewhere only the compiler's default target. ``-ffp-contract=off``: no fused multiply-adds
-the source does not spell out, so element-wise kernels round like the torch ops they replace.
+AVX-512 build (x86-64-v4); the two wider builds also compile the vector paths and the prefill kernel, each
+written once over the vector layer of pagoda_cpu.h, at 8 and 16 lanes. Elsewhere only the compiler's default
+target. ``-ffp-contract=off``: no fused multiply-adds the source does not spell out, so element-wise kernels
+round like the torch ops they replace.
 
 OpenMP: the OpenMP library links ``libgomp.so.1``, which the dynamic loader resolves to the copy torch has
 already loaded, so kernels and torch ops share one thread pool. The serial library is what the loader takes
