@@ -69,6 +69,16 @@ class EngineConfig:
         "branch, tag or commit of a hub id's snapshot in the local Hugging Face cache; default: main "
         "(a local directory or GGUF file is served as it is)",
     )
+    tokenizer: str | None = _opt(
+        None, "directory of the tokenizer (tokenizer.json) when it is not the model's; default: the model's"
+    )
+    generation_config: str = _opt(
+        "auto",
+        "where the model's generation defaults come from: auto = generation_config.json in the model folder "
+        "(its eos_token_id joins the stop ids, its temperature, top_p, top_k, min_p and repetition_penalty "
+        "become the defaults of requests that do not set them); vllm = none; or a directory holding one",
+    )
+    max_logprobs: int = _opt(20, "most logprobs (and prompt_logprobs) a request may ask for; more is a 400")
     dtype: str = _opt(
         "auto",
         "weights and activations; auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU multiplies it "
@@ -204,6 +214,10 @@ class EngineConfig:
                 bad("max_model_len", "must be an integer or 'auto'")
         if isinstance(self.max_model_len, int) and self.max_model_len < 1:
             bad("max_model_len", "must be at least 1")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            bad("max_logprobs", "must be a non-negative integer")
+        if not self.generation_config:
+            bad("generation_config", "must be 'auto', 'vllm' or a directory")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -2,15 +2,8 @@
 
 A supervisor acts on these without parsing logs: the operator re-plans an InferenceDeployment whose engine
 exits with EXIT_OUT_OF_MEMORY (or is OOMKilled), reading the measured memory from the termination message
-that Kubernetes copies into the pod's status (`terminationMessagePath`, 4096 bytes at most).
-
-    0  served and drained (SIGTERM), or --help / a passing --dry-run
-    1  could not start for another reason (model not found, bad weights, ...)
-    2  bad flags or configuration (the dry run's refusals too)
-    3  out of memory at start-up: CUDA ran out while loading, profiling or allocating the KV cache, or the
-       configured max_model_len does not fit the memory measured (the message says what fits)
-    4  the engine core stopped while serving (its process died, a tensor-parallel rank died, or its steps
-       kept failing): in-flight requests got an error, and a restart is the remedy
+that Kubernetes copies into the pod's status (`terminationMessagePath`, 4096 bytes at most). Every code
+means one thing; EXIT_CODES below is the table (docs/serving.md's is generated from it, `exit_codes_table`).
 
 Torch-free: the operator imports it.
 """
@@ -27,6 +20,45 @@ EXIT_START_FAILED = 1
 EXIT_USAGE = 2
 EXIT_OUT_OF_MEMORY = 3
 EXIT_ENGINE_DIED = 4
+EXIT_PORT_IN_USE = 5
+
+# (code, name, meaning): the one table of what `pagoda serve` exits with.
+EXIT_CODES: tuple[tuple[int, str, str], ...] = (
+    (EXIT_OK, "EXIT_OK", "served and drained (SIGTERM), or --help, or a passing --dry-run"),
+    (
+        EXIT_START_FAILED,
+        "EXIT_START_FAILED",
+        "could not start for another reason (model not found, bad weights, ...)",
+    ),
+    (EXIT_USAGE, "EXIT_USAGE", "bad flags or configuration (the dry run's refusals too)"),
+    (
+        EXIT_OUT_OF_MEMORY,
+        "EXIT_OUT_OF_MEMORY",
+        "out of memory at start-up: CUDA ran out while loading, profiling or allocating the KV cache, or the "
+        "configured max_model_len does not fit the memory measured (the termination message says what fits); "
+        "the operator re-fits the plan",
+    ),
+    (
+        EXIT_ENGINE_DIED,
+        "EXIT_ENGINE_DIED",
+        "the engine core stopped while serving (its process died, a tensor-parallel rank died, or its steps "
+        "kept failing): in-flight requests got an error, and a restart is the remedy",
+    ),
+    (
+        EXIT_PORT_IN_USE,
+        "EXIT_PORT_IN_USE",
+        "the HTTP address (--host/--port) could not be bound; checked before the model loads, so nothing "
+        "was loaded; the operator leaves the plan alone",
+    ),
+)
+
+
+def exit_codes_table() -> str:
+    """EXIT_CODES as the Markdown table docs/serving.md carries (a test checks they match)."""
+    rows = ["| code | name | meaning |", "|---:|---|---|"]
+    rows += [f"| {code} | `{name}` | {meaning} |" for code, name, meaning in EXIT_CODES]
+    return "\n".join(rows) + "\n"
+
 
 MESSAGE_LIMIT = 4096  # what the kubelet keeps of a termination message
 FORMAT = "pagoda.dev/startup-failure/v1"

@@ -2,7 +2,8 @@
 
 A failure is an engine container that was OOMKilled (the pod's memory limit) or exited with the engine's
 out-of-memory code (3, pagoda.engine.exit_codes: CUDA ran out at start-up, or the KV cache for the
-planned context did not fit the memory the engine measured, whose termination message says what fits). Each
+planned context did not fit the memory the engine measured, whose termination message says what fits); any
+other exit (a busy port, EXIT_PORT_IN_USE; a bad flag; a missing model) leaves the plan alone. Each
 failure of a pod running the current plan lowers one setting, the first that still has room within the
 spec's bounds, in this order:
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pagoda.engine.cli.serve_args import (
 from pagoda.engine.exit_codes import (
     EXIT_ENGINE_DIED,
     EXIT_OK,
+    EXIT_PORT_IN_USE,
     EXIT_USAGE,
     write_termination_message,
 )
@@ -80,6 +82,8 @@ def main(argv: list[str]) -> int:
         return 2
     except SystemExit as exc:  # argparse: --help (0) or a bad value (2)
         return int(exc.code or 0)
+    for warning in args.compat_warnings:
+        print(f"pagoda serve: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         return _dry_run(args)
     if args.model_shape is not None or args.gpu is not None:
@@ -95,10 +99,43 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
-    started = _start_engine(config, settings)
-    if isinstance(started, int):
-        return started
-    return _serve(started, settings, args)
+    # The port first, as vLLM does: a busy port is its own exit code, before minutes of loading (and never
+    # mistaken for an out-of-memory start by the operator).
+    sock = bind_socket(settings.host, settings.port)
+    if isinstance(sock, str):
+        print(f"pagoda serve: error: {sock}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
+    try:
+        started = _start_engine(config, settings)
+        if isinstance(started, int):
+            return started
+        return _serve(started, settings, args, sock)
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket | str:
+    """A socket bound to (host, port), not yet listening (uvicorn listens on it once the engine is up);
+    or why it cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve --host {host!r}: {exc}"
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    if family == socket.AF_INET6:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        return (
+            f"cannot listen on {host}:{port}: {why} (is another server on that port? choose one with --port)"
+        )
+    return sock
 
 
 def _start_engine(config: Any, settings: ServerSettings) -> Any:
@@ -108,13 +145,16 @@ def _start_engine(config: Any, settings: ServerSettings) -> Any:
     from pagoda.engine.frontend.async_engine import AsyncEngine, CoreThread
     from pagoda.engine.frontend.core_process import CoreProcess, CoreStartError
     from pagoda.engine.loader import load_tokenizer, resolve_model
+    from pagoda.engine.loader.tokenizer import tokenizer_path
     from pagoda.engine.sizing.engine_plan import forget_last_profile
 
     forget_last_profile()
     try:
         tokenizer = None
         if not config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(resolve_model(config.model, config.revision))
+            tokenizer = load_tokenizer(
+                tokenizer_path(config.tokenizer, resolve_model(config.model, config.revision))
+            )
         if settings.engine_process:
             core: Any = CoreProcess(config, threads=envs.core_threads(), share_cores=envs.core_share_cores())
         else:
@@ -136,7 +176,7 @@ def _start_engine(config: Any, settings: ServerSettings) -> Any:
     return code
 
 
-def _serve(engine: Any, settings: ServerSettings, args: argparse.Namespace) -> int:
+def _serve(engine: Any, settings: ServerSettings, args: argparse.Namespace, sock: socket.socket) -> int:
     """Serve until SIGTERM (drained: 0) or until the engine core stops (EXIT_ENGINE_DIED)."""
     import uvicorn
     from pagoda.engine.metrics import LoggingStatLogger
@@ -169,7 +209,7 @@ def _serve(engine: Any, settings: ServerSettings, args: argparse.Namespace) -> i
 
     engine.add_dead_listener(engine_died)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()  # once more, in case the app never started (idempotent)
     return EXIT_ENGINE_DIED if died else EXIT_OK

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.engine import envs
+from pagoda.engine.cli import vllm_compat
 from pagoda.engine.cli.engine_args import (
     add_engine_args,
     engine_config_from_args,
@@ -155,6 +156,12 @@ def _actions() -> dict[str, argparse.Action]:
     """serve's parser's actions by destination (an EngineConfig field, or a server setting's name)."""
     return {a.dest: a for a in build_parser()._actions if a.option_strings}
 
+@functools.cache
+def implemented_flags() -> frozenset[str]:
+    """Every option string of `pagoda serve` (what vllm_compat answers as implemented)."""
+    return frozenset(o for a in build_parser()._actions for o in a.option_strings)
+
+
 
 def flag(name: str) -> str:
     """The `pagoda serve` flag of an EngineConfig field or a server setting (max_model_len ->
@@ -196,7 +203,12 @@ def parse_args(argv: list[str], *, exit_on_error: bool = True) -> argparse.Names
         known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
         lines = []
         for token in unknown:
+    try:
+        argv, warnings = vllm_compat.translate(list(argv), implemented_flags())
+    except vllm_compat.CompatRefusal as exc:
+        raise UnknownFlagError(str(exc)) from None
             flag = token.split("=", 1)[0]
+    args.compat_warnings = warnings
             if flag.startswith("-"):
                 close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""

@@ -35,6 +35,9 @@ from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
 from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
+from pagoda.engine.loader.generation_config import eos_token_ids as generation_eos_ids
+from pagoda.engine.loader.generation_config import read_generation_config, sampling_defaults
+from pagoda.engine.loader.tokenizer import tokenizer_path
 from pagoda.engine.lora.model import LoRAModel
 from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
 from pagoda.engine.offload import build_offload
@@ -87,7 +90,7 @@ class EngineCore:
         check_device(self.device, self.dtype, config.kv_cache_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         if tokenizer is None and not config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(path)
+            tokenizer = load_tokenizer(tokenizer_path(config.tokenizer, path))
         self._closed = False
         self.workers = self._start_tensor_parallel(path)
         try:
@@ -104,7 +107,9 @@ class EngineCore:
         """Everything after the ranks are up: model, KV cache sizing and allocation, scheduler."""
         # The CPU kernels this engine runs, loaded (and logged) at start-up rather than in its first step.
         self.cpu_kernels = cpu_kernels.current() if self.device.type == "cpu" else None
-        eos = set(mc.eos_token_ids)
+        generation = read_generation_config(config.generation_config, path)  # --generation-config
+        self.generation_defaults = sampling_defaults(generation)
+        eos = set(mc.eos_token_ids) | set(generation_eos_ids(generation))
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None:
             eos.add(tokenizer_eos)
@@ -304,6 +309,8 @@ class EngineCore:
             kv_events_epoch=self.kv_publisher.log.epoch if self.kv_publisher is not None else None,
             streaming=self.streaming_defaults,
             eos_token_ids=tuple(self.eos_token_ids),
+            generation_defaults={k: float(v) for k, v in self.generation_defaults.items()},
+            max_logprobs=int(cfg.max_logprobs),
             tensor_parallel_size=int(cfg.tensor_parallel_size),
             device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."),

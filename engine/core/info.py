@@ -39,6 +39,9 @@ class EngineInfo:
     kv_events_epoch: str | None = None  # the block-event log's lifetime id; None: no events published
     streaming: StreamingDefaults = field(default_factory=StreamingDefaults)  # --kv-eviction & co.
     eos_token_ids: tuple[int, ...] = ()
+    # generation_config.json's sampling values (--generation-config): defaults of requests that leave them out
+    generation_defaults: dict[str, float] = field(default_factory=dict)
+    max_logprobs: int = 20  # --max-logprobs
     tensor_parallel_size: int = 1
     device: str = "cpu"
     dtype: str = "float32"

@@ -65,6 +65,9 @@ class InputProcessor:
         # Tools go to a template that knows them in its own way; Pagoda renders them for one that does not.
         self.knows_tools = template_knows_tools(self.template_source)
         self.max_model_len = info.max_model_len
+        # generation_config.json's sampling values (--generation-config) and --max-logprobs
+        self.generation_defaults = dict(getattr(info, "generation_defaults", None) or {})
+        self.max_logprobs = getattr(info, "max_logprobs", 20)
         # An id must be both decodable and a row of the logits.
         self.vocab_size = min(len(tokenizer), info.vocab_size) if tokenizer is not None else info.vocab_size
         self.max_prompt_chars = (
@@ -179,9 +182,30 @@ class InputProcessor:
                 "context_length_exceeded",
             )
 
+    def sampling_default(self, name: str, fallback: float) -> float:
+        """A sampling value for a request that leaves `name` out: the model's generation_config.json
+        value (as vLLM applies it), else `fallback` (SamplingParams' own default)."""
+        value = self.generation_defaults.get(name)
+        if value is None:
+            return fallback
+        return int(value) if name == "top_k" else value
+
+    def default_params(self) -> SamplingParams:
+        """SamplingParams for a request that gives none: the model's generation defaults applied."""
+        fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        base = SamplingParams()
+        return SamplingParams(**{name: self.sampling_default(name, getattr(base, name)) for name in fields})
+
     def check_params(self, params: SamplingParams) -> None:
         params.validate()
         params.validate_token_ids(self.vocab_size)
+        for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(params, field)
+            if asked is not None and asked > self.max_logprobs:  # vLLM's words, which clients may match on
+                raise InputError(
+                    f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {self.max_logprobs}",
+                    field,
+                )
         if params.stop and self.tokenizer is None:
             raise InputError(
                 "stop strings need the tokenizer; the engine was started with skip_tokenizer_init", "stop"
@@ -212,7 +236,7 @@ class InputProcessor:
         lora: str | None = None,
     ) -> EngineCoreRequest:
         """Check and resolve one request (tokenizing a text prompt); raises InputError naming the problem."""
-        params = params or SamplingParams()
+        params = params or self.default_params()
         self.check_params(params)
         if prompt_token_ids is None:
             if isinstance(prompt, str):

@@ -52,6 +52,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config), as
+        vLLM's LLM gives them; what generate() uses when it is given none."""
+        return self.engine.input_processor.default_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -69,7 +74,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

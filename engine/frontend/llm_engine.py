@@ -24,6 +24,7 @@ from pagoda.engine.core.stats import StatLogger
 from pagoda.engine.frontend.input_processor import InputProcessor
 from pagoda.engine.frontend.output_processor import OutputProcessor
 from pagoda.engine.loader import load_tokenizer, resolve_model
+from pagoda.engine.loader.tokenizer import tokenizer_path
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -35,7 +36,9 @@ class LLMEngine:
         self.config = config
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         path = resolve_model(config.model, config.revision)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
+        self.tokenizer = (
+            None if config.skip_tokenizer_init else load_tokenizer(tokenizer_path(config.tokenizer, path))
+        )
         self.core = EngineCore(config, tokenizer=self.tokenizer)
         self.input_processor = InputProcessor(self.core.info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

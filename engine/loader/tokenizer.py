@@ -5,6 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def tokenizer_path(tokenizer: str | None, model_path: str | Path) -> str | Path:
+    """Where the tokenizer is read from: --tokenizer (a directory, or a hub id with a local copy) where it
+    is given, else the model's own folder."""
+    if not tokenizer:
+        return model_path
+    from pagoda.engine.loader.resolve import resolve_model
+
+    return resolve_model(tokenizer)
+
+
 def load_tokenizer(path: str | Path):
     """A fast tokenizer with the directory's chat template."""
     from transformers import PreTrainedTokenizerFast

@@ -1,0 +1,92 @@
+"""Every `vllm serve` flag has an answer (issue 36 item 1): implemented, accepted with a warning, or refused
+with what to use; each behaves as the table says; `_` spellings read as `-`; docs/serving.md's table is the
+table's."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.engine.cli import doc_tables, serve, vllm_compat
+from pagoda.engine.cli.serve_args import UnknownFlagError, implemented_flags, parse_args
+
+TABLE = vllm_compat.table(implemented_flags())
+SAMPLE = {"0": [], "1": ["x"], "+": ["x", "y"]}
+
+
+def test_the_stored_list_is_vllms_and_every_flag_has_an_answer() -> None:
+    flags = vllm_compat.vllm_flags()
+    assert len(flags) == len(set(flags)) > 150
+    assert "vllm-project/vllm" in vllm_compat.FLAGS_FILE.read_text()  # it names its source
+    assert set(TABLE) == set(flags)
+    stale = set(vllm_compat._ANSWERS) - set(flags)
+    assert not stale, f"answers for flags vLLM does not have: {sorted(stale)}"
+    both = {name for name in vllm_compat._ANSWERS if name in implemented_flags()}
+    assert not both, f"implemented and answered otherwise too: {sorted(both)}"
+    assert all(a.note for a in TABLE.values() if a.kind != vllm_compat.IMPLEMENTED)
+
+
+@pytest.mark.parametrize("name", [n for n, a in TABLE.items() if a.kind != vllm_compat.IMPLEMENTED])
+def test_each_answer_behaves_as_the_table_says(name: str) -> None:
+    answer = TABLE[name]
+    if answer.only:
+        accepted = parse_args([name, *([answer.only[0]] if answer.arity != "0" else [])])
+        assert any(name in w for w in accepted.compat_warnings)
+        if answer.arity != "0":
+            with pytest.raises(UnknownFlagError, match=name):
+                parse_args([name, "9"])
+        return
+    argv = [name, *SAMPLE[answer.arity]]
+    if answer.kind == vllm_compat.IGNORED:
+        args = parse_args([*argv, "--max-num-seqs", "8"])
+        assert args.max_num_seqs == 8  # the flag and its value are gone; what follows still parses
+        assert len(args.compat_warnings) == 1 and name in args.compat_warnings[0]
+        assert answer.note in args.compat_warnings[0]
+    else:
+        with pytest.raises(UnknownFlagError) as exc:
+            parse_args(argv)
+        assert name in str(exc.value) and answer.note in str(exc.value)
+
+
+def test_implemented_flags_parse() -> None:
+    for name, answer in TABLE.items():
+        if answer.kind == vllm_compat.IMPLEMENTED:
+            assert name in implemented_flags()
+
+
+def test_underscore_spellings_read_as_dashes() -> None:
+    a = parse_args(["--max_num_seqs", "8", "--gpu_memory_utilization=0.5", "--enable_prefix_caching"])
+    assert a.max_num_seqs == 8 and a.gpu_memory_utilization == 0.5 and a.enable_prefix_caching is True
+    assert parse_args(["--trust_remote_code"]).compat_warnings
+    with pytest.raises(UnknownFlagError, match="--pipeline-parallel-size"):
+        parse_args(["--pipeline_parallel_size", "2"])
+
+
+def test_the_flags_issue_36_names() -> None:
+    a = parse_args(
+        ["m", "--trust-remote-code", "--disable-log-requests", "--download-dir", "/tmp/x", "--load-format",
+         "safetensors", "--reasoning-parser", "deepseek_r1", "--tokenizer", "/tok", "--generation-config",
+         "vllm", "--max-logprobs", "5"]
+    )  # fmt: skip
+    assert a.model == "m" and a.tokenizer == "/tok" and a.generation_config == "vllm" and a.max_logprobs == 5
+    assert any("never runs code" in w for w in a.compat_warnings) and len(a.compat_warnings) == 5
+    with pytest.raises(UnknownFlagError, match=r"issue 43.*--tensor-parallel-size"):
+        parse_args(["--pipeline-parallel-size", "2"])
+    with pytest.raises(UnknownFlagError, match="-pp 2|--pipeline-parallel-size 2"):
+        parse_args(["-pp", "2"])
+    with pytest.raises(UnknownFlagError) as exc:
+        parse_args(["--cpu-offload-gb", "4"])
+    assert "weights" in str(exc.value) and "--kv-offload-host-bytes" not in str(exc.value)
+    with pytest.raises(UnknownFlagError, match="never pickled"):
+        parse_args(["--load-format", "pt"])
+
+
+def test_serve_prints_the_warning_and_refuses_with_exit_2(capsys) -> None:
+    assert serve.main(["--cpu-offload-gb", "4"]) == 2
+    assert "weights" in capsys.readouterr().err
+    assert serve.main(["--trust-remote-code", "--dry-run", "--model-shape", "{}"]) in (0, 2)
+    assert "warning: --trust-remote-code" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_generated_from_the_answers() -> None:
+    assert doc_tables.main(["--check"]) == 0
+    text = doc_tables.DOC.read_text()
+    assert all(f"| `{name}` |" in text for name in TABLE)
