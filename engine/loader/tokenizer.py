@@ -10,6 +10,8 @@ def tokenizer_path(tokenizer: str | None, model_path: str | Path) -> str | Path:
     is given, else the model's own folder."""
     if not tokenizer:
         return model_path
+    if Path(tokenizer).expanduser().is_dir():  # a tokenizer folder needs no config.json or weights
+        return Path(tokenizer).expanduser()
     from pagoda.engine.loader.resolve import resolve_model
 
     return resolve_model(tokenizer)

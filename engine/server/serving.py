@@ -271,18 +271,24 @@ class OpenAIServing:
             raise self.value_error(exc, names) from exc
         if streaming is None or max_tokens is None:  # sinks + window: the context never fills up
             max_tokens = room if max_tokens is None else min(max_tokens, room)
-        top_k = req.top_k if req.top_k is not None else 0
+        # What a request leaves out: the model's generation_config.json values (--generation-config), as vLLM
+        default = self.inputs.sampling_default
+        top_k = req.top_k if req.top_k is not None else int(default("top_k", 0))
         if top_k >= self.vocab_size:
             top_k = 0  # keeps everything anyway
         kwargs = dict(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=default("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=default("top_p", 1.0) if req.top_p is None else req.top_p,
             top_k=top_k,
-            min_p=req.min_p or 0.0,
+            min_p=default("min_p", 0.0) if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=(
+                default("repetition_penalty", 1.0)
+                if req.repetition_penalty is None
+                else req.repetition_penalty
+            ),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
