@@ -188,7 +188,7 @@ def check_args(
     """The start-up checks and arithmetic of parsed arguments for a model of `model`'s facts; `cuda`: torch.cuda
     where the caller measured a GPU (dry_run.py), else the memory comes from `--gpu` or this host's RAM.
     Raises DryRunError where the real start would fail."""
-    warnings: list[str] = []
+    warnings: list[str] = list(getattr(args, "compat_warnings", ()))  # vLLM flags accepted and ignored
     tp = config.tensor_parallel_size
     try:
         check_tensor_parallel(model.num_heads, tp)

@@ -18,6 +18,7 @@ docs/serving.md's flag table is generated from TABLE (python -m pagoda.engine.cl
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,6 +318,11 @@ class CompatRefusal(Exception):
     """A vLLM flag Pagoda refuses, with what to use instead."""
 
 
+def _is_value(token: str) -> bool:
+    """A token that is a flag's value, not the next flag (negative numbers are values)."""
+    return not token.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", token) is not None
+
+
 def translate(argv: list[str], implemented: frozenset[str]) -> tuple[list[str], list[str]]:
     """`argv` with underscore spellings read as dashes and the ignored vLLM flags (and their values) taken
     out, and the warnings for them; CompatRefusal for a refused flag or value."""
@@ -331,6 +337,8 @@ def translate(argv: list[str], implemented: frozenset[str]) -> tuple[list[str], 
             out += [token, *argv[i:]]
             break
         name, has_value, inline = token.partition("=")
+        if re.fullmatch(r"-O\d", name):  # vLLM's -O3: the compilation level, attached
+            name, has_value, inline = "-O", "=", name[2:]
         name = SHORT.get(name, name)
         negated = name.startswith("--no-") and answers.get("--" + name[5:], Answer("")).arity == _SWITCH
         key = "--" + name[5:] if negated else name
@@ -342,7 +350,7 @@ def translate(argv: list[str], implemented: frozenset[str]) -> tuple[list[str], 
         if answer.arity != _SWITCH:
             if has_value:
                 values = [inline]
-            while i < len(argv) and not argv[i].startswith("-") and (answer.arity == "+" or not values):
+            while i < len(argv) and _is_value(argv[i]) and (answer.arity == "+" or not values):
                 values.append(argv[i])
                 i += 1
         shown = f"{key} {' '.join(values)}".strip()

@@ -90,3 +90,19 @@ def test_the_docs_table_is_generated_from_the_answers() -> None:
     assert doc_tables.main(["--check"]) == 0
     text = doc_tables.DOC.read_text()
     assert all(f"| `{name}` |" in text for name in TABLE)
+
+
+def test_the_dry_run_reports_the_ignored_flags() -> None:
+    from pagoda.engine.cli import serve_check
+
+    shape = '{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512}'
+    report = serve_check.check(
+        ["--trust-remote-code", "--model-shape", shape, "--gpu", "NVIDIA-L4", "--dry-run"]
+    )
+    assert any("--trust-remote-code" in w for w in report.warnings)
+
+
+def test_values_that_look_like_flags() -> None:
+    a = parse_args(["--max-log-len", "-1", "-O3", "--no-trust-remote-code", "--max_num_seqs=4"])
+    assert a.max_num_seqs == 4 and len(a.compat_warnings) == 3
+    assert any("--compilation-config 3" in w for w in a.compat_warnings)
