@@ -116,7 +116,19 @@ _ANSWERS: dict[str, Answer] = {
     "--h11-max-header-count": _ignored("uvicorn's own limits apply (and --max-request-body-bytes)"),
     "--log-error-stack": _ignored("error responses are logged without their stack", _SWITCH),
     "--tokens-only": _refused("Pagoda serves the whole OpenAI API; leave it out", _SWITCH),
+    "--enable-log-deltas": _ignored("Pagoda does not log outputs", _SWITCH),
+    "--enable-per-request-metrics": _ignored("per-request timings are in /metrics histograms", _SWITCH),
+    "--enable-flash-late-interaction": _ignored("Pagoda has no pooling or scoring models", _SWITCH),
+    "--cohere-is-reasoning-model": _ignored("Pagoda has no Cohere /v2/chat endpoint", _SWITCH),
+    "--cohere-format": _ignored("Pagoda has no Cohere /v2/chat endpoint"),
+    "--fingerprint-mode": _ignored("responses carry Pagoda's own system_fingerprint"),
+    "--fingerprint-value": _ignored("responses carry Pagoda's own system_fingerprint"),
+    "--data-parallel-supervisor-port": _refused(_NO_DP),
+    "--dp-supervisor-probe-interval-s": _refused(_NO_DP),
+    "--dp-supervisor-probe-timeout-s": _refused(_NO_DP),
+    "--dp-supervisor-probe-failure-threshold": _refused(_NO_DP),
     # serve subcommand
+    "--grpc": _refused("Pagoda serves the OpenAI API over HTTP only", _SWITCH),
     "--headless": _refused(_NO_MULTINODE, _SWITCH),
     "--api-server-count": _refused(
         "one API server process runs per engine; run more replicas for more", only=("1",)
@@ -197,6 +209,7 @@ _ANSWERS: dict[str, Answer] = {
     "--data-parallel-backend": _refused(_NO_DP),
     "--data-parallel-hybrid-lb": _refused(_NO_DP, _SWITCH),
     "--data-parallel-external-lb": _refused(_NO_DP, _SWITCH),
+    "--data-parallel-multi-port-external-lb": _refused(_NO_DP, _SWITCH),
     "--enable-expert-parallel": _refused(_NO_EP, _SWITCH),
     "--enable-eplb": _refused(_NO_EP, _SWITCH),
     "--eplb-config": _refused(_NO_EP),
@@ -279,6 +292,16 @@ _ANSWERS: dict[str, Answer] = {
     "--compilation-config": _ignored(_NO_COMPILE),
     "--additional-config": _refused(_NO_PLUGINS),
     "--structured-outputs-config": _ignored("structured outputs use Pagoda's own grammar backend"),
+    # earlier releases
+    "--guided-decoding-backend": _ignored("structured outputs use Pagoda's own grammar backend"),
+    "--rope-scaling": _refused("edit rope_scaling in config.json in a copy of the model folder"),
+    "--rope-theta": _refused("edit rope_theta in config.json in a copy of the model folder"),
+    "--max-seq-len-to-capture": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes"),
+    "--num-scheduler-steps": _ignored("one scheduler step per model step", only=("1",)),
+    "--multi-step-stream-outputs": _ignored("streams send every step's tokens", _SWITCH),
+    "--num-lookahead-slots": _ignored("Pagoda schedules no lookahead slots", only=("0",)),
+    "--use-v2-block-manager": _ignored("Pagoda has one block manager", _SWITCH),
+    "--tokenizer-pool-size": _ignored("tokenizing runs on the server's pool of two worker threads"),
 }
 
 # Short spellings vLLM accepts for flags answered above.
