@@ -292,7 +292,30 @@ _ANSWERS: dict[str, Answer] = {
     "--compilation-config": _ignored(_NO_COMPILE),
     "--additional-config": _refused(_NO_PLUGINS),
     "--structured-outputs-config": _ignored("structured outputs use Pagoda's own grammar backend"),
+    "--disable-nccl-for-dp-synchronization": _refused(_NO_DP, _SWITCH),
+    "--mamba-block-size": _ignored("Pagoda serves no Mamba layers"),
+    "--enable-mm-embeds": _refused(_TEXT_ONLY, _SWITCH),
+    "--mm-encoder-attn-backend": _ignored(_TEXT_ONLY),
+    "--cudagraph-capture-sizes": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes", "+"),
+    "--max-cudagraph-capture-size": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes"),
     # earlier releases
+    "--override-pooler-config": _refused("Pagoda runs generative models only; leave it out"),
+    "--guided-decoding-disable-fallback": _ignored(
+        "structured outputs use Pagoda's own grammar backend", _SWITCH
+    ),
+    "--guided-decoding-disable-any-whitespace": _ignored(
+        "structured outputs use Pagoda's own grammar backend", _SWITCH
+    ),
+    "--guided-decoding-disable-additional-properties": _ignored(
+        "structured outputs use Pagoda's own grammar backend", _SWITCH
+    ),
+    "--num-redundant-experts": _refused(_NO_EP),
+    "--eplb-window-size": _refused(_NO_EP),
+    "--eplb-step-interval": _refused(_NO_EP),
+    "--eplb-log-balancedness": _refused(_NO_EP, _SWITCH),
+    "--enable-multimodal-encoder-data-parallel": _ignored(_TEXT_ONLY, _SWITCH),
+    "--disable-mm-preprocessor-cache": _ignored(_TEXT_ONLY, _SWITCH),
+    "--lora-extra-vocab-size": _ignored("LoRA adapters add no vocabulary in Pagoda"),
     "--guided-decoding-backend": _ignored("structured outputs use Pagoda's own grammar backend"),
     "--rope-scaling": _refused("edit rope_scaling in config.json in a copy of the model folder"),
     "--rope-theta": _refused("edit rope_theta in config.json in a copy of the model folder"),
