@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -450,7 +451,7 @@ def check_gpu_image(box: Sandbox, logs: Path) -> dict:
     assert facts["cuda"] == ENGINE_CUDA and facts["torch"].endswith("+cu" + ENGINE_CUDA.replace(".", "")), (
         facts
     )
-    assert facts["archs"] == [f"sm_{a}{b}" for a, b in TORCH_WHEEL_ARCHS], facts
+    assert sorted(facts["archs"]) == sorted(f"sm_{a}{b}" for a, b in TORCH_WHEEL_ARCHS), facts
     env = facts["env"]
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_REQUIRE_CUDA"] == f"cuda>={ENGINE_CUDA}", (
         env
@@ -461,14 +462,15 @@ def check_gpu_image(box: Sandbox, logs: Path) -> dict:
     assert facts["seed_entries"] > 0, facts
     # a catalogue GPU and model, warmed again into /tmp: every entry it makes is one the image already has
     warm = ["sh", "-c", "pagoda kernels warm --gpu L4 --model meta-llama/Llama-3.1-8B-Instruct --common --jobs 1 "
-            "--cache-dir /tmp/warm > /dev/null && ls /tmp/warm && echo --- && ls \"$PAGODA_KERNEL_CACHE\""]  # fmt: skip
+            "--cache-dir /tmp/warm > /dev/null 2> /tmp/warm.log || { cat /tmp/warm.log; exit 1; }; "
+            "ls /tmp/warm && echo --- && ls \"$PAGODA_KERNEL_CACHE\""]  # fmt: skip
     with started(box.command(warm), logs / "warm.log") as proc:
         rc = proc.wait(1200)
     out = (logs / "warm.log").read_text()
     assert rc == 0, out[-4000:]
     lines = out.splitlines()
     fresh, seed = lines[: lines.index("---")], set(lines[lines.index("---") + 1 :])
-    fresh = [e for e in fresh if len(e) > 20]  # cache entries are named by their key
+    fresh = [e for e in fresh if re.fullmatch(r"[A-Z0-9]{40,}", e)]  # cache entries are named by their key
     missing = [e for e in fresh if e not in seed]
     assert fresh and not missing, f"{len(missing)} of {len(fresh)} L4 variants are not in the image's cache"
     say(
@@ -584,11 +586,14 @@ def sizes(images: list[str]) -> None:
 CPU_ARGS = {"TORCH_FLAVOUR": "cpu", "NVIDIA_VISIBLE_DEVICES": "", "NVIDIA_REQUIRE_CUDA": ""}
 
 
-def gpu_main() -> int:
-    """`make image-gpu`: the GPU engine image, built and checked here without a GPU."""
+def gpu_main(checks_only: bool = False) -> int:
+    """`make image-gpu`: the GPU engine image, built and checked here without a GPU (``checks_only``: the
+    checks of the image built before)."""
     engine = f"localhost/pagoda-engine:{version()}"
     logs = Path(tempfile.mkdtemp(prefix="pagoda-image-gpu-"))
     start = time.monotonic()
+    if checks_only:
+        return gpu_checks(engine, logs, start)
     with step("tools (buildah, debootstrap)"):
         tools()
         storage_conf()
@@ -605,6 +610,10 @@ def gpu_main() -> int:
         )
     with step("remove the images this run replaced"):
         remove_replaced()
+    return gpu_checks(engine, logs, start)
+
+
+def gpu_checks(engine: str, logs: Path, start: float) -> int:
     with sandbox(engine) as box:
         with step("gpu image: torch, toolkit variables, Triton's driver module, warmed kernels"):
             check_gpu_image(box, logs)
@@ -621,6 +630,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--gpu", action="store_true", help="build and check the GPU engine image instead")
+    parser.add_argument("--checks-only", action="store_true", help="with --gpu: check the image built before")
     args = parser.parse_args()
     if args.client:
         sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -631,7 +641,7 @@ def main() -> int:
         raise SystemExit("image-check needs root on Linux (buildah's storage, mount and network namespaces)")
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     if args.gpu:
-        return gpu_main()
+        return gpu_main(args.checks_only)
     engine, operator = f"localhost/pagoda-engine:{version()}-cpu", f"localhost/pagoda-operator:{version()}"
     logs = Path(tempfile.mkdtemp(prefix="pagoda-image-check-"))
     start = time.monotonic()
