@@ -8,6 +8,7 @@ help text is stated once, here, and no flag can exist that the engine does not r
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -216,8 +217,13 @@ class EngineConfig:
             bad("max_model_len", "must be at least 1")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             bad("max_logprobs", "must be a non-negative integer")
-        if not self.generation_config:
-            bad("generation_config", "must be 'auto', 'vllm' or a directory")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+            os.path.expanduser(str(self.generation_config or ""))
+        ):
+            bad(
+                "generation_config",
+                "must be 'auto', 'vllm' or a directory (that holds generation_config.json)",
+            )
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

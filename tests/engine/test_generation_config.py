@@ -58,7 +58,7 @@ def test_eos_ids_and_sampling_defaults_from_generation_config(tiny_model, tmp_pa
     from_dir = _llm(path, generation_config=str(elsewhere))
     assert extra in from_dir.engine.info.eos_token_ids
     assert from_dir.get_default_sampling_params().top_p == 0.5
-    with pytest.raises(ValueError, match="--generation-config"):
+    with pytest.raises(ValueError, match="generation_config"):
         _llm(path, generation_config=str(tmp_path / "missing"))
 
 
