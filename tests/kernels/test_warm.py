@@ -237,3 +237,26 @@ def test_what_serve_launches_for_each_catalogue_plan_is_what_the_image_warmed():
     assert report["plans"] > 150 and report["serve_units"] > 2 * report["plans"], report
     assert report["differ"] == [], report["differ"][:3]
     assert report["missing"] == [], report["missing"][:3]
+
+
+def test_the_kernels_step_reads_a_hub_models_shape_from_the_model_cache(tmp_path, monkeypatch):
+    """In the operator's Job the engine's `--model org/name` is a hub id found in HF_HOME (the model cache the
+    download filled, read offline): its config.json decides the plan, not the well-known table."""
+    from pagoda.engine.cli.kernels import model_shape, serve_unit
+    from pagoda.engine.sizing import lookup_gpu
+
+    snapshot = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}  # fmt: skip
+    (snapshot / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shape = model_shape("org/tiny-llama")
+    assert (shape.num_attention_heads, shape.num_kv_heads, shape.head_dim) == (8, 2, 32)
+    unit = serve_unit(lookup_gpu("L4"), ["org/tiny-llama", "--enable-lora", "--max-lora-rank", "8"])
+    assert unit.plan.ranks == ((8, 2),) and unit.plan.head_dim == 32 and unit.plan.lora_rank == 8
+    assert unit.plan.dtype == "bfloat16" and unit.plan.kv_cache_dtype == "bfloat16"  # serve's auto, not fp8
