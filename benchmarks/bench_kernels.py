@@ -1,6 +1,10 @@
-"""Kernel benchmark (GPU only): paged decode and prefill attention against same-run baselines.
+"""Kernel benchmark: paged decode and prefill attention against same-run baselines on a GPU; CPU rows elsewhere.
 
     make bench-kernels            # or: python benchmarks/bench_kernels.py [--quick] [--skip-e2e]
+    python benchmarks/bench_kernels.py --cpu [--quick] [--compare OLD_LIB_DIR]   # the CPU kernels' rows
+
+Without a visible CUDA GPU, or with --cpu, the run is bench_kernels_cpu.py's: the C kernels of the CPU path on
+every variant this CPU runs (its docstring says what and how); the rest of this docstring is the GPU run.
 
 Decode: batch {1, 8, 64, 256} x context {512, 4096, 32768}, Llama-3-8B attention shape (32 query / 8 KV
 heads, dim 128), bf16 and FP8 (e4m3) KV, block size 16. Each point is the median of CUDA-event-timed runs
@@ -307,11 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the ~1B end-to-end check")
+    parser.add_argument("--cpu", action="store_true", help="the CPU kernels' rows instead (what runs without a "
+                        "GPU): bench_kernels_cpu.py, which takes --tiny, --compare OLD_LIB_DIR, --compare-rev REV, "
+                        "--variants, --threads, --repeats, --out too")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--cpu" in argv or not torch.cuda.is_available():
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_kernels_cpu
+
+        if "--cpu" not in argv:
+            print("no CUDA GPU visible: the CPU kernels' rows (bench_kernels_cpu.py)")
+        return bench_kernels_cpu.main([a for a in argv if a != "--cpu"])
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA GPU (H100/H200); none is visible, so nothing was measured and no "
-              "results were written. The kernels' CPU correctness tests are `pytest tests/kernels`.")  # fmt: skip
-        return 0
     try:
         import flashinfer  # noqa: F401
     except Exception:  # noqa: BLE001
