@@ -64,8 +64,9 @@ bench-offline: install
 bench-serve: install
 	$(PY) benchmarks/bench_serve.py
 
+# GPU kernels where a GPU is visible, else the CPU kernels on every variant; ARGS="--cpu --quick --compare-rev 0916ea2"
 bench-kernels: install
-	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_kernels.py $(ARGS)
 
 bench-tp: install
 	$(PY) benchmarks/bench_tp.py
