@@ -143,6 +143,11 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for vLLM command lines: tool_choice auto is always on",
     )
+    s.add_argument(
+        "--strict-api",
+        action="store_true",
+        help="a request field the API does not know is a 400 naming it (default: logged and ignored, as vLLM)",
+    )
     add_dry_run_args(p)
     return p
 
@@ -245,6 +250,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        strict_api=args.strict_api,
     )
 
 

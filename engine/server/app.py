@@ -140,6 +140,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: P.TokenizeRequest) -> dict:
         serving.check_model(body.model)
+        serving.check_fields(body)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", "prompt")
         if body.messages is not None:
@@ -164,6 +165,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, exporter: Any = No
     @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: P.DetokenizeRequest) -> dict:
         serving.check_model(body.model)
+        serving.check_fields(body)
         bad = next((t for t in body.tokens if t >= serving.vocab_size), None)
         if bad is not None:
             raise bad_request(

@@ -1,9 +1,11 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
-Requests are strict: an unknown field is a 400 naming it, so a client asking for something Pagoda does not
-do learns it instead of getting a silently different answer. Fields that current OpenAI SDKs send as hints
-(`HINT_FIELDS`: they never change the output) are accepted and ignored. Bounds on fields keep a fuzzer (or a
-typo) from reaching the engine with values it cannot honour. docs/api.md lists every field's status.
+Requests are as lenient as vLLM's: a field no model here knows is kept aside (pydantic's extras),
+logged and ignored by the server (`unknown_fields` finds them; `--strict-api` makes them a 400 naming the
+first). Fields that vLLM honours and Pagoda cannot (`UNSUPPORTED_FIELDS`) are always a 400, since ignoring
+them would silently change the answer. Fields that current OpenAI SDKs send as hints (`HINT_FIELDS`: they
+never change the output) are accepted and ignored. Bounds on fields keep a fuzzer (or a typo) from reaching
+the engine with values it cannot honour. docs/api.md lists every field's status.
 """
 
 from __future__ import annotations
@@ -22,13 +24,36 @@ HINT_FIELDS = (
     "user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
     "safety_identifier", "reasoning_effort", "guided_decoding_backend",
 )  # fmt: skip
+# vLLM honours these and Pagoda does not: a 400 even without --strict-api (ignoring them changes the answer).
+UNSUPPORTED_FIELDS = (
+    "lora_request", "bad_words", "allowed_token_ids", "logits_processors", "spaces_between_special_tokens",
+    "return_tokens_as_token_ids", "guided_whitespace_pattern", "chat_template", "structural_tag",
+)  # fmt: skip
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """A request body (or a part of one): unknown fields are kept aside as extras for the server to judge."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+def unknown_fields(value: Any, path: str = "") -> list[str]:
+    """The paths (`stream_options.foo`, `messages[0].content[1].bar`) of the fields that no request model
+    knows, in a parsed request; chat messages and their tool calls take extra keys for the chat template."""
+    out: list[str] = []
+    if isinstance(value, BaseModel):
+        if not isinstance(value, ChatMessage | ToolCallIn):
+            out += [f"{path}.{k}" if path else k for k in value.model_extra or {}]
+        for name in type(value).model_fields:
+            out += unknown_fields(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, BaseModel | list):
+                out += unknown_fields(item, f"{path}[{i}]")
+    return out
 
 
 class StreamOptions(StrictModel):
@@ -42,7 +67,7 @@ class JsonSchemaFormat(StrictModel):
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
 
 class ResponseFormat(StrictModel):
@@ -59,7 +84,7 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None
     json_object: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
 
 class SamplingFields(StrictModel):
@@ -100,6 +125,8 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, max_length=1024)
     guided_grammar: str | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: the last max_model_len); None: no truncation.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     # Hints (HINT_FIELDS): accepted, ignored.
     user: str | None = None
     store: bool | None = None
@@ -121,14 +148,20 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    # 0 with echo: prompt scoring (the prompt and its logprobs, nothing generated)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = Field(None, max_length=0, description="Only empty is supported (no insertion).")
 
 
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content: any type parses, so the server can refuse what is not text in plain
+    words (this model takes text only) rather than with a parser's message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(StrictModel):
@@ -148,7 +181,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -172,7 +205,14 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
+
+    def non_text_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first content part that is not text, or None."""
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.type != "text" or part.text is None:
+                return i, part.type
+        return None
 
 
 class FunctionDef(StrictModel):
@@ -222,11 +262,15 @@ class TokenizeRequest(StrictModel):
 class LoadLoRAAdapterRequest(StrictModel):
     """vLLM's body for POST /v1/load_lora_adapter."""
 
+    model_config = ConfigDict(extra="forbid")
+
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096, description="A PEFT directory on the replica")
 
 
 class UnloadLoRAAdapterRequest(StrictModel):
+    model_config = ConfigDict(extra="forbid")
+
     lora_name: str = Field(min_length=1, max_length=128)
 
 

@@ -178,18 +178,87 @@ class OpenAIServing:
             template_kwargs,
         )
 
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> Prepared:
-        """Render and tokenize (on the worker pool): the prompt of a chat completion."""
-        ids, text = self.inputs.chat_token_ids(
+    def chat_prompt(self, req: P.ChatCompletionRequest, keep: int | None = None) -> Prepared:
+        """Render and tokenize (on the worker pool): the prompt of a chat completion, its last ``keep``
+        tokens when truncate_prompt_tokens asks."""
+        args = (
             [m.template_dict() for m in req.messages],
             req.add_generation_prompt,
             req.continue_final_message,
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             req.chat_template_kwargs,
         )
-        return Prepared(ids, text)
+        if keep is None:
+            ids, text = self.inputs.chat_token_ids(*args)
+            return Prepared(ids, text)
+        text = self.inputs.render_chat(*args)
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        kept = self.truncate(ids, keep)
+        self.check_prompt(kept, "messages")
+        return Prepared(kept, text if len(kept) == len(ids) else self.decode(kept))
 
-    def check_chat_chars(self, messages: list[P.ChatMessage]) -> None:
+    def check_fields(self, req: Any) -> None:
+        """Fields vLLM honours and Pagoda cannot are a 400; fields nothing here knows are logged once each and
+        ignored as vLLM does (--strict-api: a 400 naming the first)."""
+        unknown = P.unknown_fields(req)
+        for path in unknown:
+            if path.rsplit(".", 1)[-1] in P.UNSUPPORTED_FIELDS:
+                raise bad_request(
+                    f"The request field {path!r} is not supported by Pagoda: it would change the answer, so "
+                    "it is refused rather than ignored",
+                    path,
+                    "unsupported_field",
+                )
+        if unknown and self.settings.strict_api:
+            raise bad_request(
+                f"Unrecognized request field {unknown[0]!r}: Pagoda does not support it (--strict-api)",
+                unknown[0],
+                "unknown_field",
+            )
+        fresh = [path for path in unknown if path not in self._hints_logged]
+        if fresh:
+            self._hints_logged.update(fresh)
+            log.warning("ignoring request field(s) this server does not know: %s", ", ".join(fresh))
+
+    @staticmethod
+    def check_text_only(messages: list[P.ChatMessage]) -> None:
+        """A content part that is not text (an image, audio, a file) is a 400 in plain words."""
+        for i, m in enumerate(messages):
+            found = m.non_text_part()
+            if found is not None:
+                j, kind = found
+                raise bad_request(
+                    f"This model takes text only: messages[{i}].content[{j}] is a {kind!r} part. Send text "
+                    "parts ({'type': 'text', 'text': ...}) or a string.",
+                    f"messages[{i}].content[{j}]",
+                    "unsupported_content",
+                )
+
+    def truncation(self, req: P.SamplingFields) -> int | None:
+        """truncate_prompt_tokens as vLLM reads it: None keeps the prompt whole, -1 keeps the last
+        max_model_len tokens, N the last N (more than max_model_len is a 400)."""
+        n = req.truncate_prompt_tokens
+        if n is None:
+            return None
+        if n < 0:
+            return self.max_model_len
+        if n > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens ({n}) is larger than this model's maximum context length "
+                f"({self.max_model_len} tokens); use at most {self.max_model_len}, or -1 for that.",
+                "truncate_prompt_tokens",
+            )
+        return n
+
+    @staticmethod
+    def truncate(ids: list[int], keep: int | None) -> list[int]:
+        """The last ``keep`` token ids (None: all of them)."""
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep :]
+
+    def check_chat_chars(self, messages: list[P.ChatMessage], truncating: bool = False) -> None:
+        self.check_text_only(messages)
+        if truncating:  # the body limit bounds the text; the tokens are cut after tokenizing
+            return
         self.check_chars(
             sum(
                 len(m.text()) + len(m.name or "") + sum(len(c.function.arguments) for c in m.tool_calls or [])
@@ -214,8 +283,9 @@ class OpenAIServing:
             except ValueError as exc:
                 raise bad_request(f"Invalid {spec[0]}: {exc}", spec[0], "invalid_grammar") from exc
 
-    def completion_items(self, prompt: Any) -> list[str | list[int]]:
-        """The prompts of a completion request, checked for shape and length before any tokenizing."""
+    def completion_items(self, prompt: Any, keep: int | None = None) -> list[str | list[int]]:
+        """The prompts of a completion request, checked for shape and length before any tokenizing (token
+        ids cut to their last ``keep``, truncate_prompt_tokens)."""
         if isinstance(prompt, str):
             items: list[str | list[int]] = [prompt]
         elif not prompt:
@@ -226,21 +296,27 @@ class OpenAIServing:
             items = list(prompt)
         if len(items) > MAX_PROMPTS:
             raise bad_request(f"At most {MAX_PROMPTS} prompts per request, got {len(items)}.", "prompt")
+        if keep is not None:
+            items = [item if isinstance(item, str) else self.truncate(list(item), keep) for item in items]
         for item in items:
             if isinstance(item, str):
-                self.check_chars(len(item), "prompt")
+                if keep is None:  # truncating: the body limit bounds the text
+                    self.check_chars(len(item), "prompt")
             else:
                 self.check_prompt(item, "prompt")
         return items
 
-    def completion_prompts(self, items: list[str | list[int]], echo: bool) -> list[Prepared]:
-        """Tokenize (on the worker pool) the prompts of a completion request."""
+    def completion_prompts(
+        self, items: list[str | list[int]], echo: bool, keep: int | None = None
+    ) -> list[Prepared]:
+        """Tokenize (on the worker pool) the prompts of a completion request (their last ``keep`` tokens)."""
         out = []
         for item in items:
             if isinstance(item, str):
                 ids = self.encode(item, "prompt")
-                self.check_prompt(ids, "prompt")
-                out.append(Prepared(ids, item))
+                kept = self.truncate(ids, keep)
+                self.check_prompt(kept, "prompt")
+                out.append(Prepared(kept, item if len(kept) == len(ids) else self.decode(kept)))
             else:
                 out.append(Prepared(list(item), self.decode(item) if echo else ""))
         return out
@@ -269,8 +345,17 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise self.value_error(exc, names) from exc
-        if streaming is None or max_tokens is None:  # sinks + window: the context never fills up
-            max_tokens = room if max_tokens is None else min(max_tokens, room)
+        if streaming is None and max_tokens is not None and max_tokens > room:
+            name = names.get("max_tokens", "max_tokens")
+            raise bad_request(
+                f"{name} is {max_tokens}, more than the context leaves: this model's maximum context length "
+                f"is {self.max_model_len} tokens and the prompt takes {prompt_len}, so at most {room} can be "
+                f"generated. Lower {name} (or leave it out for all that fits), or shorten the prompt.",
+                name,
+                "context_length_exceeded",
+            )
+        if max_tokens is None:  # up to the context (with sinks + window, which never fills, too)
+            max_tokens = room
         # What a request leaves out: the model's generation_config.json values (--generation-config), as vLLM
         default = self.inputs.sampling_default
         top_k = req.top_k if req.top_k is not None else int(default("top_k", 0))
@@ -447,17 +532,28 @@ class OpenAIServing:
 
     async def create_completion(self, req: P.CompletionRequest, request: Request) -> Response:
         lora = self.check_model(req.model)
+        self.check_fields(req)
         self.note_hints(req)
+        # max_tokens 0 with echo: prompt scoring (lm-evaluation-harness's loglikelihood): one token is
+        # generated so the prompt's logprobs come back, and dropped from the answer.
+        scoring = req.max_tokens == 0
+        if scoring and not req.echo:
+            raise bad_request(
+                "max_tokens 0 generates nothing: it needs echo (prompt scoring, with logprobs for the prompt's "
+                "token logprobs)",
+                "max_tokens",
+            )
         best_of = req.best_of or req.n
         if best_of < req.n:
             raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
         if best_of > req.n and req.stream:
             raise bad_request("best_of larger than n cannot be streamed", "best_of")
-        items = self.completion_items(req.prompt)
+        keep = self.truncation(req)
+        items = self.completion_items(req.prompt, keep)
         self.check_admission(len(items))  # refuse early under overload, before spending CPU
         spec = requested_spec(req)
         await self.off_loop(self.check_grammar, spec)
-        prompts = await self.off_loop(self.completion_prompts, items, req.echo)
+        prompts = await self.off_loop(self.completion_prompts, items, req.echo, keep)
         names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt", "n": "best_of"}
         longest = max(len(p.token_ids) for p in prompts)
         # echo + logprobs: the prompt's tokens get their logprobs too (OpenAI's semantics)
@@ -465,8 +561,9 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             prompt_k = max(prompt_k or 0, req.prompt_logprobs)
         params = self.sampling_params(
-            req, longest, req.max_tokens, req.logprobs, names, spec[1] if spec else None, prompt_k
-        )
+            req, longest, 1 if scoring else req.max_tokens, req.logprobs, names, spec[1] if spec else None,
+            prompt_k,
+        )  # fmt: skip
         params.n = best_of
         base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, prompts, params, req.priority, names, lora)
@@ -474,23 +571,27 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._completion_stream(base_id, created, model, req, prompts, streams, include_usage),
+                self._completion_stream(
+                    base_id, created, model, req, prompts, streams, include_usage, scoring
+                ),
                 on_close=lambda: self.engine.abort([s.request_id for s in streams if not s.finished]),
             )
         finals = await self.collect(request, streams)
         choices, usage = [], P.UsageInfo()
         for i, (prepared, out) in enumerate(zip(prompts, finals, strict=True)):
             usage.prompt_tokens += len(prepared.token_ids)
-            usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if not scoring:
+                usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             kept = sorted(out.outputs, key=lambda c: c.index)
             if best_of > req.n:  # the n most likely of best_of
                 kept = sorted(kept, key=lambda c: -(c.cumulative_logprob or 0.0))[: req.n]
             for j, c in enumerate(kept):
-                text, logprobs = c.text, None
+                text, logprobs = ("" if scoring else c.text), None
                 if req.logprobs is not None:
-                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                    ids, entries = ([], []) if scoring else (c.token_ids, c.logprobs)
+                    logprobs = self.completion_logprobs(ids, entries, req.logprobs, 0)
                 if req.echo:
-                    text = prepared.text + c.text
+                    text = prepared.text + text
                     if logprobs is not None:
                         logprobs = self.echo_logprobs(prepared, out.prompt_logprobs, req.logprobs, logprobs)
                 choices.append(
@@ -543,7 +644,7 @@ class OpenAIServing:
 
     async def _completion_stream(
         self, base_id: str, created: int, model: str, req: P.CompletionRequest, prompts: list[Prepared],
-        streams: list[RequestStream], include_usage: bool,
+        streams: list[RequestStream], include_usage: bool, scoring: bool = False,
     ) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": base_id, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
@@ -565,6 +666,8 @@ class OpenAIServing:
                     if chunk is None:
                         continue
                     text, token_ids, entries = chunk
+                    if scoring:  # prompt scoring: the echoed prompt only, not the token generated for it
+                        text, token_ids, entries = prefix, [], []
                     logprobs = None
                     if req.logprobs is not None:
                         lp = self.completion_logprobs(
@@ -586,14 +689,16 @@ class OpenAIServing:
                             None if e is None else {t: v.model_dump() for t, v in e.items()}
                             for e in lps or []
                         ]
-                    usage = self.usage_so_far(num_prompt, choices.num_tokens) if continuous else None
+                    generated = 0 if scoring else choices.num_tokens
+                    usage = self.usage_so_far(num_prompt, generated) if continuous else None
                     yield sse({**base, "choices": [choice], **extra, **({"usage": usage} if usage else {})})
         except (RequestFailedError, EngineDeadError) as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=choices.num_tokens)
+            generated = 0 if scoring else choices.num_tokens
+            usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=generated)
             _finish_usage(usage, list(cached.values()))
             yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
@@ -632,12 +737,15 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         lora = self.check_model(req.model)
+        self.check_text_only(req.messages)
+        self.check_fields(req)
         self.note_hints(req)
-        self.check_chat_chars(req.messages)
+        keep = self.truncation(req)
+        self.check_chat_chars(req.messages, truncating=keep is not None)
         self.check_admission(1)  # refuse early under overload, before spending CPU
         parser, spec, spec_field = self.tool_setup(req)
         await self.off_loop(self.check_grammar, (spec_field, spec) if spec is not None else None)
-        prepared = await self.off_loop(self.chat_prompt, req)
+        prepared = await self.off_loop(self.chat_prompt, req, keep)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         mt_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -659,7 +767,7 @@ class OpenAIServing:
         usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids))
         for c in sorted(final.outputs, key=lambda c: c.index):
             usage.completion_tokens += len(c.token_ids)
-            content, calls = (c.text, []) if parser is None else extract(parser, c.text)
+            content, calls = (c.text, []) if parser is None else whole_tool_calls(parser, c.text)
             if calls and req.parallel_tool_calls is False:
                 calls = calls[:1]
             finish = c.finish_reason
@@ -670,7 +778,7 @@ class OpenAIServing:
                     index=c.index,
                     message=P.ChatResponseMessage(
                         content=content if content or not calls else None,
-                        tool_calls=[call.to_openai() for call in calls],
+                        tool_calls=calls,
                     ),
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
                     finish_reason=finish,
@@ -708,6 +816,7 @@ class OpenAIServing:
                     "finish_reason": None,
                 }
                 yield sse({**base, "choices": [choice], **extra})
+            held: dict[int, tuple[list[int], list]] = {}  # tokens of deltas not sent (nothing to say yet)
             async for _, out in _merge(streams):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
@@ -715,9 +824,9 @@ class OpenAIServing:
                     if chunk is None:
                         continue
                     text, token_ids, entries = chunk
-                    logprobs = (
-                        self.chat_logprobs(token_ids, entries, k).model_dump() if k is not None else None
-                    )
+                    if c.index in held:
+                        ids0, entries0 = held.pop(c.index)
+                        token_ids, entries = ids0 + list(token_ids), entries0 + list(entries)
                     delta: dict[str, Any] = {"content": text} if text else {}
                     finish = c.finish_reason
                     calls = tool_streams.get(c.index)
@@ -728,6 +837,12 @@ class OpenAIServing:
                             delta["tool_calls"] = tool_deltas
                         if calls.num_calls and finish == "stop" and not isinstance(parser, NamedCall):
                             finish = "tool_calls"
+                    if not delta and finish is None:  # vLLM sends no empty deltas: hold the tokens' logprobs
+                        held[c.index] = (list(token_ids), list(entries))
+                        continue
+                    logprobs = (
+                        self.chat_logprobs(token_ids, entries, k).model_dump() if k is not None else None
+                    )
                     choice = {
                         "index": c.index,
                         "delta": delta,
@@ -790,6 +905,30 @@ class _ChoiceDeltas:
         start = self._offsets.get(key, 0)
         self._offsets[key] = start + len(text)
         return start
+
+
+def whole_tool_calls(parser: ToolParser, text: str) -> tuple[str | None, list[dict]]:
+    """(content, OpenAI tool calls) of a finished output. tool_choice "required" (a grammar wrote it) reads it
+    exactly as a stream of it reads it: an output cut short by max_tokens keeps the calls a stream would have
+    sent, not its raw text as content. Other parsers read free text: an output whose calls do not all parse
+    is content (a stream may already have sent a call by then)."""
+    if not isinstance(parser, RequiredCalls):
+        content, named = extract(parser, text)
+        return content, [call.to_openai() for call in named]
+    stream = ToolCallStream(parser)
+    head, first = stream.feed(text, final=False)
+    tail, last = stream.feed("", final=True)
+    calls: dict[int, dict] = {}
+    for d in first + last:
+        call = calls.setdefault(
+            d["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+        )
+        if "id" in d:
+            call["id"] = d["id"]
+            call["function"]["name"] = d["function"]["name"]
+        call["function"]["arguments"] += d["function"].get("arguments", "")
+    content = head + tail
+    return (content or None), [calls[i] for i in sorted(calls)]
 
 
 def _finish_usage(usage: P.UsageInfo, cached_tokens: list[int]) -> None:

@@ -35,6 +35,9 @@ class ServerSettings:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (--allow-runtime-lora-updating, or vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they are 404s as in vLLM.
     allow_runtime_lora_updating: bool = False
+    # --strict-api: a request field that no model here knows is a 400 (default: logged once and ignored, as
+    # vLLM does).
+    strict_api: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_queued_reqs is None:

@@ -29,8 +29,8 @@ def test_streaming_request_generates_past_max_model_len(client):
     )
     assert out.usage.completion_tokens == 3 * CONTEXT
     assert out.choices[0].finish_reason == "length"
-    plain = client.completions.create(
-        model=out.model, prompt="Once upon a time", max_tokens=3 * CONTEXT, extra_body={"ignore_eos": True}
+    plain = client.completions.create(  # without the opt-in: all that fits (more is a 400, as in vLLM)
+        model=out.model, prompt="Once upon a time", max_tokens=None, extra_body={"ignore_eos": True}
     )
     assert plain.usage.prompt_tokens + plain.usage.completion_tokens == CONTEXT
 
@@ -65,9 +65,12 @@ def test_max_tokens_past_the_servers_cap_is_400(client):
             extra_body=streaming,
         )  # fmt: skip
     assert exc.value.body["param"] == "max_completion_tokens"
-    # without streaming, max_tokens is clamped to the context as always
+    # without streaming, max_tokens past the context is a 400 (as in vLLM); left out, it is all that fits
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model, prompt="hi", max_tokens=2**62)
+    assert exc.value.body["param"] == "max_tokens" and exc.value.body["code"] == "context_length_exceeded"
     plain = client.completions.create(
-        model=model, prompt="hi", max_tokens=2**62, extra_body={"ignore_eos": True}
+        model=model, prompt="hi", max_tokens=None, extra_body={"ignore_eos": True}
     )
     assert plain.usage.prompt_tokens + plain.usage.completion_tokens == CONTEXT
 

@@ -30,6 +30,7 @@ def srv(start_pagoda):
         "--max-num-seqs", "1",
         "--max-num-queued-reqs", "2",
         "--max-request-body-bytes", "64KiB",
+        "--strict-api",  # unknown fields are a 400 (the default logs and ignores them, test_vllm_leniency.py)
         api_key=KEY,
     )  # fmt: skip
     yield server
@@ -169,15 +170,21 @@ def test_400_prompt_over_the_context(srv) -> None:
     )
 
 
-def test_max_tokens_beyond_the_context_is_clamped(srv) -> None:
+def test_max_tokens_beyond_the_context_is_400(srv) -> None:
+    """As in vLLM (it used to be cut to the room left); left out, max_tokens is all that fits."""
     tid = the_id(srv)
-    r = post(
-        srv, "/v1/completions", {"prompt": [tid] * (CONTEXT - 3), "max_tokens": 10_000, "ignore_eos": True}
+    body = {"prompt": [tid] * (CONTEXT - 3), "ignore_eos": True}
+    err = assert_error(
+        post(srv, "/v1/completions", {**body, "max_tokens": 10_000}),
+        400,
+        "max_tokens",
+        contains=f"maximum context length is {CONTEXT} tokens and the prompt takes {CONTEXT - 3}",
     )
+    assert err["code"] == "context_length_exceeded"
+    r = post(srv, "/v1/completions", {**body, "max_tokens": None})
     assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"]["completion_tokens"] == 3
-    assert body["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(
