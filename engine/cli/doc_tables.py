@@ -27,7 +27,11 @@ def flags_table() -> str:
         if answer.only:
             values = ", ".join(f"`{v}`" if v else '`""`' for v in answer.only)
             kind = f"accepted as {values}, with a warning; otherwise refused"
-        note = answer.note.replace("|", "\\|")
+        note = answer.note
+        if name in vllm_compat.FALLBACKS:
+            fallback, why = vllm_compat.FALLBACKS[name]
+            note = f"vLLM's other values are replaced by `{fallback}`, with a warning: {why}"
+        note = note.replace("|", "\\|")
         rows.append(f"| `{name}` | {kind} | {note} |")
     return "\n".join(rows) + "\n"
 

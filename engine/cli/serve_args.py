@@ -157,15 +157,23 @@ class UnknownFlagError(Exception):
 
 
 @functools.cache
-def _actions() -> dict[str, argparse.Action]:
-    """serve's parser's actions by destination (an EngineConfig field, or a server setting's name)."""
-    return {a.dest: a for a in build_parser()._actions if a.option_strings}
-
-@functools.cache
 def implemented_flags() -> frozenset[str]:
     """Every option string of `pagoda serve` (what vllm_compat answers as implemented)."""
     return frozenset(o for a in build_parser()._actions for o in a.option_strings)
 
+
+@functools.cache
+def flag_choices() -> dict[str, tuple[str, ...]]:
+    """The values of each `pagoda serve` flag that takes a fixed set, by its option strings."""
+    return {
+        o: tuple(map(str, a.choices)) for a in build_parser()._actions if a.choices for o in a.option_strings
+    }
+
+
+@functools.cache
+def _actions() -> dict[str, argparse.Action]:
+    """serve's parser's actions by destination (an EngineConfig field, or a server setting's name)."""
+    return {a.dest: a for a in build_parser()._actions if a.option_strings}
 
 
 def flag(name: str) -> str:
@@ -203,17 +211,17 @@ def parse_args(argv: list[str], *, exit_on_error: bool = True) -> argparse.Names
     """Parse, turning unknown flags into an error that lists the closest known ones (exit_on_error=False:
     a bad value raises argparse.ArgumentError instead of exiting)."""
     parser = build_parser(exit_on_error=exit_on_error)
+    try:
+        argv, warnings = vllm_compat.translate(list(argv), implemented_flags(), flag_choices())
+    except vllm_compat.CompatRefusal as exc:
+        raise UnknownFlagError(str(exc)) from None
     args, unknown = parser.parse_known_args(argv)
+    args.compat_warnings = warnings
     if unknown:
         known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
         lines = []
         for token in unknown:
-    try:
-        argv, warnings = vllm_compat.translate(list(argv), implemented_flags())
-    except vllm_compat.CompatRefusal as exc:
-        raise UnknownFlagError(str(exc)) from None
             flag = token.split("=", 1)[0]
-    args.compat_warnings = warnings
             if flag.startswith("-"):
                 close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""

@@ -369,9 +369,23 @@ def _is_value(token: str) -> bool:
     return not token.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", token) is not None
 
 
-def translate(argv: list[str], implemented: frozenset[str]) -> tuple[list[str], list[str]]:
-    """`argv` with underscore spellings read as dashes and the ignored vLLM flags (and their values) taken
-    out, and the warnings for them; CompatRefusal for a refused flag or value."""
+# Implemented flags whose vLLM values Pagoda has no counterpart for: such a value is replaced by Pagoda's
+# own choice, with a warning (a value among Pagoda's choices is taken as it is).
+FALLBACKS: dict[str, tuple[str, str]] = {
+    "--attention-backend": ("auto", "vLLM's attention backends are not Pagoda's; it picks its own"),
+    "--tool-call-parser": (
+        "auto",
+        "Pagoda has no tool-call parser of that name; it reads tool calls the way the chat template writes them",
+    ),
+}
+
+
+def translate(
+    argv: list[str], implemented: frozenset[str], choices: dict[str, tuple[str, ...]] | None = None
+) -> tuple[list[str], list[str]]:
+    """`argv` with underscore spellings read as dashes, the ignored vLLM flags (and their values) taken
+    out and vLLM-only values of FALLBACKS' flags replaced, and the warnings for them; CompatRefusal for a
+    refused flag or value. `choices`: the values `pagoda serve` takes for a flag that has a fixed set."""
     answers = {n: a for n, a in table(implemented).items() if a.kind != IMPLEMENTED}
     out: list[str] = []
     warnings: list[str] = []
@@ -386,6 +400,14 @@ def translate(argv: list[str], implemented: frozenset[str]) -> tuple[list[str], 
         if re.fullmatch(r"-O\d", name):  # vLLM's -O3: the compilation level, attached
             name, has_value, inline = "-O", "=", name[2:]
         name = SHORT.get(name, name)
+        if name in FALLBACKS and choices and name in choices:
+            value = inline if has_value else (argv[i] if i < len(argv) else None)
+            if value is not None and value not in choices[name]:
+                fallback, note = FALLBACKS[name]
+                warnings.append(f"{name} {value} (a vLLM value) is replaced by {fallback}: {note}")
+                out += [name, fallback]
+                i += 0 if has_value else 1
+                continue
         negated = name.startswith("--no-") and answers.get("--" + name[5:], Answer("")).arity == _SWITCH
         key = "--" + name[5:] if negated else name
         answer = answers.get(key)

@@ -106,3 +106,13 @@ def test_values_that_look_like_flags() -> None:
     a = parse_args(["--max-log-len", "-1", "-O3", "--no-trust-remote-code", "--max_num_seqs=4"])
     assert a.max_num_seqs == 4 and len(a.compat_warnings) == 3
     assert any("--compilation-config 3" in w for w in a.compat_warnings)
+
+
+def test_vllm_values_of_implemented_flags_fall_back_with_a_warning() -> None:
+    a = parse_args(
+        ["--attention-backend", "FLASH_ATTN", "--tool-call-parser=qwen3_coder", "--max-num-seqs", "3"]
+    )
+    assert a.attention_backend == "auto" and a.tool_call_parser == "auto" and a.max_num_seqs == 3
+    assert len(a.compat_warnings) == 2 and "FLASH_ATTN" in a.compat_warnings[0]
+    b = parse_args(["--attention-backend", "triton", "--tool-call-parser", "hermes"])
+    assert b.attention_backend == "triton" and b.tool_call_parser == "hermes" and not b.compat_warnings
