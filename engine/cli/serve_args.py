@@ -64,6 +64,9 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagoda serve",
         description="Serve a model over an OpenAI-compatible HTTP API (flags follow vLLM's).",
+        epilog="Every other flag of `vllm serve` is accepted with a warning where it means nothing here, or refused "
+        "with what to use instead (the table: docs/serving.md, engine/cli/vllm_compat.py); --flag_name "
+        "spellings read as --flag-name.",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         exit_on_error=exit_on_error,
