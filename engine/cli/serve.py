@@ -25,6 +25,7 @@ from pagoda.engine.exit_codes import (
     EXIT_ENGINE_DIED,
     EXIT_OK,
     EXIT_PORT_IN_USE,
+    EXIT_START_FAILED,
     EXIT_USAGE,
     write_termination_message,
 )
@@ -209,10 +210,27 @@ def _serve(engine: Any, settings: ServerSettings, args: argparse.Namespace, sock
 
     engine.add_dead_listener(engine_died)
     try:
-        server.run(sockets=[sock])
+        code = run_server(server, sock)
     finally:
         engine.shutdown()  # once more, in case the app never started (idempotent)
+    if code != EXIT_OK:
+        return code
     return EXIT_ENGINE_DIED if died else EXIT_OK
+
+
+def run_server(server: Any, sock: socket.socket) -> int:
+    """Run uvicorn on the bound socket until it stops: EXIT_OK, or EXIT_START_FAILED where uvicorn itself
+    failed to start (it exits 3 then, which is Pagoda's out-of-memory code: never passed on)."""
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return EXIT_OK
+        logging.getLogger("pagoda.engine").error(
+            "the HTTP server failed to start (uvicorn exit %s)", exc.code
+        )
+        return EXIT_START_FAILED
+    return EXIT_OK
 
 
 def _dry_run(args: argparse.Namespace) -> int:

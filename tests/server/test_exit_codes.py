@@ -92,3 +92,16 @@ def test_every_code_means_one_thing_and_the_doc_table_is_generated_from_it() -> 
     }
     assert defined == set(codes)
     assert exit_codes.exit_codes_table() in DOC.read_text()
+
+
+def test_uvicorns_own_start_failure_is_not_read_as_out_of_memory() -> None:
+    class Failing:
+        def run(self, sockets):
+            raise SystemExit(3)  # uvicorn's STARTUP_FAILURE (a lifespan that failed)
+
+    class Fine:
+        def run(self, sockets):
+            return None
+
+    assert serve.run_server(Failing(), None) == exit_codes.EXIT_START_FAILED != exit_codes.EXIT_OUT_OF_MEMORY
+    assert serve.run_server(Fine(), None) == exit_codes.EXIT_OK
