@@ -227,6 +227,12 @@ class OpenAIServing:
             found = m.non_text_part()
             if found is not None:
                 j, kind = found
+                if kind == "text":
+                    raise bad_request(
+                        f"messages[{i}].content[{j}] is a text part without its 'text'.",
+                        f"messages[{i}].content[{j}].text",
+                        "missing_field",
+                    )
                 raise bad_request(
                     f"This model takes text only: messages[{i}].content[{j}] is a {kind!r} part. Send text "
                     "parts ({'type': 'text', 'text': ...}) or a string.",
