@@ -18,7 +18,8 @@ Kubernetes emulator. Prints each step's time and the image sizes. Needs root (bu
 libraries from PyPI, about 2.6 GB of wheels), and checks it without a GPU: torch is the CUDA 13.0 build and
 lists the architectures the planner counts on, the NVIDIA container variables are set, Triton builds its
 real driver module (triton/backends/nvidia/driver.c, linked against a stand-in libcuda.so.1) inside the image,
-and `pagoda kernels warm` for a catalogue GPU and model finds every variant already in the image's cache.
+`pagoda kernels warm` for a catalogue GPU and model finds every variant already in the image's cache, and
+`pagoda serve --dry-run --gpu NVIDIA-L4` (the entrypoint as far as it goes without a GPU) passes.
 """
 
 from __future__ import annotations
@@ -476,6 +477,14 @@ def check_gpu_image(box: Sandbox, logs: Path) -> dict:
     say(
         f"gpu image: kernels warm --gpu L4 (Llama-3.1-8B, common variants): {len(fresh)} cache entries, all in the image's"
     )
+    # the entrypoint's own start-up path as far as it goes without a GPU: serve's dry run for a catalogue GPU
+    with started(
+        box.command(["pagoda", "serve", "--dry-run", "--gpu", "NVIDIA-L4"]), logs / "dry-run.log"
+    ) as proc:
+        rc = proc.wait(600)
+    out = (logs / "dry-run.log").read_text()
+    assert rc == 0 and '"warnings"' in out, out[-4000:]
+    say("gpu image: pagoda serve --dry-run --gpu NVIDIA-L4 passes")
     return facts
 
 
