@@ -288,7 +288,7 @@ def _invalid(rng: random.Random, max_model_len: int) -> tuple[str, dict]:
             ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [10**6], "min_tokens": 1}),
             ("/v1/completions", {"prompt": [1, 2, 10**7]}),
             ("/v1/completions", {"prompt": "Hi", "temperature": -1}),
-            ("/v1/completions", {"prompt": "Hi", "temprature": 0.5}),
+            ("/v1/completions", {"prompt": "Hi", "bad_words": ["x"]}),  # honoured by vLLM, refused here (unknown fields are ignored)
             ("/v1/chat/completions", {"messages": []}),
             ("/v1/completions", {"prompt": "word " * (max_model_len * 2)}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 9,

@@ -295,14 +295,15 @@ def model_shape(model: str | None, revision: str | None = None) -> ModelShape:
     if model is None or model == DEFAULT_MODEL:
         return resolve_shape(None)
     if not Path(model).expanduser().exists() and model.count("/") == 1:
-        try:
-            from huggingface_hub import snapshot_download
+        # the engine's own reading of the cache (HF_HUB_CACHE / HF_HOME as set now, never a download); the
+        # weights need not be there yet: config.json decides the shape
+        from pagoda.engine.loader.resolve import hf_hub_cache
 
-            folder = snapshot_download(model, revision=revision, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not in the cache (or no hub client): the table may know it
-            folder = None
-        if folder and (Path(folder) / "config.json").exists():
-            return shape_from_path(folder)
+        repo_dir = hf_hub_cache() / ("models--" + model.replace("/", "--"))
+        ref = repo_dir / "refs" / (revision or "main")
+        snapshot = repo_dir / "snapshots" / (ref.read_text().strip() if ref.is_file() else (revision or ""))
+        if (snapshot / "config.json").is_file():
+            return shape_from_path(snapshot)
     return resolve_shape(model)
 
 

@@ -30,8 +30,35 @@ class CallText:
 _BAD = object()
 
 
+MAX_DEPTH = 128  # arrays and objects nested deeper are not a tool call, whatever the recursion limit is
+
+
+def _too_deep(text: str) -> bool:
+    depth, in_string, escaped = 0, False, False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif c in "]}":
+            depth -= 1
+    return False
+
+
 def _json(text: str) -> object:
-    """The JSON value of ``text``, or _BAD (model text: any error, nesting too deep included)."""
+    """The JSON value of ``text``, or _BAD (model text: any error, nesting past MAX_DEPTH included, so the
+    answer never depends on the interpreter's recursion limit)."""
+    if _too_deep(text):
+        return _BAD
     try:
         return json.loads(text)
     except (ValueError, RecursionError):

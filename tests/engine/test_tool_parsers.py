@@ -204,3 +204,23 @@ def test_reported_malformed_calls_are_content(family, body) -> None:
     assert (content, calls) == (text, [])
     for step in (1, 7, len(text)):
         check_whole_and_streamed(family, text, list(range(step, len(text), step)))
+
+
+@pytest.mark.parametrize("limit", [1000, 20000])
+def test_nesting_past_the_depth_cap_is_content_whatever_the_recursion_limit(limit):
+    """1,200 nested arrays: json.loads raises RecursionError only under a low recursion limit (a test runner
+    may raise it), so the cap decides, the same way every time; 100 levels stay a call."""
+    import sys
+
+    def call(depth: int) -> str:
+        return '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * depth + "]" * depth + "}}</tool_call>"
+
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        deep = extract(PARSERS["hermes"](), call(1200))
+        shallow = extract(PARSERS["hermes"](), call(100))
+    finally:
+        sys.setrecursionlimit(before)
+    assert deep[1] == [] and deep[0] == call(1200)
+    assert [c.name for c in shallow[1]] == ["f"] and not shallow[0]

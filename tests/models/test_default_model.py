@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from pagoda.engine import envs
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.loader import load_model, load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.loader.resolve import default_model_gguf
+from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
 from transformers import AutoModelForCausalLM
 
 
@@ -60,7 +62,14 @@ def test_model_config_matches_smollm2(ours):
     )
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size) == (576, 1536, 64, 49152)
     assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
-    assert cfg.kv_bytes_per_token(2) == 23040 and cfg.kv_bytes_per_token(4) == 46080  # REFERENCE.md
+    per_token = partial(
+        kv_bytes_per_token,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+    assert per_token(2) == 23040 and per_token(4) == 46080  # REFERENCE.md (the one KV formula)
     assert cfg.eos_token_ids == [2]
 
 
