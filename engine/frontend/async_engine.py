@@ -236,7 +236,7 @@ class AsyncEngine:
     # ------------------------------------------------------------ calls into the core, between its steps
 
     async def call(self, method: str, *args: Any) -> Any:
-        """Run the core's `method` (one of core_messages.UTILITY_METHODS) between two steps."""
+        """Run the core's `method` (one of engine/core/messages.py UTILITY_METHODS) between two steps."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         assert self._loop is not None
