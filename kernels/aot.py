@@ -74,25 +74,9 @@ def target_of(limits: DeviceLimits) -> Any:
     return GPUTarget("cuda", major * 10 + minor, 32)
 
 
-def compile_kernel(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
-    """Triton's launch path up to the compiled kernel (triton.runtime.jit.JITFunction.run), for `target`."""
-    from triton import knobs
-    from triton.compiler import ASTSource, compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    backend = make_backend(target)
-    kwargs = dict(kwargs)
-    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
-def variant_key(kernel: Any, args: tuple, kwargs: dict, target: Any) -> tuple:
-    """What tells a launch's compiled variant apart (Triton's specialization of its arguments, its constexprs
-    and options for ``target``), without compiling: the same steps as compile_kernel up to the source."""
+def _packed(kernel: Any, args: tuple, kwargs: dict, target: Any) -> tuple:
+    """Triton's specialization of a launch for ``target``, as its JIT does it: (signature, constexprs,
+    attrs, options)."""
     from triton import knobs
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -104,6 +88,21 @@ def variant_key(kernel: Any, args: tuple, kwargs: dict, target: Any) -> tuple:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def compile_kernel(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
+    """Triton's launch path up to the compiled kernel (triton.runtime.jit.JITFunction.run), for `target`."""
+    from triton.compiler import ASTSource, compile
+
+    signature, constexprs, attrs, options = _packed(kernel, args, kwargs, target)
+    return compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def variant_key(kernel: Any, args: tuple, kwargs: dict, target: Any) -> tuple:
+    """What tells a launch's compiled variant apart (Triton's specialization of its arguments, its constexprs
+    and options for ``target``), without compiling."""
+    signature, constexprs, attrs, options = _packed(kernel, args, kwargs, target)
     return (kernel.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
             repr(sorted(attrs.items(), key=str)), repr(sorted(options.__dict__.items())))  # fmt: skip
 
