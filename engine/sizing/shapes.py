@@ -49,6 +49,10 @@ class ModelShape:
     weight_bytes: int = 0  # parameter bytes in `dtype`
     num_params: int = 0
     tie_word_embeddings: bool = False
+    # Attention scores soft-capped to c*tanh(s/c) (Gemma 2); the kernels compile a variant for it.
+    attn_logit_softcapping: float | None = None
+    # How many layers slide when sliding_window is set (Gemma: 1 in 2 or 5 in 6); None = every layer.
+    sliding_window_layers: int | None = None
 
     def kv_bytes_per_token(self, kv_dtype: str | None = "auto", tp: int = 1) -> int:
         """KV bytes per token of the whole model, or of the rank with the most KV heads under tensor
@@ -166,10 +170,14 @@ def shape_from_config(
     if weight_bytes is not None:
         n = weight_bytes // dtype_bytes(dtype)
     label = name or config.get("_name_or_path") or config.get("model_type") or "model"
+    sliding_layers = None
+    if mc.sliding_window is not None and mc.layer_types is not None:
+        sliding_layers = sum(mc.layer_sliding_window(i) is not None for i in range(mc.num_hidden_layers))
     return ModelShape(
         str(label), mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
         mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.sliding_window,
         dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes, n, mc.tie_word_embeddings,
+        getattr(mc, "attn_logit_softcapping", None), sliding_layers,
     )  # fmt: skip
 
 
