@@ -18,7 +18,11 @@ from pagoda.engine.cli.engine_args import (
     engine_config_from_args,
     parse_bytes,
 )
-from pagoda.engine.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from pagoda.engine.server.settings import (
+    DEFAULT_MAX_NUM_QUEUED_REQS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServerSettings,
+)
 from pagoda.engine.tool_parsers.parsers import PARSERS as TOOL_PARSERS
 
 
@@ -101,7 +105,7 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     s.add_argument(
         "--max-num-queued-reqs",
         type=_positive_int,
-        default=None,
+        default=DEFAULT_MAX_NUM_QUEUED_REQS,
         help="answer 503 + Retry-After when more requests would wait",
     )
     s.add_argument(

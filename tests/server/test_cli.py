@@ -33,7 +33,7 @@ def test_vllm_defaults() -> None:
     assert a.model is None and a.host == "0.0.0.0" and a.port == 8000
     assert a.block_size == 16 and a.gpu_memory_utilization == 0.92 and a.max_num_seqs == 256
     assert a.enable_prefix_caching is True and a.enable_chunked_prefill is True
-    assert a.kv_cache_dtype == "auto" and a.scheduling_policy == "fcfs" and a.max_num_queued_reqs is None
+    assert a.kv_cache_dtype == "auto" and a.scheduling_policy == "fcfs" and a.max_num_queued_reqs == 512
 
 
 def test_flags_reach_the_engine_config() -> None:
@@ -77,6 +77,9 @@ def test_help_exits_0(capsys) -> None:
     out = capsys.readouterr().out
     for flag in ("--gpu-memory-utilization", "--max-num-queued-reqs", "--api-key", "--uvicorn-log-level"):
         assert flag in out
+    # The queue limit's help shows the number the server applies, not "None".
+    queued = out[out.index("  --max-num-queued-reqs") :].split("--max-request-body-bytes")[0]
+    assert "512" in queued and "None" not in queued
 
 
 def test_engine_flags_are_generated_from_the_engine_config() -> None:
