@@ -63,5 +63,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of q
+        """Write the new K/V, then attend. With `logit_softcap` c (Gemma 2) every score becomes
+        `c * tanh(scale * q.k / c)` before the causal / window mask and the softmax; None or 0 = off."""
         ...

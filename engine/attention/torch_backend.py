@@ -18,6 +18,9 @@ prefill chunks. The plan is reused by every layer of the step.
 
 Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p (itself included), the
 Mistral / Hugging Face convention.
+
+Logit soft-cap `c` (Gemma 2): scores become `c * tanh(scale * q.k / c)` before the mask and the softmax.
+SDPA has no such hook, so the torch paths then compute the scores explicitly (`_attend`).
 """
 
 from __future__ import annotations
@@ -113,6 +116,32 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def _attend(
+    q: torch.Tensor,  # [B, H, n, D]
+    k: torch.Tensor,  # [B, Hkv, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcastable to [B, H, n, L], True = visible; None = causal, n == L
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA, or without it when a soft-cap is set: explicit float32 scores, capped, masked, softmaxed."""
+    gqa = q.shape[1] != k.shape[1]
+    if not softcap:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -177,7 +206,13 @@ class TorchAttentionBackend:
     # ---- attention ----------------------------------------------------------------------------------
 
     def _gathered_decode(
-        self, q: torch.Tensor, cache: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        plan: _Plan,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Decode rows by the reference formulation: gather every decode's blocks (padded to the longest),
         one masked SDPA call. Returns [Sd, H, D]."""
@@ -198,12 +233,13 @@ class TorchAttentionBackend:
         qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
         sd, kv_heads = qd.shape[0], cache.kv.shape[3]
         # GQA without copying K/V: the query heads sharing a KV head become that head's "query rows".
-        return F.scaled_dot_product_attention(
+        return _attend(
             qd.view(sd, kv_heads, num_heads // kv_heads, head_dim),
             kd.transpose(1, 2),
             vd.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
+            mask,
+            scale,
+            softcap,
         ).reshape(sd, num_heads, head_dim)
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
@@ -222,13 +258,14 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         block_size = cache.kv.shape[2]
+        softcap = logit_softcap or None
         self.write_kv(k, v, cache, meta.slot_mapping)
         plan = self._get_plan(meta, block_size)
-        gqa = q.shape[1] != cache.kv.shape[3]
         dtype = q.dtype
-        native = self.native is not False
+        native = self.native is not False and softcap is None
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # A bfloat16 model's attention computes in float32 over the cache's bfloat16 values on every path:
             # the native kernels take float32 queries, and the torch paths beside them (a prefill where the
@@ -260,9 +297,9 @@ class TorchAttentionBackend:
                 if not plan.prefills:
                     return out.to(dtype)
             else:
-                od = self._gathered_decode(q, cache, plan, scale, sliding_window)
+                od = self._gathered_decode(q, cache, plan, scale, sliding_window, softcap)
                 if out is None:
-                    return od
+                    return od.to(dtype)
                 out.index_copy_(0, plan.decode_rows, od)
 
         if native_prefill:
@@ -280,9 +317,8 @@ class TorchAttentionBackend:
             qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
             # 4-D inputs: with 3-D ones SDPA takes its unfused math kernel on the CPU (slower, see above).
             qp, kp, vp = qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0)
-            if p.context_len == 0 and sliding_window is None:
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
+            mask = None  # causal
+            if p.context_len != 0 or sliding_window is not None:
                 key = ("prefill", i, sliding_window)
                 mask = plan.masks.get(key)
                 if mask is None:
@@ -292,6 +328,6 @@ class TorchAttentionBackend:
                     if sliding_window is not None:
                         mask &= kpos > qpos - sliding_window
                     plan.masks[key] = mask
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            op = _attend(qp, kp, vp, mask, scale, softcap)
             out[p.start : p.end] = op[0].transpose(0, 1)
         return out.to(dtype)

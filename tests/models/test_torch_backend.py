@@ -11,8 +11,9 @@ from pagoda.engine.attention.base import LayerKVCache
 from pagoda.engine.attention.torch_backend import TorchAttentionBackend
 
 
-def dense_reference(q_all, k_all, v_all, ctx, ql, window):
-    """Attention of the new tokens [ctx, ctx+ql) of one sequence over its whole K/V history, one by one."""
+def dense_reference(q_all, k_all, v_all, ctx, ql, window, softcap=None):
+    """Attention of the new tokens [ctx, ctx+ql) of one sequence over its whole K/V history, one by one
+    (scores soft-capped to softcap * tanh(score / softcap) when softcap is given)."""
     heads, kv_heads, d = q_all.shape[1], k_all.shape[1], q_all.shape[2]
     rep = heads // kv_heads
     outs = []
@@ -21,6 +22,8 @@ def dense_reference(q_all, k_all, v_all, ctx, ql, window):
         k = k_all[lo : p + 1].repeat_interleave(rep, 1).double()
         v = v_all[lo : p + 1].repeat_interleave(rep, 1).double()
         scores = torch.einsum("hd,khd->hk", q_all[p].double(), k) / math.sqrt(d)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
     return torch.stack(outs).float()
 
@@ -45,8 +48,9 @@ def schedule(bs):
     return steps
 
 
-def run_schedule(backend, block_size, heads, kv_heads, window, cache_dtype, paged, scale=1.0, seed=0):
-    d = 16
+def run_schedule(
+    backend, block_size, heads, kv_heads, window, cache_dtype, paged, scale=1.0, seed=0, softcap=None, d=16
+):
     torch.manual_seed(seed)
     batches = paged(num_blocks=64, block_size=block_size, seed=seed)
     cache = LayerKVCache(torch.zeros(2, 64, block_size, kv_heads, d, dtype=cache_dtype), scale, scale)
@@ -68,8 +72,10 @@ def run_schedule(backend, block_size, heads, kv_heads, window, cache_dtype, page
             qs.append(q)
             ks.append(k)
             vs.append(v)
-        out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5, window)
-        ref = torch.cat([dense_reference(*hist[sid], ctx, ql, window) for sid, ctx, ql in step])
+        out = backend.forward(
+            torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5, window, logit_softcap=softcap
+        )
+        ref = torch.cat([dense_reference(*hist[sid], ctx, ql, window, softcap) for sid, ctx, ql in step])
         assert out.shape == ref.shape
         worst = max(worst, (out - ref).abs().max().item())
     return worst
@@ -100,6 +106,34 @@ def test_sliding_window_changes_the_result(paged):
     windowed = dense_reference(q, k, v, 0, 20, 4)
     assert torch.allclose(out, windowed, atol=1e-5)
     assert (out[4:] - full[4:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,window,native",
+    [(4, 4, 16, None, None), (8, 2, 64, 5, None), (4, 1, 256, None, False), (4, 1, 256, 7, None)],
+)
+def test_logit_softcap(heads, kv_heads, d, window, native, paged):
+    """Gemma 2's soft-capped scores, with and without a window, GQA, head size 256 (Gemma's), on the native
+    and the reference formulation: every new token matches the dense reference with the cap."""
+    backend = TorchAttentionBackend(native=native)
+    worst = run_schedule(backend, 8, heads, kv_heads, window, torch.float32, paged, softcap=0.5, d=d)
+    assert worst < 1e-5
+
+
+def test_logit_softcap_changes_the_result(paged):
+    """The cap really applies: a tight cap differs from plain attention, a huge one does not."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(20, 2, 16) * 3, torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    outs = {}
+    for cap in (None, 0.5, 1e6):
+        batches = paged(num_blocks=8, block_size=8)
+        cache = LayerKVCache(torch.zeros(2, 8, 8, 2, 16))
+        outs[cap] = TorchAttentionBackend().forward(
+            q, k, v, cache, batches.step([(0, 0, 20)]), 0.25, logit_softcap=cap
+        )
+    assert (outs[0.5] - outs[None]).abs().max() > 1e-2
+    assert (outs[1e6] - outs[None]).abs().max() < 1e-5
+    assert torch.allclose(outs[0.5], dense_reference(q, k, v, 0, 20, None, 0.5), atol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
