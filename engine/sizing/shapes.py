@@ -103,18 +103,62 @@ def estimate_num_params(
     return num_layers * per_layer + embed + hidden_size
 
 
-# name, layers, heads, kv heads, head_dim, hidden, intermediate, vocab, max positions, sliding window,
-# tied embeddings, qkv bias  (public config.json values)
-_WELL_KNOWN = {
-    "llama-3.1-8b": ("Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256, 131072, None, False, False),
-    "llama-3.1-70b": ("Llama-3.1-70B", 80, 64, 8, 128, 8192, 28672, 128256, 131072, None, False, False),
-    "llama-3.1-405b": ("Llama-3.1-405B", 126, 128, 8, 128, 16384, 53248, 128256, 131072, None, False, False),
-    "mistral-7b-v0.1": ("Mistral-7B-v0.1", 32, 32, 8, 128, 4096, 14336, 32000, 32768, 4096, False, False),
-    "mistral-7b-v0.3": ("Mistral-7B-v0.3", 32, 32, 8, 128, 4096, 14336, 32768, 32768, None, False, False),
-    "qwen2.5-7b": ("Qwen2.5-7B", 28, 28, 4, 128, 3584, 18944, 152064, 32768, None, False, True),
-    "qwen2.5-72b": ("Qwen2.5-72B", 80, 64, 8, 128, 8192, 29568, 152064, 32768, None, False, True),
-    "smollm2-135m": ("SmolLM2-135M", 30, 9, 3, 64, 576, 1536, 49152, 8192, None, True, False),
-}  # fmt: skip
+@dataclass(frozen=True)
+class _Known:
+    """One catalogue row: a public model's config.json values (a multimodal checkpoint's text decoder)."""
+
+    name: str
+    family: str  # its entry in the architecture table (architectures.py)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    window: int | None = None  # sliding_window
+    window_layers: int | None = None  # how many layers slide (None: all, when window is set)
+    tied: bool = False  # tie_word_embeddings
+    qkv_bias: bool = False
+    softcap: float | None = None  # attn_logit_softcapping
+
+
+def _gemma3(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
+    """Gemma 3's text decoder: five 1,024-token sliding layers to each global one (layer i slides unless
+    (i + 1) % 6 == 0), a 262,208-token tied vocabulary, 128k positions."""
+    return _Known(name, "gemma3", layers, heads, kv, hd, hidden, inter, 262208, 131072, 1024,
+                  layers - layers // 6, tied=True)  # fmt: skip
+
+
+def _gemma2(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
+    """Gemma 2: every other layer (the even ones) a 4,096-token window, attention scores soft-capped at 50."""
+    return _Known(name, "gemma2", layers, heads, kv, hd, hidden, inter, 256000, 8192, 4096,
+                  (layers + 1) // 2, tied=True, softcap=50.0)  # fmt: skip
+
+
+# Public config.json values of the models users deploy; keyed by the normalised id (_normalise_id).
+_WELL_KNOWN = {row.name.lower(): row for row in (
+    _Known("Llama-3.1-8B", "llama", 32, 32, 8, 128, 4096, 14336, 128256, 131072),
+    _Known("Llama-3.1-70B", "llama", 80, 64, 8, 128, 8192, 28672, 128256, 131072),
+    _Known("Llama-3.1-405B", "llama", 126, 128, 8, 128, 16384, 53248, 128256, 131072),
+    _Known("Mistral-7B-v0.1", "mistral", 32, 32, 8, 128, 4096, 14336, 32000, 32768, 4096),
+    _Known("Mistral-7B-v0.3", "mistral", 32, 32, 8, 128, 4096, 14336, 32768, 32768),
+    _Known("Qwen2.5-7B", "qwen2", 28, 28, 4, 128, 3584, 18944, 152064, 32768, qkv_bias=True),
+    _Known("Qwen2.5-72B", "qwen2", 80, 64, 8, 128, 8192, 29568, 152064, 32768, qkv_bias=True),
+    _Known("SmolLM2-135M", "llama", 30, 9, 3, 64, 576, 1536, 49152, 8192, tied=True),
+    _Known("Qwen3-8B", "qwen3", 36, 32, 8, 128, 4096, 12288, 151936, 40960),
+    _Known("Qwen3-32B", "qwen3", 64, 64, 8, 128, 5120, 25600, 151936, 40960),
+    _gemma3("Gemma-3-4B", 34, 8, 4, 256, 2560, 10240),
+    _gemma3("Gemma-3-12B", 48, 16, 8, 256, 3840, 15360),
+    _gemma3("Gemma-3-27B", 62, 32, 16, 128, 5376, 21504),
+    _gemma2("Gemma-2-9B", 42, 16, 8, 256, 3584, 14336),
+    _gemma2("Gemma-2-27B", 46, 32, 16, 128, 4608, 36864),
+    _Known("Phi-4", "phi3", 40, 40, 10, 128, 5120, 17920, 100352, 16384),
+    # Phi-3.5-mini's config.json sets a 262,144-token window, longer than its 131,072 positions
+    _Known("Phi-3.5-mini", "phi3", 32, 32, 32, 96, 3072, 8192, 32064, 131072, 262144),
+    _Known("Granite-3.3-8B", "granite", 40, 32, 8, 128, 4096, 12800, 49159, 131072, tied=True),
+)}  # fmt: skip
 _ALIASES = {
     "mistral-7b": "mistral-7b-v0.3",
     "mistral-7b-v0.2": "mistral-7b-v0.3",
@@ -123,30 +167,42 @@ _ALIASES = {
 
 
 def _normalise_id(model_id: str) -> str:
+    """A name or hub id as the catalogue keys it: the repository name, lower case, without the suffixes
+    instruct and base checkpoints differ by (-Instruct, -it, -pt, -Base: they share a shape)."""
     name = str(model_id).strip().rstrip("/").split("/")[-1].lower()
     name = name.removeprefix("meta-").removesuffix("-hf")
     name = re.sub(r"-instruct\b", "", name)
+    name = re.sub(r"-(it|pt|base)$", "", name)
     name = name.replace("llama3.1", "llama-3.1")
     return _ALIASES.get(name, name)
 
 
 def well_known_model_ids() -> list[str]:
-    return sorted(v[0] for v in _WELL_KNOWN.values())
+    return sorted(row.name for row in _WELL_KNOWN.values())
 
 
 def well_known_shape(model_id: str) -> ModelShape | None:
-    """The published shape of a popular model by name or hub id (meta-llama/Llama-3.1-8B-Instruct)."""
+    """The published shape of a popular model by name or hub id (meta-llama/Llama-3.1-8B-Instruct,
+    google/gemma-3-27b-it: a multimodal checkpoint's text decoder, which is what the engine sizes)."""
     row = _WELL_KNOWN.get(_normalise_id(model_id))
     if row is None:
         return None
-    name, layers, heads, kv, hd, hidden, inter, vocab, maxpos, window, tied, bias = row
     n = estimate_num_params(
-        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=hd, hidden_size=hidden,
-        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied, qkv_bias=bias,
+        num_layers=row.layers, num_attention_heads=row.heads, num_kv_heads=row.kv_heads, head_dim=row.head_dim,
+        hidden_size=row.hidden, intermediate_size=row.intermediate, vocab_size=row.vocab,
+        tie_word_embeddings=row.tied, qkv_bias=row.qkv_bias,
     )  # fmt: skip
     return ModelShape(
-        name, layers, heads, kv, hd, hidden, inter, vocab, maxpos, window, "bfloat16", 2 * n, n, tied
-    )
+        row.name, row.layers, row.heads, row.kv_heads, row.head_dim, row.hidden, row.intermediate, row.vocab,
+        row.max_positions, row.window, "bfloat16", 2 * n, n, row.tied, row.softcap,
+        row.window_layers if row.window else None,
+    )  # fmt: skip
+
+
+def well_known_family(model_id: str) -> str | None:
+    """The architecture-table family of a catalogue model (None if it is not in the catalogue)."""
+    row = _WELL_KNOWN.get(_normalise_id(model_id))
+    return row.family if row else None
 
 
 def shape_from_config(
