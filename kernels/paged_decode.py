@@ -9,7 +9,8 @@ second small kernel merges them. FP8 caches are read as FP8 and widened in regis
 folded into the softmax scale and the V scale into the output, so dequantizing costs no extra pass. INT8
 caches are read as INT8 (exact in fp16/bf16) with their per-token scales: each key's scale multiplies its
 score column, each value's scale its probability before the P @ V product (the softmax sum uses P
-unscaled), again with no dequantized copy of K or V.
+unscaled), again with no dequantized copy of K or V. A logit soft-cap (Gemma 2, the SOFTCAP constexpr:
+no cost when off) squashes each score to c * tanh(score / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pagoda.kernels.runtime import (
     num_sms,
     prepare_attention,
 )
+from pagoda.kernels.scores import softcap_scales, tanh
 
 # Integers that change from step to step or with the cache's size stay out of Triton's specialization
 # (see pagoda.kernels.runtime.launch): a variant depends on the constexprs and dtypes only.
@@ -51,8 +53,9 @@ def _paged_decode_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_ids_ptr,  # [n] which sequences of the batch this launch serves
-    qk_scale_log2,  # softmax scale * k_scale * log2(e)
+    qk_scale_log2,  # softmax scale * k_scale * log2(e); with SOFTCAP: softmax scale * k_scale / cap
     v_scale,
+    softcap_log2,  # cap * log2(e) (used when SOFTCAP)
     window,  # sliding window in tokens (used when USE_WINDOW)
     q_row_heads,  # q.stride(0) / HEAD_DIM: rows are whole heads apart, heads HEAD_DIM apart
     out_row_heads,
@@ -70,6 +73,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     INT8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,7 +125,11 @@ def _paged_decode_kernel(
             k_s = tl.load(scales_ptr + s_offs, mask=valid, other=0.0)
             v_s = tl.load(scales_ptr + v_offset // HEAD_DIM + s_offs, mask=valid, other=0.0)
             s = s * k_s[None, :]
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        if SOFTCAP:
+            s = tanh(s * qk_scale_log2) * softcap_log2
+        else:
+            s = s * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -209,6 +217,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,  # Gemma 2's c: scores c * tanh(score / c); None or 0 = off
     num_splits: int | None = None,  # None = heuristic; tests force values
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -239,6 +248,7 @@ def paged_decode_attention(
     int8 = kv_cache.dtype == torch.int8
     if int8:
         check_int8_scales(kv_cache, kv_scales)
+    qk_scale, softcap_log2 = softcap_scales(scale * k_scale, logit_softcap)
     launch(
         _paged_decode_kernel,
         (n, num_kv_heads, num_splits),
@@ -252,8 +262,9 @@ def paged_decode_attention(
         seq_lens,
         query_start_loc,
         seq_ids,
-        scale * k_scale * math.log2(math.e),
+        qk_scale,
         v_scale,
+        softcap_log2,
         sliding_window or 0,
         q.stride(0) // head_dim,
         out.stride(0) // head_dim,
@@ -271,6 +282,7 @@ def paged_decode_attention(
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=q.dtype == torch.float32,
         INT8=int8,
+        SOFTCAP=bool(logit_softcap),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         shared_memory_bound=config.shared_memory,

@@ -5,12 +5,11 @@ cache first, so a program reads every key it needs (the cached prefix and the ch
 block table, with online softmax over BLOCK_N-token tiles. Tiles wholly before the tile's first query need
 no mask; only the last few, on the causal diagonal, are masked. Sequences are found through cu_seqlens
 (`query_start_loc`), so ragged lengths share one launch; programs past a sequence's length exit at once.
-INT8 caches apply their per-token scales to the score columns and probabilities (see `paged_decode`).
+INT8 caches apply their per-token scales to the score columns and probabilities (see `paged_decode`), and
+a logit soft-cap (SOFTCAP) squashes the scores before the mask, as there.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -18,6 +17,7 @@ import triton.language as tl
 from pagoda.kernels.convert import widen
 from pagoda.kernels.launch_config import DOT_MIN, prefill_config
 from pagoda.kernels.runtime import check_int8_scales, device_limits, dtype_name, launch, prepare_attention
+from pagoda.kernels.scores import softcap_scales, tanh
 
 # Integers kept out of Triton's specialization, as in paged_decode.
 DYNAMIC_ARGS = ["window", "q_row_heads", "out_row_heads", "stride_bt", "num_blocks", "num_kv_heads"]
@@ -33,8 +33,9 @@ def _paged_prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_ids_ptr,
-    qk_scale_log2,  # softmax scale * k_scale * log2(e)
+    qk_scale_log2,  # softmax scale * k_scale * log2(e); with SOFTCAP: softmax scale * k_scale / cap
     v_scale,
+    softcap_log2,  # cap * log2(e) (used when SOFTCAP)
     window,
     q_row_heads,  # q.stride(0) / HEAD_DIM: rows are whole heads apart, heads HEAD_DIM apart
     out_row_heads,
@@ -49,6 +50,7 @@ def _paged_prefill_kernel(
     USE_WINDOW: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     INT8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -103,7 +105,10 @@ def _paged_prefill_kernel(
             k_s = tl.load(scales_ptr + s_offs, mask=n < seq_len, other=0.0)
             v_s = tl.load(scales_ptr + v_offset // HEAD_DIM + s_offs, mask=n < seq_len, other=0.0)
             s = s * k_s[None, :]
-        s = s * qk_scale_log2
+        if SOFTCAP:
+            s = tanh(s * qk_scale_log2) * softcap_log2
+        else:
+            s = s * qk_scale_log2
         if start >= unmasked_hi:
             visible = (n[None, :] <= q_pos[:, None]) & (n < seq_len)[None, :]
             if USE_WINDOW:
@@ -145,6 +150,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,  # Gemma 2's c: scores c * tanh(score / c); None or 0 = off
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -165,6 +171,7 @@ def paged_prefill_attention(
     int8 = kv_cache.dtype == torch.int8
     if int8:
         check_int8_scales(kv_cache, kv_scales)
+    qk_scale, softcap_log2 = softcap_scales(scale * k_scale, logit_softcap)
     launch(
         _paged_prefill_kernel,
         (n, triton.cdiv(max_query_len, block_m), num_heads),
@@ -176,8 +183,9 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         seq_ids,
-        scale * k_scale * math.log2(math.e),
+        qk_scale,
         v_scale,
+        softcap_log2,
         sliding_window or 0,
         q.stride(0) // head_dim,
         out.stride(0) // head_dim,
@@ -192,6 +200,7 @@ def paged_prefill_attention(
         USE_WINDOW=sliding_window is not None,
         IEEE_DOT=q.dtype == torch.float32,
         INT8=int8,
+        SOFTCAP=bool(logit_softcap),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         shared_memory_bound=config.shared_memory,

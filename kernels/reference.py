@@ -12,7 +12,9 @@ Conventions shared with the kernels (see `pagoda.engine.attention.base`):
   num_kv_heads]` indexed like the cache, so each block carries its own scales; reading multiplies by `s`;
 - attention reads every key from the cache, the new tokens included (they are written first), so an FP8
   cache also rounds the new tokens' keys and values;
-- a sliding window of `w` lets the query at position `p` see keys at positions `p - w + 1 .. p`.
+- a sliding window of `w` lets the query at position `p` see keys at positions `p - w + 1 .. p`;
+- a logit soft-cap `c` (Gemma 2) turns each score into `c * tanh(scale * q.k / c)` before the mask and
+  the softmax; None (or 0) = off.
 """
 
 from __future__ import annotations
@@ -119,12 +121,15 @@ def _attend(
     q_pos: torch.Tensor,  # [n]
     scale: float,
     sliding_window: int | None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     k_pos = torch.arange(k.shape[0], device=q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
@@ -144,6 +149,7 @@ def paged_prefill_attention_ref(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token against its sequence's cache (prefix and new tokens)."""
     out = torch.empty_like(q)
@@ -154,7 +160,7 @@ def paged_prefill_attention_ref(
             continue
         k, v = gather_sequence_kv(kv_cache, block_tables[s], seq_len, k_scale, v_scale, kv_scales)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window).to(q.dtype)
+        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window, logit_softcap).to(q.dtype)
     return out
 
 
@@ -168,12 +174,13 @@ def paged_decode_attention_ref(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The decode case of the prefill twin: the query is the last token of its sequence."""
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention_ref(
         q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale, sliding_window,
-        kv_scales,
+        kv_scales, logit_softcap,
     )  # fmt: skip
 
 
@@ -183,6 +190,7 @@ def naive_dense_attention(
     v: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Textbook attention, one query and one head at a time: the yardstick for the twins."""
     n, num_heads, _ = q.shape
@@ -195,7 +203,10 @@ def naive_dense_attention(
         for h in range(num_heads):
             keys = k[lo : p + 1, h // group].double()
             vals = v[lo : p + 1, h // group].double()
-            weights = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            scores = keys @ q[i, h].double() * scale
+            if logit_softcap:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            weights = torch.softmax(scores, dim=0)
             out[i, h] = weights @ vals
     return out
 

@@ -84,6 +84,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         kv = cache.kv
         self._write(k, v, kv, meta.slot_mapping, cache.k_scale, cache.v_scale, cache.scales)
@@ -95,6 +96,7 @@ class TritonAttentionBackend:
             v_scale=cache.v_scale,
             kv_scales=cache.scales,
             sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
         if plan.decode_ids is not None:
             self._decode(

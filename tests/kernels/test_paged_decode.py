@@ -67,6 +67,26 @@ def test_sliding_window(paged, window, num_splits):
     torch.testing.assert_close(out, ref, **paged.tolerance(case.q.dtype))
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "group", "window", "num_splits", "dtype"),
+    [(64, 4, None, 1, torch.float32), (128, 2, 7, 4, torch.float16), (256, 4, None, 2, torch.float16),
+     (256, 4, 20, 1, torch.float32)],
+)  # fmt: skip
+def test_logit_softcap(paged, head_dim, group, window, num_splits, dtype):
+    """Gemma 2's soft-capped scores (Gemma 3 270M's shape: 4 query heads on 1 KV head, head_dim 256), split
+    or not, with and without a window: the kernel matches the twin, and the cap changes the answer."""
+    case = paged.make([3, 16, 45], block_size=16, group=group, num_kv_heads=1, head_dim=head_dim, dtype=dtype,
+                      seed=head_dim + group)  # fmt: skip
+    outs = {}
+    for cap in (None, 0.7):
+        outs[cap] = _run(case, out=paged.poisoned_like(case.q), num_splits=num_splits, sliding_window=window,
+                         logit_softcap=cap)  # fmt: skip
+        ref = paged_decode_attention_ref(case.q, case.kv_cache, case.seq_lens, case.block_tables, case.scale,
+                                         sliding_window=window, logit_softcap=cap)  # fmt: skip
+        torch.testing.assert_close(outs[cap], ref, **paged.tolerance(dtype))
+    assert (outs[0.7].float() - outs[None].float()).abs().max() > 1e-2
+
+
 def test_serves_a_subset_of_a_mixed_batch_and_leaves_other_rows_alone(paged):
     # sequence 1 is a 3-token prefill chunk in the flat batch; the decode launch must skip its rows
     case = paged.make([9, 20, 17], query_lens=[1, 3, 1], block_size=8, group=4, seed=3)

@@ -28,8 +28,10 @@ def _check(paged, case, **kw):
         kw.get("k_scale", 1.0),
         kw.get("v_scale", 1.0),
         kw.get("sliding_window"),
+        logit_softcap=kw.get("logit_softcap"),
     )
     torch.testing.assert_close(out, ref, **paged.tolerance(case.q.dtype))
+    return out
 
 
 @pytest.mark.parametrize(("block_size", "group"), [(8, 1), (16, 4), (32, 8), (64, 4)])
@@ -93,3 +95,18 @@ def test_serves_only_the_given_sequences(paged):
     )
     assert torch.isnan(out[0]).all()
     torch.testing.assert_close(out[1:], ref[1:], **paged.tolerance(case.q.dtype))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "window", "dtype"),
+    [(64, 4, None, torch.float32), (128, 2, 5, torch.float16), (256, 4, None, torch.float16),
+     (256, 4, 9, torch.float32)],
+)  # fmt: skip
+def test_logit_softcap(paged, head_dim, group, window, dtype):
+    """Gemma 2's soft-capped scores (Gemma 3 270M's shape: 4 query heads on 1 KV head, head_dim 256): the
+    kernel matches the twin with the cap, with and without a window, and the cap changes the answer."""
+    case = paged.make([21, 40], [21, 7], block_size=16, group=group, num_kv_heads=1, head_dim=head_dim,
+                      dtype=dtype, seed=head_dim + group)  # fmt: skip
+    capped = _check(paged, case, sliding_window=window, logit_softcap=0.7)
+    plain = _check(paged, case, sliding_window=window)
+    assert (capped.float() - plain.float()).abs().max() > 1e-2

@@ -11,19 +11,34 @@ from pagoda.kernels.reference import (
 )
 
 
+@pytest.mark.parametrize("softcap", [None, 0.3])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("group", [1, 4])
-def test_prefill_twin_matches_dense_attention(paged, window, group):
+def test_prefill_twin_matches_dense_attention(paged, window, group, softcap):
     case = paged.make([13, 30, 16], [13, 5, 1], block_size=8, group=group, dtype=torch.float32, seed=group)
     out = paged_prefill_attention_ref(
         case.q, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
-        sliding_window=window,
+        sliding_window=window, logit_softcap=softcap,
     )  # fmt: skip
     starts = case.query_start_loc.tolist()
     for s, seq_len in enumerate(case.seq_lens.tolist()):
         k, v = gather_sequence_kv(case.kv_cache, case.block_tables[s], seq_len)
-        want = naive_dense_attention(case.q[starts[s] : starts[s + 1]], k, v, case.scale, window)
+        want = naive_dense_attention(case.q[starts[s] : starts[s + 1]], k, v, case.scale, window, softcap)
         torch.testing.assert_close(out[starts[s] : starts[s + 1]].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_bounds_the_scores_the_twin_attends_with(paged):
+    """A cap far below the scores flattens them toward c: the output moves toward the plain mean of V."""
+    case = paged.make([24], block_size=8, group=1, dtype=torch.float32, seed=5)
+    args = (case.q * 20, case.kv_cache, case.seq_lens, case.block_tables, case.scale)
+    plain = paged_decode_attention_ref(*args)
+    capped = paged_decode_attention_ref(*args, logit_softcap=1e-3)
+    huge = paged_decode_attention_ref(*args, logit_softcap=1e9)
+    _, v = gather_sequence_kv(case.kv_cache, case.block_tables[0], 24)
+    torch.testing.assert_close(capped[0], v.mean(0).repeat_interleave(case.q.shape[1] // v.shape[1], 0),
+                               atol=1e-3, rtol=0)  # fmt: skip
+    torch.testing.assert_close(huge, plain, atol=1e-5, rtol=1e-5)
+    assert (plain - capped).abs().max() > 0.1
 
 
 def test_decode_twin_is_the_last_row_of_dense_attention(paged):

@@ -54,6 +54,23 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(paged, cache_dtype, wind
         assert (tri_cache.kv.float() == ref_cache.kv.float()).float().mean() > 0.95
 
 
+@pytest.mark.parametrize(("window", "dtype"), [(None, torch.float32), (5, torch.float16)])
+def test_backend_logit_softcap_matches_torch_backend(paged, window, dtype):
+    """The soft-cap keyword reaches both kernels of a mixed batch (decodes and prefill chunks) and gives the
+    torch backend's answer, which differs from the uncapped one."""
+    case, k, v, meta = _mixed_step(paged, None, dtype=dtype, seed=2)
+    backend = get_attention_backend("triton", "cpu")
+    outs = {}
+    for cap in (None, 0.6):
+        cache = LayerKVCache(case.kv_cache.clone())
+        outs[cap] = backend.forward(case.q, k, v, cache, meta, case.scale, window, logit_softcap=cap)
+        ref = TorchAttentionBackend().forward(
+            case.q, k, v, LayerKVCache(case.kv_cache.clone()), meta, case.scale, window, logit_softcap=cap
+        )
+        torch.testing.assert_close(outs[cap], ref, **paged.tolerance(dtype))
+    assert (outs[0.6].float() - outs[None].float()).abs().max() > 1e-2
+
+
 def _torch_attention_over(written, case, meta, window):
     from pagoda.kernels.reference import paged_prefill_attention_ref
 
