@@ -28,6 +28,7 @@ from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.gpus import GPUInfo, check_engine_runs_on
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
+from pagoda.engine.sizing.windows import sliding_layers, window_capacity
 
 BLOCK_SIZE = 16  # vLLM's default; the vLLM paper measured under 4% waste at this size
 UTILIZATION_CAP = 0.95  # keep 5% for allocator fragmentation and estimate error, whatever the reserve says
@@ -398,10 +399,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     )
     reasons["max_model_len"] = "min of " + ", ".join(parts)
     if shape.sliding_window and max_len > shape.sliding_window:
-        warnings.append(
-            f"{shape.name} uses a {shape.sliding_window}-token sliding window; the plan still reserves KV for "
-            "every token of a sequence"
-        )
+        warnings.append(sliding_window_note(shape, kv_bytes, max_len, block_size, kv_dtype, tp))
 
     max_seqs, seq_reason = _max_num_seqs(capacity, tokens, conc, h, blocks)
     reasons["max_num_seqs"] = seq_reason
@@ -421,6 +419,20 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         device="cuda", model=shape.name, gpu=gpu.name, kv_bytes_per_token=kv_token, weights_bytes_per_gpu=weights,
         reserve_bytes=ctx + act, reasons=reasons, warnings=warnings,
     )  # fmt: skip
+
+
+def sliding_window_note(
+    shape: ModelShape, kv_bytes: int, max_len: int, block_size: int, kv_dtype: str, tp: int
+) -> str:
+    """The warning a sliding-window model's plan carries: the engine's cache keeps every layer's blocks, and
+    what a cache that frees out-of-window blocks would hold instead (an estimate, labelled as one)."""
+    cap = window_capacity(shape, kv_bytes, max_len, block_size, kv_dtype=kv_dtype, tp=tp)
+    return (
+        f"{shape.name} uses a {shape.sliding_window}-token sliding window on {sliding_layers(shape)} of "
+        f"{shape.num_layers} layers; the plan still reserves KV for every token of a sequence in every layer: "
+        f"{cap.full_attention_sequences} sequences of {max_len} tokens fit at once (a KV cache that freed "
+        f"out-of-window blocks, which the engine does not yet, would hold {cap.window_aware_sequences})"
+    )
 
 
 def int8_trade(shape: ModelShape, dtype: str) -> str:
