@@ -1,4 +1,5 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embeddings, SiLU MLP, uninitialised linears.
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embeddings (and their scalings), SiLU MLP,
+uninitialised linears, the final touches on logits.
 
 Parameters are allocated with `torch.empty` (no random init): weights always come from a checkpoint, and
 initialising a billion parameters only to overwrite them costs seconds.
@@ -7,12 +8,16 @@ initialising a billion parameters only to overwrite them costs seconds.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from pagoda.engine.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
 from pagoda.engine.models import cpu_linear, cpu_ops
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagoda.engine.sizing.model_config import ModelConfig
 
 
 class Linear(nn.Module):
@@ -128,45 +133,145 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
+def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
+    """How many leading dims of a head rotate (Phi-4-mini rotates 3/4 of them; the rest pass through)."""
+    return int(head_dim * partial_rotary_factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies (float32), with llama3 or linear scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies (float32) with the config's scaling applied (see `rope_frequencies`)."""
+    return rope_frequencies(head_dim, theta, scaling)[0]
+
+
+def longrope_uses_long(scaling: dict, max_model_len: int | None) -> bool:
+    """LongRoPE's choice of factor set, made once per engine: the long factors when the engine may run
+    sequences past the pretraining length (its max_model_len, else the model's), the short ones otherwise.
+
+    transformers switches per forward call on the batch's longest position instead, so a sequence's rotary
+    there depends on what runs beside it and changes once it passes the pretraining length (its earlier keys
+    stay rotated the short way). Here every sequence of one engine rotates the same way: an engine that serves
+    128k contexts uses the long factors for short prompts too (vLLM decides the same way); one started with
+    --max-model-len at most original_max_position_embeddings matches transformers exactly."""
+    original = int(scaling["original_max_position_embeddings"])
+    return max_model_len is not None and max_model_len > original
+
+
+def rope_frequencies(
+    dim: int,
+    theta: float,
+    scaling: dict | None,
+    max_positions: int | None = None,
+    max_model_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies of the ``dim`` rotated dims (float32), factor on cos and sin).
+
+    Scalings: linear, llama3, yarn, longrope (``max_positions``: config.json's max_position_embeddings, which
+    sets yarn's and LongRoPE's factor where the scaling gives none; ``max_model_len``: see
+    `longrope_uses_long`)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponents)
     if not scaling:
-        return inv_freq
+        return inv_freq, 1.0
     kind = scaling.get("rope_type")
-    factor = float(scaling["factor"])
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor")
+    if factor is None and kind in ("yarn", "longrope") and original and max_positions:
+        factor = max_positions / original
+    factor = float(factor if factor is not None else 1.0)
     if kind == "linear":
-        return inv_freq / factor
+        return inv_freq / factor, 1.0
     if kind == "llama3":
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_len / low
-        high_freq_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return _llama3_inv_freq(inv_freq, factor, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(dim, theta, factor, int(original), scaling)
+    if kind == "longrope":
+        use_long = longrope_uses_long(
+            {"original_max_position_embeddings": original},
+            max_positions if max_model_len is None else max_model_len,
+        )
+        ext = torch.tensor(scaling["long_factor" if use_long else "short_factor"], dtype=torch.float32)
+        if ext.shape != inv_freq.shape:
+            raise ValueError(
+                f"longrope factors have {ext.numel()} entries, the rotary {dim // 2} frequencies"
+            )
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return 1.0 / (ext * theta**exponents), float(attention)
     raise ValueError(f"rope_scaling type {kind!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict) -> torch.Tensor:
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, theta: float, factor: float, original: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: dims that turn fewer than beta_slow times over the pretraining length are interpolated by
+    `factor`, those turning more than beta_fast times kept, a linear ramp between; cos/sin grow by
+    0.1 ln(factor) + 1 (or the config's attention_factor / mscale ratio)."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the original length
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (slowed by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings from a cos/sin table indexed by absolute positions.
 
     The table grows on demand (doubling) up to what a step needs, so a 128k-context config does not
-    allocate a 128k-row table to serve short prompts.
+    allocate a 128k-row table to serve short prompts. ``head_dim`` is the width of the rotated part (the
+    whole head unless the config sets partial_rotary_factor); a scaling's attention factor (yarn, LongRoPE)
+    is folded into the table; ``max_model_len`` picks LongRoPE's factor set (`longrope_uses_long`).
     """
 
     def __init__(
-        self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device: torch.device
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict | None,
+        max_positions: int,
+        device: torch.device,
+        max_model_len: int | None = None,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).to(device), persistent=False)
+        inv_freq, self.attention_factor = rope_frequencies(
+            head_dim, theta, scaling, max_positions, max_model_len
+        )
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self._cos = torch.empty(0, head_dim, device=device)
         self._sin = torch.empty(0, head_dim, device=device)
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -179,6 +284,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            self._cos, self._sin = self._cos * self.attention_factor, self._sin * self.attention_factor
         self._cast = {}
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
@@ -206,13 +313,29 @@ class RotaryEmbedding(nn.Module):
         at = positions.clamp(max=self.max_positions - 1)
         freqs = torch.remainder(positions.double()[:, None] * self.inv_freq.double()[None, :], 2 * math.pi)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = torch.where(inside[:, None], cos_t[at], emb.cos().float().to(dtype))
-        sin = torch.where(inside[:, None], sin_t[at], emb.sin().float().to(dtype))
+        scale = self.attention_factor
+        cos = torch.where(inside[:, None], cos_t[at], (emb.cos().float() * scale).to(dtype))
+        sin = torch.where(inside[:, None], sin_t[at], (emb.sin().float() * scale).to(dtype))
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim]: the first rotary_dim dims of each head rotate,
+    the others pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def finish_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The config's last touches on float32 logits: divided by logits_scaling (Granite), then soft-capped
+    c * tanh(x / c) by final_logit_softcapping (Gemma 2); the logits unchanged where neither is set."""
+    if config.logits_scaling != 1.0:
+        logits = logits / config.logits_scaling
+    cap = config.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

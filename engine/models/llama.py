@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM, Phi-3/4, Granite) over a paged KV cache.
 
 Our own forward: attention goes through an `AttentionBackend`, which owns the KV cache writes and the
-paged attention; the model only projects, rotates and mixes.
+paged attention; the model only projects, rotates and mixes. What differs between the families is read
+from the ModelConfig (and through it the architecture table), never from the family's name: QK-norm
+(Qwen3), partial rotary (Phi-4-mini), fused checkpoint tensors (Phi-3), the scalings of RoPE (llama3,
+yarn, LongRoPE) and Granite's embedding, attention, residual and logits multipliers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pagoda.engine.models.layers import (
     SiluMLP,
     VocabParallelEmbedding,
     apply_rotary,
+    finish_logits,
+    rotary_dim,
 )
 from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
@@ -58,10 +63,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.rotary_dim = rotary_dim(config.head_dim, config.partial_rotary_factor)
         self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend
         self.triton = uses_triton_kernels(backend)
+        # QK-norm (Qwen3): RMSNorm over each head's dims of q and of k, before rotary.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, self.triton)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, self.triton)
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device
         )
@@ -79,15 +91,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_qk_(qkv, t)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope_heads = self.num_heads + self.num_kv_heads  # q and k heads lie side by side in qkv
-        if self.triton:  # the GPU path: q and k rotated in place in one launch
+        # The fused kernels rotate whole heads; a partial rotary runs the torch expression.
+        whole = self.rotary_dim == self.head_dim
+        if self.triton and whole:  # the GPU path: q and k rotated in place in one launch
             from pagoda.kernels.rotary import rotary_
 
             rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1))
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
-        elif cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
+        elif whole and cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
         else:
@@ -96,6 +112,13 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
         return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+
+    def _norm_qk_(self, qkv: torch.Tensor, t: int) -> None:
+        """RMSNorm each q and k head of the fused projection in place, so the rotary paths read them there."""
+        q = qkv[:, : self.q_size].reshape(t * self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t * self.num_kv_heads, self.head_dim)
+        qkv[:, : self.q_size].copy_(self.q_norm(q).view(t, self.q_size))
+        qkv[:, self.q_size : self.q_size + self.kv_size].copy_(self.k_norm(k).view(t, self.kv_size))
 
 
 class DecoderLayer(nn.Module):
@@ -110,6 +133,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SiluMLP(
             config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, triton
         )
+        self.residual_multiplier = config.residual_multiplier  # Granite: blocks' outputs scaled before adding
 
     def forward(
         self,
@@ -128,12 +152,20 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, cache, meta)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+        return h, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """`model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, H]`; `compute_logits` -> float32."""
+    """`model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, H]`; `compute_logits` -> float32.
+
+    ``max_model_len``: the longest sequence the engine will run, where it is known when the model is built
+    (it chooses LongRoPE's factor set, see layers.longrope_uses_long; None: the config's length)."""
 
     def __init__(
         self,
@@ -141,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        max_model_len: int | None = None,
     ):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
@@ -164,8 +197,19 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(rows, config.hidden_size, dtype=dtype, device=device), False
             )
         self._lm_head_packed = cpu_linear.PackedWeight()
+        self.set_max_model_len(max_model_len, device)
+
+    def set_max_model_len(self, max_model_len: int | None, device: torch.device | None = None) -> None:
+        """(Re)build the rotary table for an engine whose sequences reach ``max_model_len`` tokens: LongRoPE
+        picks its factors by it once, for every sequence (the other scalings do not depend on it)."""
+        c = self.config
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, device
+            rotary_dim(c.head_dim, c.partial_rotary_factor),
+            c.rope_theta,
+            c.rope_scaling,
+            c.max_position_embeddings,
+            device if device is not None else self.rotary.inv_freq.device,
+            max_model_len,
         )
 
     @torch.inference_mode()
@@ -179,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {len(self.layers)}")
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         top = meta.max_seq_len if meta.max_position is None else meta.max_position
         cos, sin = self.rotary.cos_sin(positions, top, x.dtype)
         residual = None
@@ -196,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
             # over the bfloat16 weights (exact products), as the sampler wants float32 anyway.
             hidden = hidden.float()
         local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
-        return all_gather_last_dim(local, shard_widths(self.config.vocab_size))
+        return finish_logits(all_gather_last_dim(local, shard_widths(self.config.vocab_size)), self.config)
 
     # ---- weights ------------------------------------------------------------------------------------
 
@@ -229,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         q_rows, kv_rows, inter_rows = (0, q_idx), (0, kv_idx), (0, inter_idx)
         if sub in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             return (getattr(layer, sub.split(".")[0]).weight, 0, c.hidden_size, None)
+        if sub in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and attn.q_norm is not None:
+            return (getattr(attn, sub.split(".")[1]).weight, 0, hd, None)
         module_name, _, kind = sub.rpartition(".")
         # module -> (ours, row offset, rows, slice of the weight, slice of the bias)
         table = {
@@ -256,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into our (partly fused, maybe tensor-parallel sharded) parameters;
         every parameter must be set."""
         loaded: dict[int, int] = {}  # id(param) -> rows written
+        if self.config.family.fused_checkpoint:
+            weights = self._split_fused(weights)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -288,3 +338,29 @@ class LlamaForCausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Phi-3's fused `qkv_proj` and `gate_up_proj` tensors as their q/k/v and gate/up parts, which then
+        load (and shard over tensor-parallel ranks) as any other checkpoint's."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        fused = {
+            "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+            "mlp.gate_up_proj": (("gate_proj", "up_proj"), [c.intermediate_size] * 2),
+        }
+        for name, tensor in weights:
+            stem, _, kind = name.rpartition(".")
+            prefix, _, module = stem.rpartition(".")
+            prefix, _, block = prefix.rpartition(".")
+            parts = fused.get(f"{block}.{module}")
+            if parts is None:
+                yield name, tensor
+                continue
+            names, sizes = parts
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {sum(sizes)} rows "
+                    f"({' + '.join(map(str, sizes))})"
+                )
+            for part, piece in zip(names, tensor.split(sizes), strict=True):
+                yield f"{prefix}.{block}.{part}.{kind}", piece

@@ -38,6 +38,9 @@ class Architecture:
     attn_logit_softcap: bool = False  # soft-capping of attention scores and final logits
     attention_sinks: bool = False  # learned per-head sink logits
     experts: bool = False  # mixture-of-experts MLP
+    # The checkpoint stores q/k/v as one `self_attn.qkv_proj` and gate/up as one `mlp.gate_up_proj` (Phi-3);
+    # the loader splits them into their parts before sharding each.
+    fused_checkpoint: bool = False
     weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
 
 
@@ -63,6 +66,30 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         gguf_arch="qwen2",
         qkv_bias=True,
         sliding_window="opt_in",
+        rope_scalings=("llama3", "linear", "yarn"),
+    ),
+    Architecture(
+        "qwen3",
+        ("Qwen3ForCausalLM",),
+        ("qwen3",),
+        gguf_arch="qwen3",
+        sliding_window="opt_in",
+        rope_scalings=("llama3", "linear", "yarn"),
+        qk_norm=True,
+    ),
+    Architecture(
+        "phi3",
+        ("Phi3ForCausalLM",),
+        ("phi3",),
+        gguf_arch="phi3",
+        rope_scalings=("longrope", "linear"),  # config.json's older "su" is read as "longrope"
+        fused_checkpoint=True,
+    ),
+    Architecture(
+        "granite",
+        ("GraniteForCausalLM",),
+        ("granite",),
+        gguf_arch="granite",
     ),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)

@@ -49,6 +49,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = ""
+    final_logit_softcapping: float | None = None  # logits c*tanh(x/c) (Gemma 2)
+    qk_norm: bool = False  # RMSNorm per head on q and k before rotary (the table's feature: Qwen3)
+    partial_rotary_factor: float = 1.0  # rotary on this leading part of head_dim (Phi-4-mini: 0.75)
+    embedding_multiplier: float = 1.0  # token embeddings times this (Granite)
+    residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
+    attention_multiplier: float | None = None  # the attention scale itself (Granite); see attention_scale
+    logits_scaling: float = 1.0  # final logits divided by this (Granite)
 
     @property
     def family(self) -> architectures.Architecture:
@@ -107,6 +114,17 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             model_type=model_type,
+            final_logit_softcapping=_optional_float(d, "final_logit_softcapping"),
+            qk_norm=family.qk_norm,
+            partial_rotary_factor=float(
+                d.get("partial_rotary_factor")
+                or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or 1.0
+            ),
+            embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(d.get("residual_multiplier") or 1.0),
+            attention_multiplier=_optional_float(d, "attention_multiplier"),
+            logits_scaling=float(d.get("logits_scaling") or 1.0),
         )
 
     @classmethod
@@ -124,6 +142,14 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q.k: attention_multiplier where the config sets it (Granite), else
+        head_dim**-0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim**-0.5
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -135,6 +161,11 @@ def _positive(d: dict[str, Any], key: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SizingError(f"{where}: {key!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _optional_float(d: dict[str, Any], key: str) -> float | None:
+    value = d.get(key)
+    return None if value is None else float(value)
 
 
 def _rope(
@@ -149,7 +180,13 @@ def _rope(
     if rope_type == "default":
         return rope_theta, None
     rope.pop("type", None)
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs named LongRoPE "su"
     rope["rope_type"] = rope_type
+    if rope_type in ("longrope", "yarn", "llama3") and "original_max_position_embeddings" not in rope:
+        # Phi-3 keeps the pretraining length beside rope_scaling; without one it is the model's length.
+        original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+        if original:
+            rope["original_max_position_embeddings"] = int(original)
     if strict and rope_type not in family.rope_scalings:
         raise SizingError(
             f"{where} rope_scaling type {rope_type!r} is not supported ({', '.join(family.rope_scalings)})"

@@ -68,6 +68,10 @@ def build_rank(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model, _ = load_model(path, dtype, device, backend, progress=progress)
+    if isinstance(config.max_model_len, int) and hasattr(model, "set_max_model_len"):
+        # A length the user set is known before the plan: LongRoPE picks its factor set by it (every rank
+        # alike). Otherwise the model's own length decides (see layers.longrope_uses_long).
+        model.set_max_model_len(config.max_model_len)
     kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
     runner = ModelRunner(
         model,
