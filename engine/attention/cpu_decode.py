@@ -65,8 +65,10 @@ def paged_decode(
     seq_idx: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
-    """Attention of one new token per sequence over its cached keys (its own K/V already written).
+    """Attention of one new token per sequence over its cached keys (its own K/V already written), scores
+    soft-capped to c * tanh(score / c) with ``logit_softcap`` c (Gemma 2).
 
     q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, or int8 with ``scales``
     [2, num_blocks, block_size, Hkv] float32 (per token and head); block_tables [S, max_blocks] int32 and
@@ -110,6 +112,7 @@ def paged_decode(
         bs,
         scale,
         sliding_window or 0,
+        logit_softcap or 0.0,
         torch.get_num_threads(),
     )
     if status != 0:

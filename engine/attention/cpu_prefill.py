@@ -84,10 +84,12 @@ def paged_prefill(
     out: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Causal attention of every prefill chunk's tokens over its sequence's cached keys up to each token
-    (the chunk's own K/V already written). q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D]
-    float32 or bfloat16; block_tables [S, max_blocks] int32 contiguous. Caller checks `supports`."""
+    (the chunk's own K/V already written), scores soft-capped to c * tanh(score / c) with ``logit_softcap``
+    (Gemma 2). q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16;
+    block_tables [S, max_blocks] int32 contiguous. Caller checks `supports`."""
     lib = library()
     assert lib is not None, "paged_prefill called without the native library"
     if len(chunks) == 0:
@@ -118,6 +120,7 @@ def paged_prefill(
         bs,
         scale,
         sliding_window or 0,
+        logit_softcap or 0.0,
         scratch.data_ptr(),
         per,
         threads,

@@ -20,7 +20,8 @@ Sliding window `w`: a query at position p sees keys at positions p - w + 1 .. p 
 Mistral / Hugging Face convention.
 
 Logit soft-cap `c` (Gemma 2): scores become `c * tanh(scale * q.k / c)` before the mask and the softmax.
-SDPA has no such hook, so the torch paths then compute the scores explicitly (`_attend`).
+The native kernels take `c`; SDPA has no such hook, so the torch paths then compute the scores explicitly
+(`_attend`).
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ class TorchAttentionBackend:
         self.write_kv(k, v, cache, meta.slot_mapping)
         plan = self._get_plan(meta, block_size)
         dtype = q.dtype
-        native = self.native is not False and softcap is None
+        native = self.native is not False
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # A bfloat16 model's attention computes in float32 over the cache's bfloat16 values on every path:
             # the native kernels take float32 queries, and the torch paths beside them (a prefill where the
@@ -293,6 +294,7 @@ class TorchAttentionBackend:
                     seq_idx=plan.decode_seq_idx,
                     rows=plan.decode_rows,
                     scales=cache.scales,
+                    logit_softcap=softcap,
                 )
                 if not plan.prefills:
                     return out.to(dtype)
@@ -304,7 +306,7 @@ class TorchAttentionBackend:
 
         if native_prefill:
             cpu_prefill.paged_prefill(
-                q, cache.kv, plan.block_tables, plan.prefill_chunks, out, scale, sliding_window
+                q, cache.kv, plan.block_tables, plan.prefill_chunks, out, scale, sliding_window, softcap
             )
             return out.to(dtype)
         for i, p in enumerate(plan.prefills):

@@ -8,6 +8,14 @@
 #define CT_I8 1
 #define CT_BF16 2
 
+/* Soft-cap the scores [t0, t1) of G rows `ld` floats apart (Gemma 2; only called with a cap). */
+static inline void cap_scores(float *sc, int ld, int G, int t0, int t1, float cap)
+{
+    const float inv = 1.0f / cap;
+    for (int g = 0; g < G; g++)
+        for (int t = t0; t < t1; t++) sc[g * ld + t] = softcap(sc[g * ld + t], cap, inv);
+}
+
 /* Block range of one task: keys [start, len) where start honours the sliding window. */
 static inline int window_start(int len, int window) { return (window > 0 && len > window) ? len - window : 0; }
 
@@ -27,7 +35,8 @@ static inline __attribute__((always_inline)) void load_row(vfloat *dst, const vo
    accumulators stay in registers. */
 static inline __attribute__((always_inline)) void task_vec(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
-    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, const int CT)
+    int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, float cap,
+    const int CT)
 {
     const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int DV = D / VLEN;
@@ -71,6 +80,7 @@ static inline __attribute__((always_inline)) void task_vec(
                 if (I8) sc[g][t] *= ksc[sbase + (int64_t)t * Hkv];
             }
         }
+        if (cap > 0.0f) cap_scores(&sc[0][0], MAXBS + VLEN, G, t0, t1, cap);
         for (int g = 0; g < G; g++) {
             float bm = m[g];
             for (int t = t0; t < t1; t++) bm = sc[g][t] > bm ? sc[g][t] : bm;
@@ -110,7 +120,7 @@ static inline __attribute__((always_inline)) void task_vec(
 /* Portable version of the same task (any D up to MAXD). */
 static inline __attribute__((always_inline)) void task_portable(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
-    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, const int CT)
+    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, float cap, const int CT)
 {
     const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int start = window_start(len, window);
@@ -145,6 +155,7 @@ static inline __attribute__((always_inline)) void task_portable(
                 sc[g][t] = I8 ? s * ksc[sbase + (int64_t)t * Hkv] : s;
             }
         }
+        if (cap > 0.0f) cap_scores(&sc[0][0], MAXBS, G, t0, t1, cap);
         for (int g = 0; g < G; g++) {
             float bm = m[g];
             for (int t = t0; t < t1; t++) bm = sc[g][t] > bm ? sc[g][t] : bm;
@@ -186,7 +197,7 @@ static inline __attribute__((always_inline)) int paged_decode(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv,
-    int D, int bs, float scale, int window, int nthreads, const int CT)
+    int D, int bs, float scale, int window, float cap, int nthreads, const int CT)
 {
     const int G = H / Hkv;
     if (G * Hkv != H || G > MAXG || D > MAXD || bs > MAXBS) return 1;
@@ -202,7 +213,7 @@ static inline __attribute__((always_inline)) int paged_decode(
         const int len = seq_lens[s];
 #ifdef VLEN
 #define TASK(DD, GG) task_vec(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, DD, GG, bs, \
-                              scale, window, CT)
+                              scale, window, cap, CT)
         if (D == 64 && G == 3) TASK(64, 3);
         else if (D == 64 && G == 4) TASK(64, 4);
         else if (D == 64 && G == 1) TASK(64, 1);
@@ -213,7 +224,7 @@ static inline __attribute__((always_inline)) int paged_decode(
 #undef TASK
 #endif
         task_portable(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, D, G, bs, scale, window,
-                      CT);
+                      cap, CT);
     }
     return 0;
 }
@@ -222,9 +233,9 @@ static inline __attribute__((always_inline)) int paged_decode(
 #define DECODE_ARGS_DECL const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, const int64_t *seq_idx, \
     const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale, \
-    int window, int nthreads
+    int window, float logit_softcap, int nthreads
 #define DECODE_ARGS q, q_stride, k_cache, v_cache, 0, 0, block_tables, bt_stride, seq_lens, seq_idx, tok_rows, n, \
-    out, out_stride, H, Hkv, D, bs, scale, window, nthreads
+    out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, nthreads
 
 int pagoda_paged_decode_f32(DECODE_ARGS_DECL) { return paged_decode(DECODE_ARGS, CT_F32); }
 /* bfloat16 cache (a bfloat16 model's): values widened to float32 in registers. */
@@ -235,8 +246,9 @@ int pagoda_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cac
                            const float *k_scales, const float *v_scales, const int32_t *block_tables,
                            int64_t bt_stride, const int32_t *seq_lens, const int64_t *seq_idx,
                            const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv, int D,
-                           int bs, float scale, int window, int nthreads)
+                           int bs, float scale, int window, float logit_softcap, int nthreads)
 {
     return paged_decode(q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables, bt_stride, seq_lens,
-                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, nthreads, CT_I8);
+                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, nthreads,
+                        CT_I8);
 }

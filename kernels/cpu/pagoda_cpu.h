@@ -54,6 +54,23 @@ static inline float exp_neg(float x)
     return y * e.f;
 }
 
+/* Gemma 2's logit soft-cap of one score: cap * tanh(x / cap), inv = 1 / cap. tanh as Cephes' tanhf: an odd
+   polynomial below 0.625, (1 - e) / (1 + e) with e = exp(-2|y|) above (no cancellation there), both computed
+   and one selected so loops over scores vectorise (vsoftcap is the same on vector lanes). */
+static inline float softcap(float x, float cap, float inv)
+{
+    const float y = x * inv, a = fabsf(y), z = y * y;
+    float p = -5.70498872745E-3f;
+    p = p * z + 2.06390887954E-2f;
+    p = p * z - 5.37397155531E-2f;
+    p = p * z + 1.33314422036E-1f;
+    p = p * z - 3.33332819422E-1f;
+    const float small = p * z * a + a;
+    const float e = exp_neg(-2.0f * a);
+    const float t = a < 0.625f ? small : (1.0f - e) / (1.0f + e);
+    return copysignf(t, y) * cap;
+}
+
 /* ---- The vector layer ----------------------------------------------------------------------------------
 
    vfloat: VLEN float32 lanes; vint: VLEN int32 lanes; vbf16: VLEN bfloat16 lanes (half a vfloat); vmask: one
@@ -187,6 +204,23 @@ VINLINE vfloat vexp(vfloat x)
     const vfloat y = vfmadd(vmul(p, r), r, vadd(r, vset1(1.0f)));
     const vint e = VOP(slli_epi32)(viadd(vcvt_int(n), viset1(127)), 23);
     return vmul(y, (vfloat)e);
+}
+
+/* softcap on every lane (see the scalar softcap above). */
+VINLINE vfloat vsoftcap(vfloat x, vfloat cap, vfloat inv)
+{
+    const vfloat y = vmul(x, inv), sign = vset1(-0.0f);
+    const vfloat a = VOP(andnot_ps)(sign, y), z = vmul(y, y);
+    vfloat p = vset1(-5.70498872745E-3f);
+    p = vfmadd(p, z, vset1(2.06390887954E-2f));
+    p = vfmadd(p, z, vset1(-5.37397155531E-2f));
+    p = vfmadd(p, z, vset1(1.33314422036E-1f));
+    p = vfmadd(p, z, vset1(-3.33332819422E-1f));
+    const vfloat small = vfmadd(vmul(p, z), a, a);
+    const vfloat e = vexp(vmul(a, vset1(-2.0f)));
+    const vfloat big = vdiv(vsub(vset1(1.0f), e), vadd(vset1(1.0f), e));
+    const vfloat t = vblend(small, big, vcmpgt(a, vset1(0.625f))); /* a > 0.625 ? big : small */
+    return vmul(VOP(or_ps)(t, VOP(and_ps)(sign, y)), cap);
 }
 
 /* bfloat16 lanes <-> float32 lanes: widening is exact; narrowing rounds to nearest even, NaN stays NaN (as

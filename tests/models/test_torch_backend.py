@@ -198,7 +198,9 @@ def test_get_attention_backend():
         get_attention_backend("flash", "cpu")
 
 
-def run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window) -> None:
+def run_native_and_reference(
+    batches, steps, caches, backends, heads, kv_heads, d, window, softcap=None
+) -> None:
     """Each step through the native and the reference backend (random q, k, v): the two agree, and every
     new token's output matches the dense per-token reference over its sequence's history."""
     hist: dict[int, tuple] = {}
@@ -206,7 +208,10 @@ def run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, 
         meta = batches.step(step)
         q = torch.randn(meta.num_tokens, heads, d)
         k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
-        outs = {n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window) for n in backends}
+        outs = {
+            n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window, logit_softcap=softcap)
+            for n in backends
+        }
         assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
         start = 0
         for sid, ctx, ql in step:
@@ -215,9 +220,57 @@ def run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, 
             hist[sid] = tuple(
                 torch.cat([o, x[start : start + ql]]) for o, x in zip(old, (q, k, v), strict=True)
             )
-            ref = dense_reference(*hist[sid], ctx, ql, window)
+            ref = dense_reference(*hist[sid], ctx, ql, window, softcap)
             assert (outs["native"][start : start + ql] - ref).abs().max() < 1e-5
             start += ql
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block_size,window",
+    [
+        (4, 1, 256, 16, None),  # Gemma 3 270M's attention (head_dim 256, 4 query heads on 1 KV head)
+        (4, 1, 256, 16, 9),
+        (16, 8, 256, 16, 20),  # Gemma 2 9B's group of 2, windowed
+        (8, 2, 64, 32, None),
+        (6, 3, 24, 16, 5),  # head size not a multiple of 16: portable decode, torch prefill
+    ],
+)
+def test_native_kernels_soft_cap(heads, kv_heads, d, block_size, window, paged, cpu_variant):
+    """Gemma 2's soft-capped scores through each variant's native decode and prefill kernels (where the
+    variant has them) and the reference formulation: all agree with the dense reference with the cap (0.8,
+    near the scores' spread, so it matters), and the native kernels are the ones that ran, given the cap."""
+    from pagoda.engine.attention import cpu_decode, cpu_prefill
+
+    torch.manual_seed(d + heads)
+    batches = paged(num_blocks=96, block_size=block_size, seed=5)
+    caches = {n: LayerKVCache(torch.zeros(2, 96, block_size, kv_heads, d)) for n in ("native", "ref")}
+    backends = {"native": TorchAttentionBackend(native=True), "ref": TorchAttentionBackend(native=False)}
+    assert cpu_decode.supports(torch.zeros(1, heads, d), caches["native"].kv)
+    calls = {"decode": 0, "prefill": 0}
+    real = cpu_decode.paged_decode, cpu_prefill.paged_prefill
+
+    def count(kind, fn):
+        def spy(*a, **k):
+            assert k.get("logit_softcap", a[7] if len(a) > 7 else None) == 0.8
+            calls[kind] += 1
+            return fn(*a, **k)
+
+        return spy
+
+    steps = [
+        [(0, 0, 29), (1, 0, 1), (2, 0, 5)],
+        [(0, 29, 1), (1, 1, 17), (2, 5, 1)],
+        [(0, 30, 1), (1, 18, 1), (2, 6, 2 * block_size + 3)],
+    ]
+    cpu_decode.paged_decode, cpu_prefill.paged_prefill = count("decode", real[0]), count("prefill", real[1])
+    try:
+        run_native_and_reference(batches, steps, caches, backends, heads, kv_heads, d, window, softcap=0.8)
+    finally:
+        cpu_decode.paged_decode, cpu_prefill.paged_prefill = real
+    assert calls["decode"] == 3
+    assert calls["prefill"] == (
+        3 if cpu_prefill.supports(torch.zeros(1, heads, d), caches["native"].kv) else 0
+    )
 
 
 # ---- the native CPU decode kernel ------------------------------------------------------------------------

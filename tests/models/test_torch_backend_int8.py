@@ -114,3 +114,24 @@ def test_int8_decode_reads_only_the_sequences_own_slots(paged, cpu_variant):
         qs = torch.cat([torch.zeros(hi - lo, 9, 64), q2[i : i + 1]])
         ref = dense(qs, ks, vs, hi - lo, 1, None)
         assert (out[i : i + 1] - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,window", [(4, 1, 256, None), (8, 2, 64, 6), (6, 3, 24, None)])
+def test_native_int8_decode_soft_cap(heads, kv_heads, d, window, paged, cpu_variant):
+    """The INT8 decode with Gemma 2's soft-cap (applied after each key's scale) matches the gathered
+    formulation with the cap, which differs from the uncapped answer."""
+    torch.manual_seed(1)
+    batches = paged(num_blocks=64, block_size=16, seed=2)
+    caches = {n: int8_cache(64, 16, kv_heads, d) for n in ("native", "ref", "plain")}
+    backends = {"native": TorchAttentionBackend(native=True), "ref": TorchAttentionBackend(native=False)}
+    backends["plain"] = backends["native"]
+    for step in ([(0, 0, 40), (1, 0, 3)], [(0, 40, 1), (1, 3, 1)], [(0, 41, 1), (1, 4, 1)]):
+        meta = batches.step(step)
+        q = torch.randn(meta.num_tokens, heads, d) * 2
+        k, v = torch.randn(meta.num_tokens, kv_heads, d), torch.randn(meta.num_tokens, kv_heads, d)
+        outs = {
+            n: backends[n].forward(q, k, v, caches[n], meta, d**-0.5, window, None if n == "plain" else 0.8)
+            for n in caches
+        }
+        assert (outs["native"] - outs["ref"]).abs().max() < 1e-5
+        assert (outs["native"] - outs["plain"]).abs().max() > 1e-2
