@@ -48,8 +48,12 @@ def rotate_keys_(
     k = (picked.view(kv.dtype) if fp8 else picked).float()  # [n, bs, H, D]
     if scales is not None:
         k = k * scales[0].index_select(0, src).unsqueeze(-1)
-    half = k.shape[-1] // 2
-    rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+    rot = 2 * inv_freq.numel()  # the rotated dims: partial rotary (Phi-4-mini) leaves the rest of a head
+    half = rot // 2
+    r = k[..., :rot]
+    rotated = r * cos + torch.cat((-r[..., half:], r[..., :half]), -1) * sin
+    if rot < k.shape[-1]:
+        rotated = torch.cat((rotated, k[..., rot:]), -1)
     if scales is None:
         # FP8 caches hold values already divided by the layer's scale: store them back saturated (a plain
         # cast turns a rotated component past the format's range into NaN).

@@ -77,8 +77,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device
         )
-        # Llama's attention_bias also covers o_proj; Qwen2 biases only q, k and v.
-        o_bias = config.attention_bias and config.architecture != "qwen2"
+        # attention_bias also covers o_proj (Llama, Qwen3, Granite); a family whose q/k/v bias comes from the
+        # table (Qwen2) biases only q, k and v.
+        o_bias = config.attention_bias and not config.family.qkv_bias
         self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and tp_rank() == 0, dtype, device)
 
     def forward(

@@ -4,6 +4,7 @@ scales; the written block and every value stay as they are."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.models.layers import RotaryEmbedding, apply_rotary
@@ -16,9 +17,10 @@ def _rotated(raw: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) 
     return apply_rotary(raw, cos, sin)
 
 
-def test_rotating_by_d_equals_writing_d_positions_later():
+@pytest.mark.parametrize("rotary_dim", [DIM, 12])  # 12: partial rotary, the last 4 dims of a head stay
+def test_rotating_by_d_equals_writing_d_positions_later(rotary_dim):
     torch.manual_seed(0)
-    rope = RotaryEmbedding(DIM, 10000.0, None, 512, torch.device("cpu"))
+    rope = RotaryEmbedding(rotary_dim, 10000.0, None, 512, torch.device("cpu"))
     raw = torch.randn(2 * BS, HEADS, DIM)  # two blocks of keys
     start, d = 10, 48
     kv = torch.zeros(2, 5, BS, HEADS, DIM)
