@@ -1,8 +1,10 @@
 """GGUF -> Hugging Face directory (config.json, model.safetensors, tokenizer files), done once and cached.
 
-Weights are dequantized with the `gguf` package and stored as float32 (lossless for every GGML type);
-llama.cpp's rotary permutation of the q/k rows is undone. Config and tokenizer come from transformers'
-GGUF readers (no model forward involved).
+Weights are dequantized with the `gguf` package and stored as float32 (lossless for every GGML type), under
+the names of the family's Hugging Face checkpoints; what llama.cpp changed is undone where the architecture
+table says so (the rotary permutation of q/k rows, Gemma's +1 on norm weights). Config and tokenizer come
+from transformers' GGUF readers plus gguf_metadata (no model forward involved); a file without a chat
+template gets the one its turn markers spell (chat_templates).
 """
 
 from __future__ import annotations
@@ -18,24 +20,45 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pagoda.engine.loader.chat_templates import template_for_vocabulary
 from pagoda.engine.loader.content_hash import file_sha256
-from pagoda.engine.sizing.architectures import from_gguf
+from pagoda.engine.loader.gguf_metadata import (
+    ROPE_FACTOR_TENSORS,
+    control_tokens,
+    field,
+    generation_config,
+    hf_config,
+    transformers_reads,
+)
+from pagoda.engine.sizing.architectures import Architecture, from_gguf
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: Qwen3, Gemma 2/3, Phi-3, Granite; generation_config.json with turn-end ids
 
+# blk.N.<name> -> model.layers.N.<name>, for every family; the entries below it depend on the family.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# ffn_norm is the norm before the MLP: Llama calls it post_attention_layernorm; a sandwich-norm family
+# (Gemma) has its own post_attention_layernorm after attention and calls this one pre_feedforward_layernorm.
+_PLAIN_NORMS = {"ffn_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# A family whose checkpoints fuse q/k/v and gate/up (Phi-3): llama.cpp keeps them fused under these names.
+_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -55,12 +78,17 @@ def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _layer_names(family: Architecture) -> dict[str, str]:
+    names = {**_LAYER_NAMES, **(_SANDWICH_NORMS if family.post_norms else _PLAIN_NORMS)}
+    return {**names, **_FUSED} if family.fused_checkpoint else names
+
+
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -68,11 +96,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Invert llama.cpp's per-head interleaving of rotary halves (rows of q_proj / k_proj)."""
     shape = w.shape
     return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
 
 
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
@@ -114,32 +137,42 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     from tqdm.auto import tqdm
 
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     family = from_gguf(arch, str(gguf_path))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(field(reader, f"{arch}.attention.head_count_kv") or heads)
+    layer_names = _layer_names(family)
 
     tensors: dict[str, torch.Tensor] = {}
+    rope_factors: dict[str, list[float]] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         if t.name == "rope_freqs.weight":
             raise ValueError(
                 f"GGUF file {str(gguf_path)!r} carries rope_freqs (Llama 3.1-style scaling baked into the file), "
                 "which Pagoda does not convert; use the Hugging Face directory of this model instead"
             )
-        name = _hf_name(t.name)
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
+        if t.name in ROPE_FACTOR_TENSORS:  # Phi-3's LongRoPE factors: configuration, not weights
+            rope_factors[ROPE_FACTOR_TENSORS[t.name]] = [float(x) for x in w.reshape(-1)]
+            continue
+        name = _hf_name(t.name, layer_names)
         if name is None:
             raise ValueError(f"GGUF file {str(gguf_path)!r} has an unexpected tensor {t.name!r}")
-        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
         if family.gguf_permuted_qk and (".q_proj." in name or ".k_proj." in name):
             w = _unpermute(w, heads if ".q_proj." in name else kv_heads)
+        if family.gguf_norm_shift and name.endswith("norm.weight"):
+            w -= family.gguf_norm_shift
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
 
-    config = _hf_config(gguf_path, tied, family.hf_architectures[0])
+    config = hf_config(reader, gguf_path, family, tied, rope_factors)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_tokenizer(gguf_path, out)
+    controls = control_tokens(reader)
+    template = _write_tokenizer(gguf_path, out, arch, controls)
+    generation = generation_config(reader, template, controls)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     (out / "pagoda_source.json").write_text(
         json.dumps(
             {
@@ -153,37 +186,29 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     )
 
 
-def _hf_config(gguf_path: Path, tied: bool, hf_architecture: str) -> dict:
-    from transformers import AutoConfig
+def _write_tokenizer(gguf_path: Path, out: Path, arch: str, controls: dict[str, int]) -> str:
+    """The tokenizer files; returns the chat template (the file's, else the one its turn markers spell)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-    d = cfg.to_dict()
-    d.pop("_name_or_path", None)
-    d.pop("_model_name_or_path", None)
-    d["tie_word_embeddings"] = tied
-    d["architectures"] = [hf_architecture]
-    # Weights are stored as float32 (lossless dequantization); bfloat16 is what these models run in on GPU.
-    d["torch_dtype"] = "bfloat16"
-    d.pop("dtype", None)
-    return d
-
-
-def _write_tokenizer(gguf_path: Path, out: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    # AutoTokenizer reads the file's config first to pick a class, which fails where transformers lacks the
+    # architecture; the generic fast tokenizer reads only the tokenizer keys.
+    reader_class = AutoTokenizer if transformers_reads(arch) else PreTrainedTokenizerFast
+    tok = reader_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    template = tok.chat_template
+    if template is None:
+        known = template_for_vocabulary(controls)
+        if known is None:
+            raise ValueError(f"GGUF file {str(gguf_path)!r} has no chat template (tokenizer.chat_template)")
+        template = known[0]
+        tok.chat_template = template
     tok.save_pretrained(str(out))
     # Keep the chat template inside tokenizer_config.json too, where older readers look for it, and name
     # a tokenizer class every transformers version knows.
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    template = tok.chat_template
-    if template is None:
-        raise ValueError(f"GGUF file {str(gguf_path)!r} has no chat template (tokenizer.chat_template)")
     cfg["chat_template"] = template
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg.pop("local_files_only", None)
     cfg.pop("is_local", None)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return template

@@ -1,8 +1,12 @@
 """GGUF conversion on small synthetic files written the way llama.cpp writes them (q/k rows permuted for
-Llama, q/k/v biases for Qwen2): the converted directory must reproduce the original weights exactly, land
-atomically in the cache and be reused."""
+Llama and Granite, q/k/v biases for Qwen2, Gemma's norms stored as 1 + w, Phi-3's fused q/k/v and gate/up and
+its LongRoPE factors as tensors, Granite's multipliers as metadata): the converted directory must reproduce
+the original weights and configuration, land atomically in the cache and be reused."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import asdict
 
 import gguf
 import numpy as np
@@ -11,7 +15,18 @@ import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.loader import load_model, load_tokenizer, resolve_model
 from pagoda.engine.loader.gguf_convert import converted_dir
-from transformers import LlamaConfig, Qwen2Config
+from pagoda.engine.sizing.model_config import ModelConfig
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
+    LlamaConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
@@ -38,7 +53,32 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, arch: str, hf, cfg) -> None:
+# HF module -> llama.cpp tensor name (written here from llama.cpp's conventions, independent of the converter).
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GEMMA_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_PERMUTED = ("llama", "granite")  # llama.cpp's LlamaModel lineage interleaves the rotary halves of q/k rows
+_GEMMA = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+
+
+def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra_tokens=()) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -47,28 +87,43 @@ def _write_gguf(path, arch: str, hf, cfg) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    rope = cfg.rope_parameters
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    tokens = _byte_tokens() + ["he", "ll", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch in ("qwen3", *_GEMMA):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch in _GEMMA:
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if arch == "granite":
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    tokens = _byte_tokens() + ["he", "ll", "<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_tokens]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * 258 + [3, 3, 3])
+    writer.add_token_types([1] * 258 + [3] * (3 + len(extra_tokens)))
     writer.add_token_merges(["h e", "l l"])
     writer.add_bos_token_id(259)
     writer.add_eos_token_id(260)
-    writer.add_chat_template(TEMPLATE)
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    if getattr(cfg, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(cfg.pad_token_id)
+    if template is not None:
+        writer.add_chat_template(template)
+    names = {**_GGUF_NAMES, **_GEMMA_NAMES} if arch in _GEMMA else _GGUF_NAMES
     for name, t in hf.state_dict().items():
         w = t.float().numpy().copy()
         if name == "model.embed_tokens.weight":
@@ -83,9 +138,11 @@ def _write_gguf(path, arch: str, hf, cfg) -> None:
             _, _, layer, *rest = name.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
             out = f"blk.{layer}.{names[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in _PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
                 w = _permute(w, heads)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = w + 1.0
         writer.add_tensor(out, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -147,3 +204,126 @@ def test_gguf_round_trip(arch, hf_cls, make_cfg, tmp_path, monkeypatch, paged, c
     assert tok.decode(ids) == "hello wörld"
     assert tok.chat_template == TEMPLATE
     assert tok.eos_token == "<|im_end|>"
+
+
+_GEMMA_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+_NO_THETA = {k: v for k, v in COMMON.items() if k != "rope_theta"}
+# Each family with the features its GGUF form must carry set away from their defaults where GGUF can say so.
+NEW_FAMILIES = {
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_NO_THETA, "num_hidden_layers": 6},  # five sliding layers, then a full one
+        head_dim=16,
+        sliding_window=4,
+        rope_parameters=_GEMMA_ROPE,
+        query_pre_attn_scalar=256,  # GGUF has no key for it; readers use Gemma's 256
+    ),
+    "gemma2": lambda: Gemma2Config(
+        **_NO_THETA,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        head_dim=16,
+        sliding_window=4,
+        attn_logit_softcapping=2.0,  # small caps so they bite on random weights
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=256,
+    ),
+    "phi3": lambda: Phi3Config(
+        **{**_NO_THETA, "num_key_value_heads": 4},
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "long_factor": [1.5, 3.0],
+            "short_factor": [1.1, 1.3],
+            "partial_rotary_factor": 0.5,  # Phi-4-mini rotates part of each head
+        },
+        original_max_position_embeddings=64,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    ),
+    "granite": lambda: GraniteConfig(
+        **COMMON,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=4.0,
+        tie_word_embeddings=False,
+    ),
+}
+_ENGINE_ONLY = ("torch_dtype", "bos_token_id", "eos_token_ids")  # the file's tokenizer ids, bfloat16 on GPU
+
+
+def _tiny_gguf(arch: str, tmp_path, **write):
+    torch.manual_seed(0)
+    cfg = NEW_FAMILIES[arch]()
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.2 * torch.randn(p.shape))
+    src = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(src, arch, hf, cfg, **write)
+    return src, hf, cfg
+
+
+@pytest.mark.parametrize("arch", list(NEW_FAMILIES))
+def test_gguf_new_families(arch, tmp_path, monkeypatch):
+    src, hf, cfg = _tiny_gguf(arch, tmp_path)
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    out = resolve_model(src)
+
+    expected = {
+        k: v for k, v in hf.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings
+    }
+    converted = load_file(str(out / "model.safetensors"))
+    assert sorted(converted) == sorted(expected)
+    for name, tensor in expected.items():  # Gemma's norms come back through (w + 1) - 1 in float32
+        torch.testing.assert_close(converted[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+    ours = asdict(ModelConfig.from_dir(out))
+    source = asdict(ModelConfig.from_hf_config(json.loads(cfg.to_json_string())))
+    for key in _ENGINE_ONLY:
+        ours.pop(key), source.pop(key)
+    assert ours == source
+
+    # transformers on the converted directory computes what the source model computes: nothing the
+    # architecture reads from its config (caps, multipliers, rotary, windows) was lost on the way.
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(0, 261, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 259,
+        "eos_token_id": [260],
+    }
+
+
+def test_gguf_without_chat_template_gets_the_turn_format_of_its_markers(tmp_path, monkeypatch):
+    """Gemma files often carry no tokenizer.chat_template: <start_of_turn>/<end_of_turn> in the vocabulary
+    give Gemma's turns, and <end_of_turn> joins the ids that end a sequence."""
+    src, _, _ = _tiny_gguf(
+        "gemma3", tmp_path, template=None, extra_tokens=("<start_of_turn>", "<end_of_turn>")
+    )
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    out = resolve_model(src)
+    tok = load_tokenizer(out)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nCapital of France?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [260, 262]
+
+
+def test_gguf_without_chat_template_or_turn_markers_is_refused(tmp_path, monkeypatch):
+    src, _, _ = _tiny_gguf("qwen3", tmp_path, template=None)
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="has no chat template"):
+        resolve_model(src)
