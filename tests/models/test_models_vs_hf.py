@@ -524,3 +524,16 @@ def test_tp2_greedy_matches_hf(tmp_path, name):
         assert list(out.token_ids) == tokens
         got = [step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)]
         assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path_factory):
+    _, path, hf, _, _ = _build("phi3-longrope", tmp_path_factory)
+    cfg = ModelConfig.from_dir(path)
+    model = LlamaForCausalLM(cfg, get_attention_backend("torch", "cpu"), torch.float32)
+    state = dict(hf.state_dict())
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    state[name] = state[name][:-8]
+    with pytest.raises(
+        ValueError, match=r"qkv_proj.weight' has shape \(88, 64\), expected 96 rows \(64 \+ 16"
+    ):
+        model.load_weights(state.items())
