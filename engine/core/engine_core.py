@@ -86,7 +86,7 @@ class EngineCore:
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
         mc = self.model_config
-        self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype, mc.family.float16)
         check_device(self.device, self.dtype, config.kv_cache_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         if tokenizer is None and not config.skip_tokenizer_init:

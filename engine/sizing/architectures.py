@@ -27,10 +27,14 @@ class Architecture:
     model_class: str = "LlamaForCausalLM"  # ... with this class
     gguf_arch: str | None = None  # a GGUF file's general.architecture; None: not loaded from GGUF
     gguf_permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of q/k rows (undone on load)
+    gguf_norm_shift: float = 0.0  # llama.cpp added it to each *norm.weight (Gemma: 1); undone on load
     qkv_bias: bool = False  # q/k/v projections carry a bias unless config.json says attention_bias
     # Sliding windows: "config" = wherever config.json sets sliding_window (use_sliding_window: false turns it
     # off); "opt_in" = only with use_sliding_window: true, and then from max_window_layers on (Qwen2).
     sliding_window: str = "config"
+    # Where config.json lists no layer_types: every Nth layer attends fully, the others slide (Gemma 2: 2,
+    # Gemma 3: 6; a config's sliding_window_pattern overrides); 0 = no such rule.
+    sliding_pattern: int = 0
     rope_scalings: tuple[str, ...] = ("llama3", "linear")  # rope_scaling types the model implements
     # Structural features later families turn on (each read by the model module that implements it).
     qk_norm: bool = False  # RMSNorm per head on q and k
@@ -42,6 +46,10 @@ class Architecture:
     # the loader splits them into their parts before sharding each.
     fused_checkpoint: bool = False
     weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
+    # False: activations overflow float16 (Gemma 2/3): dtype auto picks bfloat16, an explicit float16 is refused.
+    float16: bool = True
+    # model_type of the family's multimodal checkpoints, which the engine refuses naming the text-only ones.
+    multimodal_model_types: tuple[str, ...] = ()
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -90,6 +98,34 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("GraniteForCausalLM",),
         ("granite",),
         gguf_arch="granite",
+        gguf_permuted_qk=True,  # llama.cpp converts Granite as a Llama (rows interleaved)
+    ),
+    Architecture(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        ("gemma2",),
+        module="gemma",
+        model_class="GemmaForCausalLM",
+        gguf_arch="gemma2",
+        gguf_norm_shift=1.0,
+        sliding_pattern=2,
+        post_norms=True,
+        attn_logit_softcap=True,
+        float16=False,
+    ),
+    Architecture(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        ("gemma3_text",),
+        module="gemma",
+        model_class="GemmaForCausalLM",
+        gguf_arch="gemma3",
+        gguf_norm_shift=1.0,
+        sliding_pattern=6,
+        qk_norm=True,
+        post_norms=True,
+        float16=False,
+        multimodal_model_types=("gemma3",),
     ),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
@@ -100,6 +136,7 @@ GENERIC = Architecture("", (), ())
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
 _BY_HF_ARCHITECTURE = {h: a for a in ARCHITECTURES for h in a.hf_architectures}
+_BY_MULTIMODAL = {t: a for a in ARCHITECTURES for t in a.multimodal_model_types}
 _BY_GGUF = {a.gguf_arch: a for a in ARCHITECTURES if a.gguf_arch}
 GGUF_ARCHITECTURES = tuple(_BY_GGUF)
 
@@ -120,6 +157,11 @@ def from_hf_config(config: dict) -> Architecture | None:
     for hf_name in config.get("architectures") or []:
         found = found or _BY_HF_ARCHITECTURE.get(hf_name)
     return found
+
+
+def multimodal_of(config: dict) -> Architecture | None:
+    """The family whose multimodal checkpoint config.json is (the engine runs only its text-only ones)."""
+    return _BY_MULTIMODAL.get(config.get("model_type") or "")
 
 
 def from_gguf(arch: str | None, where: str) -> Architecture:

@@ -100,20 +100,33 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def resolve_dtype_name(
-    name: str, device: str, checkpoint_dtype: str | None, compute_capability: tuple[int, int] | None = None
+    name: str,
+    device: str,
+    checkpoint_dtype: str | None,
+    compute_capability: tuple[int, int] | None = None,
+    float16: bool = True,
 ) -> str:
     """The compute dtype the engine uses for ``--dtype name``. ``auto``: on CUDA the checkpoint's (bfloat16 for
     float32), float16 below compute capability 8.0 (no bfloat16 there, see gpus.check_dtypes); on a CPU with
     native bfloat16 products (AVX512-BF16 / AMX), bfloat16 as vLLM's CPU build picks (faster at a negligible
-    accuracy cost there: docs/benchmarks.md); on other CPUs float32, their fastest and most exact choice."""
+    accuracy cost there: docs/benchmarks.md); on other CPUs float32, their fastest and most exact choice.
+
+    ``float16=False``: the family overflows float16 (the architecture table's `float16`, Gemma 2/3): auto picks
+    bfloat16 instead (float32 below compute capability 8.0), an explicit float16 is a ValueError, as in vLLM."""
     if name != "auto":
-        return DTYPE_ALIASES[name]
+        resolved = DTYPE_ALIASES[name]
+        if resolved == "float16" and not float16:
+            raise ValueError(
+                "--dtype float16 is refused for this architecture: its activations overflow float16 (it was "
+                "trained in bfloat16); use --dtype bfloat16 or float32"
+            )
+        return resolved
     if device == "cpu":
         return "bfloat16" if cpu_has_native_bf16() else "float32"
     if compute_capability is not None and tuple(compute_capability) < BF16_MIN_COMPUTE:
-        return "float16"
+        return "float16" if float16 else "float32"
     checkpoint = DTYPE_ALIASES.get(str(checkpoint_dtype or "").removeprefix("torch."))
-    return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
+    return checkpoint if checkpoint in ("float16", "bfloat16") and float16 else "bfloat16"
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:

@@ -49,7 +49,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = ""
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    attn_logit_softcapping: float | None = None  # attention scores c*tanh(s/c) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits c*tanh(x/c) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    rope_local_base_freq: float | None = None  # RoPE theta of the sliding layers (Gemma 3); None: rope_theta
     qk_norm: bool = False  # RMSNorm per head on q and k before rotary (the table's feature: Qwen3)
     partial_rotary_factor: float = 1.0  # rotary on this leading part of head_dim (Phi-4-mini: 0.75)
     embedding_multiplier: float = 1.0  # token embeddings times this (Granite)
@@ -71,11 +75,19 @@ class ModelConfig:
             d = {**d, **d["text_config"]}
         model_type = d.get("model_type") or ""
         family = architectures.from_hf_config(d)
+        if strict and family is None and (wrapped := architectures.multimodal_of(d)) is not None:
+            raise SizingError(
+                f"{where}: model_type {model_type!r} ({', '.join(d.get('architectures') or [])}) is a multimodal "
+                f"checkpoint, which Pagoda does not run; use a text-only {wrapped.name} checkpoint (model_type "
+                f"{', '.join(map(repr, wrapped.model_types))}, {', '.join(wrapped.hf_architectures)})"
+            )
         if family is None and strict:
             raise SizingError(
                 f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
                 f"Pagoda runs Llama-family decoders: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
             )
+        if strict and d.get("use_bidirectional_attention"):
+            raise SizingError(f"{where}: use_bidirectional_attention (an embedding model) is not supported")
         family = family or architectures.GENERIC
         layers = _positive(d, "num_hidden_layers", where)
         heads = _positive(d, "num_attention_heads", where)
@@ -88,6 +100,7 @@ class ModelConfig:
                 f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})"
             )
         max_positions = int(d.get("max_position_embeddings") or d.get("max_seq_len") or DEFAULT_MAX_POSITIONS)
+        d, rope_local_base_freq = _per_layer_type_rope(d)
         rope_theta, rope_scaling = _rope(d, family, strict, where)
         sliding_window, layer_types = _sliding_window(d, family, layers)
         eos = d.get("eos_token_id")
@@ -114,7 +127,11 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             model_type=model_type,
+            hidden_act=str(d.get("hidden_activation") or d.get("hidden_act") or "silu"),
+            attn_logit_softcapping=_optional_float(d, "attn_logit_softcapping"),
             final_logit_softcapping=_optional_float(d, "final_logit_softcapping"),
+            query_pre_attn_scalar=_optional_float(d, "query_pre_attn_scalar"),
+            rope_local_base_freq=rope_local_base_freq,
             qk_norm=family.qk_norm,
             partial_rotary_factor=float(
                 d.get("partial_rotary_factor")
@@ -145,10 +162,18 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The factor of q.k: attention_multiplier where the config sets it (Granite), else
-        head_dim**-0.5."""
+        query_pre_attn_scalar**-0.5 (Gemma), else head_dim**-0.5."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
+        if self.query_pre_attn_scalar:
+            return self.query_pre_attn_scalar**-0.5
         return self.head_dim**-0.5
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of one layer: Gemma 3's sliding layers use rope_local_base_freq."""
+        if self.rope_local_base_freq is not None and self.layer_sliding_window(layer) is not None:
+            return self.rope_local_base_freq
+        return self.rope_theta
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,6 +191,21 @@ def _positive(d: dict[str, Any], key: str, where: str) -> int:
 def _optional_float(d: dict[str, Any], key: str) -> float | None:
     value = d.get(key)
     return None if value is None else float(value)
+
+
+def _per_layer_type_rope(d: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """(config with the full-attention layers' RoPE as its rope_parameters, the sliding layers' theta).
+
+    transformers 5 writes Gemma 3's RoPE per layer kind ({"full_attention": {...}, "sliding_attention":
+    {...}}); older configs set rope_theta, rope_scaling and rope_local_base_freq."""
+    params = d.get("rope_parameters")
+    local = _optional_float(d, "rope_local_base_freq")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_theta") is not None:
+            local = float(sliding["rope_theta"])
+        d = {**d, "rope_parameters": params["full_attention"]}
+    return d, local
 
 
 def _rope(
@@ -200,6 +240,11 @@ def _sliding_window(
     """(window, per-layer kinds) by the rule in the module's docstring."""
     window = d.get("sliding_window")
     layer_types = d.get("layer_types")
+    if layer_types is None and family.sliding_pattern:
+        every = int(d.get("sliding_window_pattern") or family.sliding_pattern)
+        layer_types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+        ]
     if family.sliding_window == "opt_in":
         if not d.get("use_sliding_window", False):
             return None, None

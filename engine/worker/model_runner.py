@@ -359,8 +359,9 @@ class ModelRunner:
 
     def _rotate(self, src: list[int], dst: list[int], deltas: list[int]) -> None:
         """Attention sinks: the sinks' keys, rotated from their written blocks to follow the window."""
-        inv_freq = self.model.rotary.inv_freq
-        for cache in self.kv_caches:
+        per_layer = getattr(self.model, "layer_inv_freq", None)  # models with a RoPE base per layer (Gemma 3)
+        for layer, cache in enumerate(self.kv_caches):
+            inv_freq = per_layer(layer) if per_layer is not None else self.model.rotary.inv_freq
             rotate_keys_(cache.kv, cache.scales, src, dst, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -26,10 +26,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """The torch dtype of ``--dtype name`` (the sizing module's rule, so dry runs size what runs)."""
+def resolve_dtype(
+    name: str, device: torch.device, checkpoint_dtype: str | None, float16: bool = True
+) -> torch.dtype:
+    """The torch dtype of ``--dtype name`` (the sizing module's rule, so dry runs size what runs);
+    ``float16=False`` for families that overflow it (the architecture table's `float16`)."""
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype, cc)]
+    return _DTYPES[resolve_dtype_name(name, device.type, checkpoint_dtype, cc, float16)]
 
 
 def check_device(device: torch.device, dtype: torch.dtype, kv_cache_dtype: str) -> None:
@@ -90,7 +93,7 @@ def join_rank(config: Any, rank: int, size: int, init_method: str) -> ModelRunne
     path = config.model  # rank 0 resolved (and converted) it before starting the ranks
     mc = ModelConfig.from_dir(path)
     device = rank_device(resolve_device(config.device), rank, size)
-    dtype = resolve_dtype(config.dtype, device, mc.torch_dtype)
+    dtype = resolve_dtype(config.dtype, device, mc.torch_dtype, mc.family.float16)
     share_cpu_threads(device, size)
     init_tensor_parallel(rank, size, init_method, device)
     return build_rank(config, path, mc, device, dtype, progress=False)

@@ -1,0 +1,399 @@
+"""Gemma 2 and Gemma 3 (text) against Hugging Face transformers on the same random tiny weights.
+
+Each HF model (eager attention, so its soft-cap and window apply) is saved with safetensors and loaded back
+through Pagoda's loader, then run as one prefill and as prefix + chunks + decodes over a paged cache beside a
+second sequence. The window (6) is shorter than the prompt (29), the soft-caps are small enough to bend the
+scores, and Gemma 3's two RoPE bases differ, so each feature shows in the logits (the guards below check
+that dropping one breaks the match).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from pagoda.engine.attention import get_attention_backend
+from pagoda.engine.loader import load_model
+from pagoda.engine.models import get_model_class
+from pagoda.engine.models.gemma import GemmaForCausalLM
+from pagoda.engine.sizing.engine_plan import resolve_dtype_name
+from pagoda.engine.sizing.model_config import ModelConfig
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+SEQ = 29
+VOCAB = 320
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    sliding_window=6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES = {
+    "gemma2": (
+        Gemma2ForCausalLM,
+        lambda: Gemma2Config(
+            **COMMON, num_hidden_layers=4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0
+        ),
+    ),
+    "gemma3": (
+        Gemma3ForCausalLM,
+        lambda: Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=6,
+            sliding_window_pattern=3,  # layers 2 and 5 global
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+}
+ATOL, RTOL = 5e-5, 1e-4
+_BUILT: dict = {}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random; norms' w (Gemma scales by 1 + w) around 0, so a missed offset shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.3 if "norm" in name else 0.15
+            p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def _build(name: str, tmp_path_factory):
+    if name not in _BUILT:
+        hf_cls, make_config = FAMILIES[name]
+        cfg = make_config()
+        cfg._attn_implementation = "eager"
+        hf = hf_cls(cfg).eval()
+        _randomize(hf, seed=len(name) + 7)
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path, safe_serialization=True)
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ref = hf(ids).logits.float()
+        _BUILT[name] = name, path, hf, ids, ref
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+def _load(path, dtype=torch.float32):
+    return load_model(path, dtype, "cpu", get_attention_backend("torch", "cpu"), progress=False)
+
+
+def _prefill(model, cfg, ids, paged, caches) -> torch.Tensor:
+    kv = caches(cfg.num_hidden_layers, 16, 8, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
+    meta = paged(num_blocks=16, block_size=8).step([(0, 0, SEQ)])
+    return model.compute_logits(model(ids, torch.arange(SEQ), kv, meta))
+
+
+def test_config_is_read(family):
+    name, path, _, _, _ = family
+    model, cfg = _load(path)
+    assert isinstance(model, GemmaForCausalLM) and get_model_class(cfg.architecture) is GemmaForCausalLM
+    assert cfg.architecture == name and cfg.hidden_act == "gelu_pytorch_tanh" and cfg.tie_word_embeddings
+    assert model.lm_head_weight is model.embed_tokens.weight
+    assert cfg.attention_scale == 24**-0.5 and model.layers[0].self_attn.scale == 24**-0.5
+    windows = [layer.self_attn.sliding_window for layer in model.layers]
+    if name == "gemma2":
+        assert windows == [6, None, 6, None]
+        assert cfg.attn_logit_softcapping == 3.0 and cfg.final_logit_softcapping == 4.0
+        assert model.layers[0].self_attn.backend.cap == 3.0 and model.layers[0].self_attn.q_norm is None
+        assert len(model.rotaries) == 1
+    else:
+        assert windows == [6, 6, None, 6, 6, None]
+        assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
+        assert model.layers[0].self_attn.q_norm is not None
+        assert cfg.rope_theta == 10000.0 and cfg.rope_local_base_freq == 100.0
+        assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+        assert [cfg.layer_rope_theta(i) for i in range(6)] == [100.0, 100.0, 10000.0, 100.0, 100.0, 10000.0]
+        assert model.layer_rotary == [0, 0, 1, 0, 0, 1]
+        inv = [r.inv_freq for r in model.rotaries]
+        torch.testing.assert_close(inv[0][1], torch.tensor(100.0 ** (-2 / 32)))
+        torch.testing.assert_close(inv[1][1], torch.tensor(10000.0 ** (-2 / 32) / 8))
+
+
+def test_full_prefill_matches_hf(family, paged, caches):
+    _, path, _, ids, ref = family
+    model, cfg = _load(path)
+    batches = paged(num_blocks=16, block_size=8)
+    kv = caches(cfg.num_hidden_layers, 16, 8, cfg.num_key_value_heads, cfg.head_dim)
+    meta = batches.step([(0, 0, SEQ), (1, 0, SEQ)])
+    logits = model.compute_logits(model(ids.reshape(-1), torch.arange(SEQ).repeat(2), kv, meta))
+    assert logits.dtype == torch.float32 and logits.shape == (2 * SEQ, VOCAB)
+    torch.testing.assert_close(logits, ref.reshape(2 * SEQ, -1), atol=ATOL, rtol=RTOL)
+    assert torch.equal(logits.argmax(-1), ref.reshape(2 * SEQ, -1).argmax(-1))
+    logprobs = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(
+        logprobs, torch.log_softmax(ref.reshape(2 * SEQ, -1), -1), atol=ATOL, rtol=RTOL
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_chunked_prefill_and_decode_match_hf(family, paged, caches, block_size):
+    """Seq 0: prefix of 7, chunks of 5 and 9, then decodes; seq 1 starts later and runs beside it."""
+    _, path, _, ids, ref = family
+    model, cfg = _load(path)
+    batches = paged(num_blocks=24, block_size=block_size, seed=block_size)
+    kv = caches(cfg.num_hidden_layers, 24, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    plan = [
+        [(0, 0, 7)],
+        [(0, 7, 5), (1, 0, 16)],
+        [(0, 12, 9), (1, 16, 1)],
+        [(0, 21, 1), (1, 17, 4)],
+        *[[(0, 22 + i, 1), (1, 21 + i, 1)] for i in range(7)],
+        [(1, 28, 1)],
+    ]
+    seen = {0: 0, 1: 0}
+    for step in plan:
+        meta = batches.step(step)
+        tokens = torch.cat([ids[s, c : c + q] for s, c, q in step])
+        positions = torch.cat([torch.arange(c, c + q) for s, c, q in step])
+        logits = model.compute_logits(model(tokens, positions, kv, meta))
+        expect = torch.cat([ref[s, c : c + q] for s, c, q in step])
+        torch.testing.assert_close(logits, expect, atol=ATOL, rtol=RTOL)
+        assert torch.equal(logits.argmax(-1), expect.argmax(-1))
+        for s, c, q in step:
+            assert seen[s] == c
+            seen[s] = c + q
+    assert seen == {0: SEQ, 1: SEQ}
+
+
+@pytest.mark.parametrize(
+    ("name", "drop"), [("gemma2", "window"), ("gemma2", "softcap"), ("gemma3", "window"), ("gemma3", "rope")]
+)
+def test_each_feature_shows_in_the_logits(tmp_path_factory, paged, caches, name, drop):
+    """Guards against vacuous parity: without its window, its soft-cap or its local RoPE base our model no
+    longer matches transformers (the window only from the 7th token on)."""
+    _, path, _, ids, ref = _build(name, tmp_path_factory)
+    model, cfg = _load(path)
+    first_diff = 0
+    for layer in model.layers:
+        if drop == "window":
+            layer.self_attn.sliding_window = None
+            first_diff = 6
+        elif drop == "softcap":
+            layer.self_attn.backend = layer.self_attn.backend.backend
+    if drop == "rope":
+        model.layer_rotary = [1] * len(model.layers)  # every layer on the global table
+    logits = _prefill(model, cfg, ids[0], paged, caches)
+    assert (logits[first_diff:] - ref[0, first_diff:]).abs().max() > 1e-3
+    if first_diff:
+        torch.testing.assert_close(logits[:first_diff], ref[0, :first_diff], atol=ATOL, rtol=RTOL)
+
+
+def test_final_softcap_bounds_the_logits(tmp_path_factory, paged, caches):
+    _, path, _, ids, ref = _build("gemma2", tmp_path_factory)
+    model, cfg = _load(path)
+    logits = _prefill(model, cfg, ids[0], paged, caches)
+    assert logits.abs().max() < 4.0 and ref[0].abs().max() > 2.0  # the cap (4) bends these logits
+
+
+def test_bfloat16_runs_close_to_fp32(family, paged, caches):
+    _, path, _, ids, ref = family
+    model, cfg = _load(path, torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.embed_scale.item() == 8.0
+    logits = _prefill(model, cfg, ids[0], paged, caches)
+    assert logits.dtype == torch.float32
+    assert (logits - ref[0]).abs().max().item() < 0.1 * ref[0].abs().max().item()
+    assert (logits.argmax(-1) == ref[0].argmax(-1)).float().mean() > 0.8
+
+
+def test_float16_is_refused_and_auto_picks_bfloat16(family):
+    name, path, _, _, _ = family
+    cfg = ModelConfig.from_dir(path)
+    assert not cfg.family.float16
+    with pytest.raises(ValueError, match="overflows float16.*bfloat16 or float32"):
+        _load(path, torch.float16)
+    with pytest.raises(ValueError, match="--dtype float16 is refused.*bfloat16 or float32"):
+        resolve_dtype_name("float16", "cuda", "bfloat16", (9, 0), cfg.family.float16)
+    assert resolve_dtype_name("auto", "cuda", "float16", (9, 0), cfg.family.float16) == "bfloat16"
+    assert resolve_dtype_name("auto", "cuda", "float32", (9, 0), cfg.family.float16) == "bfloat16"
+    assert resolve_dtype_name("auto", "cuda", "bfloat16", (7, 5), cfg.family.float16) == "float32"  # T4
+    assert resolve_dtype_name("float32", "cuda", "bfloat16", (9, 0), cfg.family.float16) == "float32"
+    # Other families keep float16.
+    assert resolve_dtype_name("auto", "cuda", "float16", (9, 0)) == "float16"
+
+
+def test_the_engine_refuses_float16_for_gemma(family):
+    from pagoda.engine import LLM
+
+    _, path, _, _, _ = family
+    with pytest.raises(ValueError, match="--dtype float16 is refused"):
+        LLM(str(path), device="cpu", dtype="float16", skip_tokenizer_init=True)
+
+
+# ---------------------------------------------------------------- config.json as published
+
+
+GEMMA3_1B = {  # the layout of google/gemma-3-1b-it's config.json (older transformers), shrunk
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_published_gemma3_config_without_layer_types():
+    cfg = ModelConfig.from_hf_config(GEMMA3_1B)
+    assert cfg.architecture == "gemma3" and cfg.qk_norm and cfg.sliding_window == 512
+    assert [cfg.layer_sliding_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert [cfg.layer_rope_theta(i) for i in range(7)] == [10000.0] * 5 + [1000000.0, 10000.0]
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.attention_scale == 256**-0.5 and cfg.hidden_act == "gelu_pytorch_tanh"
+
+
+def test_published_gemma2_config_without_layer_types():
+    """Gemma 2's first configs list no layer_types: even layers slide."""
+    gemma2 = {
+        **GEMMA3_1B,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "hidden_act": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+        "rope_theta": 10000.0,
+        "cache_implementation": "hybrid",
+    }
+    for key in ("rope_local_base_freq", "rope_scaling", "sliding_window_pattern", "hidden_activation"):
+        gemma2.pop(key)
+    cfg = ModelConfig.from_hf_config(gemma2)
+    assert cfg.architecture == "gemma2" and not cfg.qk_norm
+    assert [cfg.layer_sliding_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert cfg.attn_logit_softcapping == 50.0 and cfg.final_logit_softcapping == 30.0
+    assert cfg.rope_local_base_freq is None and cfg.layer_rope_theta(0) == 10000.0
+    assert cfg.hidden_act == "gelu_pytorch_tanh"
+
+
+def test_multimodal_gemma3_is_refused_and_sized():
+    """Gemma3ForConditionalGeneration (model_type gemma3, the 4B/12B/27B on the Hub) is refused by the engine
+    naming the text-only checkpoints; sizing still reads its text decoder."""
+    text = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type")}
+    multimodal = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {**text, "model_type": "gemma3_text"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    with pytest.raises(ValueError, match="multimodal.*text-only gemma3.*'gemma3_text'.*Gemma3ForCausalLM"):
+        ModelConfig.from_hf_config(multimodal)
+    lenient = ModelConfig.from_hf_config(multimodal, strict=False)
+    assert lenient.architecture == "gemma3" and lenient.num_hidden_layers == 7
+
+
+def test_embedding_gemma_is_refused():
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config({**GEMMA3_1B, "use_bidirectional_attention": True})
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def _with_tokenizer(path: Path) -> Path:
+    from pagoda.engine.loader import resolve_model
+
+    src = Path(resolve_model(None))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, path / name)
+    return path
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of transformers' full forward each step: its generate() with a cache drifts from its own
+    full forward once the window (6) slides past the prompt (a 0.13 logit margin flipped here), while our
+    paged cache matches the full forward."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.timeout(180)
+def test_gemma3_tp2_matches_tp1_and_hf(tmp_path_factory):
+    """Two gloo ranks (each with 2 of the 4 query heads, 1 KV head, half the MLP and of the vocabulary)
+    give the greedy tokens of one rank and of transformers."""
+    from pagoda.engine import LLM, SamplingParams
+
+    _, path, hf, ids, _ = _build("gemma3", tmp_path_factory)
+    path = _with_tokenizer(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "gemma3_text"
+    prompts = [ids[0, :20].tolist(), ids[1, :9].tolist()]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expect = [_hf_greedy(hf, p, 12) for p in prompts]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(
+            str(path), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp,
+            kv_cache_memory_bytes=4 << 20,
+        )  # fmt: skip
+        try:
+            results[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        finally:
+            llm.engine.close()
+    assert results[1] == expect
+    assert results[2] == expect
+
+
+def test_streaming_eviction_rotates_each_layer_with_its_base(tmp_path_factory, monkeypatch):
+    """Attention sinks past max_model_len: each layer's kept keys are re-rotated with that layer's RoPE base
+    (Gemma 3's sliding layers 100, its global ones 10000 scaled by 8)."""
+    from pagoda.engine import LLM, SamplingParams
+    from pagoda.engine.worker import model_runner
+
+    _, path, _, ids, _ = _build("gemma3", tmp_path_factory)
+    used = []
+    rotate = model_runner.rotate_keys_
+
+    def spy(kv, scales, src, dst, deltas, inv_freq):
+        used.append(float(inv_freq[1]))
+        return rotate(kv, scales, src, dst, deltas, inv_freq)
+
+    monkeypatch.setattr(model_runner, "rotate_keys_", spy)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20,
+        skip_tokenizer_init=True, kv_eviction="streaming", kv_sink_tokens=16, kv_window_tokens=32,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, kv_eviction="streaming")
+        out = llm.generate([ids[0, :20].tolist()], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    assert len(out[0].outputs[0].token_ids) == 100
+    local, full = 100.0 ** (-2 / 32), 10000.0 ** (-2 / 32) / 8
+    assert used and used[:6] == pytest.approx([local, local, full, local, local, full])
