@@ -3,7 +3,9 @@
 The launchers are called as the Triton attention backend calls them, with meta tensors: one cache write,
 one prefill, one unsplit and one split decode (whose merge kernel follows). Their variants depend on the
 constexprs, dtypes and launch configuration only (see pagoda.kernels.runtime), so these four launches cover
-every step of a deployment with this shape. The decoder layer's element-wise kernels (RMSNorm with and
+every step of a deployment with this shape. A model's layers may differ in what the attention kernels
+specialise on (a sliding window or none, Gemma 2's logit soft-cap): each kind of layer is a shape of its own
+(`KernelPlan.attention_shapes`); the window's length and the cap's value are run-time arguments. The decoder layer's element-wise kernels (RMSNorm with and
 without the residual add, rotary on q and k, silu-and-mul) follow: their variants depend on the dtype and
 head dim, and on whether rows are whole 16-byte vectors, which every catalogue model's hidden and
 intermediate sizes are (the sizes below are too). With LoRA on, each fused linear's shrink and expand
@@ -37,6 +39,7 @@ class AttentionShape:
     dtype: torch.dtype  # activations
     kv_dtype: torch.dtype  # the cache
     sliding_window: int | None = None
+    logit_softcap: float | None = None  # Gemma 2's attention soft-cap (the SOFTCAP variants)
 
 
 def launch_all(shape: AttentionShape) -> None:
@@ -60,7 +63,9 @@ def launch_all(shape: AttentionShape) -> None:
     seq_lens = torch.empty(tokens, dtype=torch.int32, device=META)
     qsl = torch.empty(tokens + 1, dtype=torch.int32, device=META)
     ids = torch.empty(tokens, dtype=torch.int32, device=META)
-    common = dict(kv_scales=scales, sliding_window=shape.sliding_window, seq_ids=ids)
+    common = dict(
+        kv_scales=scales, sliding_window=shape.sliding_window, logit_softcap=shape.logit_softcap, seq_ids=ids
+    )
     reshape_and_cache(k, v, kv_cache, slots, kv_scales=scales)
     paged_prefill_attention(q, kv_cache, qsl, seq_lens, tables, 0.1, max_query_len=tokens, **common)
     for splits in (1, 2):
@@ -111,18 +116,22 @@ class KernelPlan:
     sliding_window: int | None = None
     lora_rank: int | None = None  # --max-lora-rank when LoRA is on (every slot is this wide)
     attention: bool = True  # False with --attention-backend torch: no attention or layer kernels, LoRA only
+    logit_softcap: float | None = None  # the model's attn_logit_softcapping (Gemma 2), on every layer
 
     @property
     def limits(self) -> DeviceLimits:
         return DeviceLimits(self.compute_capability, self.shared_memory_per_block)
 
     def attention_shapes(self) -> list[AttentionShape]:
-        """One per rank shape; a model with a sliding window may also have full-attention layers (Qwen2's
-        max_window_layers), so both."""
+        """One per rank shape and kind of layer: a model with a sliding window may also have full-attention
+        layers (Gemma 2 every other one, Gemma 3 one in six, Qwen2's max_window_layers), so both; a soft-cap
+        applies to every layer of the model that has one."""
         windows = (self.sliding_window, None) if self.sliding_window else (None,)
         dtype, kv = getattr(torch, self.dtype), getattr(torch, self.kv_cache_dtype)
         return [
-            AttentionShape(heads, kv_heads, self.head_dim, self.block_size, dtype, kv, window)
+            AttentionShape(
+                heads, kv_heads, self.head_dim, self.block_size, dtype, kv, window, self.logit_softcap
+            )
             for heads, kv_heads in self.ranks
             for window in windows
         ]

@@ -231,6 +231,7 @@ def unit_for(
         shared_memory_per_block=spec.shared_memory_per_block, dtype=resolved,
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype, resolved), tensor_parallel_size=tensor_parallel_size,
         block_size=block_size, lora_rank=lora_rank or None, attention=attention,
+        logit_softcap=shape.attn_logit_softcapping,
     )  # fmt: skip
     return Unit((spec.name,), model, tensor_parallel_size, kernel)
 
@@ -251,9 +252,11 @@ def kernel_plan(
     block_size: int,
     lora_rank: int | None,
     attention: bool = True,
+    logit_softcap: float | None = None,
 ) -> KernelPlan:
     """The kernel plan of an engine with these settings (dtypes resolved: torch names): its ranks' heads as
-    the engine shards them. Pure; `pagoda kernels warm` in every mode goes through it."""
+    the engine shards them; `logit_softcap` is the model's attention soft-cap (Gemma 2). Pure; `pagoda
+    kernels warm` in every mode goes through it."""
     from pagoda.kernels.warm import KernelPlan
 
     tp = tensor_parallel_size
@@ -265,6 +268,7 @@ def kernel_plan(
     return KernelPlan(
         tuple(compute_capability), shared_memory_per_block, tuple(dict.fromkeys(ranks)), head_dim, hidden_size,
         intermediate_size, block_size, dtype, kv_cache_dtype, sliding_window, lora_rank, attention,
+        logit_softcap or None,
     )  # fmt: skip
 
 

@@ -260,3 +260,118 @@ def test_the_kernels_step_reads_a_hub_models_shape_from_the_model_cache(tmp_path
     unit = serve_unit(lookup_gpu("L4"), ["org/tiny-llama", "--enable-lora", "--max-lora-rank", "8"])
     assert unit.plan.ranks == ((8, 2),) and unit.plan.head_dim == 32 and unit.plan.lora_rank == 8
     assert unit.plan.dtype == "bfloat16" and unit.plan.kv_cache_dtype == "bfloat16"  # serve's auto, not fp8
+
+
+SERVE_LAYERS_EQUAL_WARM = textwrap.dedent(
+    """
+    import ast, json
+    import torch
+    from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
+    from pagoda.engine.attention.triton_backend import TritonAttentionBackend
+    from pagoda.engine.cli.kernels import _parser, plan_unit
+    from pagoda.engine.cli.plan import resolve_shape
+    from pagoda.engine.sizing import lookup_gpu
+    from pagoda.kernels.aot import recording_for
+    from pagoda.kernels.paged_decode import _paged_decode_kernel
+    from pagoda.kernels.paged_prefill import _paged_prefill_kernel
+    from pagoda.kernels.warm import launch_plan
+
+    META = torch.device("meta")
+    ATTENTION = {k.__name__: k for k in (_paged_decode_kernel, _paged_prefill_kernel)}
+
+    def flag(key, name):  # a constexpr of an attention kernel's variant key (kept by argument index there)
+        names = ATTENTION[key[0]].arg_names
+        return {names[i[0]]: v for i, v in ast.literal_eval(key[2])}[name]
+
+    def step(query_lens, seq_lens):
+        i32 = dict(dtype=torch.int32, device=META)
+        t = sum(query_lens)
+        return AttentionMetadata(
+            num_seqs=len(query_lens), num_tokens=t, query_start_loc=torch.empty(len(query_lens) + 1, **i32),
+            seq_lens=torch.empty(len(query_lens), **i32), context_lens=torch.empty(len(query_lens), **i32),
+            block_tables=torch.empty((len(query_lens), 64), **i32),
+            slot_mapping=torch.empty(t, dtype=torch.int64, device=META), max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens), query_lens_list=query_lens, seq_lens_list=seq_lens,
+        )
+
+    # a mixed step (prefill chunks beside decodes), one long decode (split) and a wide decode batch (unsplit)
+    STEPS = [step([5, 1, 40], [5, 300, 900]), step([1], [1000]), step([1] * 64, [700] * 64)]
+    args = _parser().parse_args(["warm", "--gpu", "x"])
+    report = {}
+    for gpu, model in (("L4", "google/gemma-2-9b-it"), ("H100", "google/gemma-3-4b-it"),
+                       ("H100", "google/gemma-3-27b-it"), ("L4", "meta-llama/Llama-3.1-8B-Instruct")):
+        shape = resolve_shape(model)
+        plan = plan_unit(lookup_gpu(gpu), model, shape, args).plan
+        with recording_for(plan.limits) as warmed:
+            launch_plan(plan)
+        # every layer as the model calls the backend: its own window (or none), the model's soft-cap
+        windows = {shape.sliding_window, None}
+        cap = shape.attn_logit_softcapping
+        dtype, kv_dtype = getattr(torch, plan.dtype), getattr(torch, plan.kv_cache_dtype)
+        backend = TritonAttentionBackend()
+        with recording_for(plan.limits) as served:
+            for heads, kv_heads in plan.ranks:
+                kv = torch.empty((2, 256, plan.block_size, kv_heads, plan.head_dim), dtype=kv_dtype, device=META)
+                scales = torch.empty(kv.shape[:4], device=META) if kv_dtype == torch.int8 else None
+                cache = LayerKVCache(kv, scales=scales)
+                for meta in STEPS:
+                    t, d = meta.num_tokens, plan.head_dim
+                    qkv = torch.empty((t, (heads + 2 * kv_heads) * d), dtype=dtype, device=META)
+                    q = qkv[:, : heads * d].view(t, heads, d)
+                    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+                    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+                    for window in windows:
+                        backend.forward(q, k, v, cache, meta, d**-0.5, window, logit_softcap=cap)
+        names = lambda keys: sorted({k[0] for k in keys})
+        report[model] = {"missing": [k[0] for k in served - warmed], "served": names(served),
+                         "softcap": sorted({flag(k, "SOFTCAP") for k in served if k[0] in ATTENTION}),
+                         "window": sorted({flag(k, "USE_WINDOW") for k in served if k[0] in ATTENTION})}
+    print(json.dumps(report))
+    """
+)
+
+
+def test_what_each_layer_launches_at_serve_time_is_warmed():
+    """The Triton backend called as a model's layers call it (each layer's window or none, the model's
+    soft-cap) on a mixed step, a split and an unsplit decode launches only variants the warm of the same plan
+    launches: Gemma 2 (soft-cap on every layer, windowed and global layers), Gemma 3 (head_dim 256 and 128,
+    windowed and global layers) and a plain Llama."""
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_LAYERS_EQUAL_WARM],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for model, r in report.items():
+        assert r["missing"] == [], (model, r["missing"])
+        assert {"_paged_decode_kernel", "_paged_prefill_kernel"} <= set(r["served"]), r["served"]
+    assert report["google/gemma-2-9b-it"]["softcap"] == [True]
+    assert report["google/gemma-3-4b-it"]["softcap"] == [False]
+    assert (
+        report["google/gemma-2-9b-it"]["window"] == report["google/gemma-3-27b-it"]["window"] == [False, True]
+    )
+    assert report["meta-llama/Llama-3.1-8B-Instruct"]["window"] == [False]
+
+
+def test_warm_lists_the_soft_cap_and_window_variants_of_gemma(tmp_path):
+    """`pagoda kernels warm` for Gemma 2 compiles soft-capped prefill and decode kernels, windowed and not;
+    for Gemma 3 windowed and full-attention ones without a cap, at Gemma's head_dim 256; all fit the GPU."""
+    done = _warm("--gpu", "L4", "--model", "google/gemma-2-9b-it", "--model", "google/gemma-3-4b-it",
+                 "--jobs", "1", cache=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["rows"]
+    assert rows and all(r["fits"] for r in rows)
+
+    def attention(model):
+        return [r["variant"] for r in rows if r["model"] == model and "paged_" in r["variant"]]
+
+    gemma2, gemma3 = attention("google/gemma-2-9b-it"), attention("google/gemma-3-4b-it")
+    assert gemma2 and all("SOFTCAP" in v and "HEAD_DIM=256" in v for v in gemma2)
+    assert gemma3 and all("SOFTCAP" not in v and "HEAD_DIM=256" in v for v in gemma3)
+    for variants in (gemma2, gemma3):
+        for kernel in ("paged_prefill_kernel", "paged_decode_kernel"):
+            windowed = {"USE_WINDOW" in v for v in variants if v.startswith(kernel)}
+            assert windowed == {True, False}, (kernel, variants)
