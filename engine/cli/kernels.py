@@ -220,7 +220,7 @@ def unit_for(
     """The kernel plan of an engine with these settings (as `pagoda serve` takes them: `auto` dtypes) on
     ``spec``, refusing what the GPU cannot run as serve does."""
     cc = spec.compute_capability
-    resolved = resolve_dtype_name(dtype, "cuda", shape.dtype, cc)
+    resolved = resolve_dtype_name(dtype, "cuda", shape.dtype, cc, shape.float16)
     check_dtypes(spec.name, cc, resolved, kv_cache_dtype)
     if lora_rank and tensor_parallel_size > 1:
         raise ValueError("LoRA is not supported with tensor_parallel_size > 1 (as in pagoda serve)")

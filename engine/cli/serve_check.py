@@ -19,6 +19,7 @@ from typing import Any
 from pagoda.engine.cli import serve_args
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.sizing import GPUInfo, ModelShape, SizingError, gpu_info, shape_from_config
+from pagoda.engine.sizing.architectures import architecture
 from pagoda.engine.sizing.engine_plan import (
     EnginePlan,
     check_tensor_parallel,
@@ -32,7 +33,7 @@ from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
-from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
+from pagoda.engine.sizing.planner import activation_bytes, check_gpu_kernels, cuda_context_bytes
 from pagoda.engine.sizing.shapes import dtype_bytes
 
 
@@ -100,6 +101,10 @@ def shape_config(shape: ModelShape) -> dict[str, Any]:
         "torch_dtype": shape.dtype,
         "tie_word_embeddings": shape.tie_word_embeddings,
         "num_parameters": shape.num_params,
+        # the family (its dtype rule, its per-layer windows) and the attention facts the kernels specialise on
+        **({"model_type": architecture(shape.architecture).model_types[0]} if shape.architecture else {}),
+        **({"sliding_window": shape.sliding_window} if shape.sliding_window else {}),
+        **({"attn_logit_softcapping": shape.attn_logit_softcapping} if shape.attn_logit_softcapping else {}),
     }
 
 
@@ -205,7 +210,10 @@ def check_args(
     cc = (
         gpu.compute_capability if gpu is not None and gpu.compute_capability != (0, 0) else None
     )  # (0, 0): unknown
-    dtype = resolve_dtype_name(config.dtype, device, model.checkpoint_dtype, cc)
+    try:
+        dtype = resolve_dtype_name(config.dtype, device, model.checkpoint_dtype, cc, model.shape.float16)
+    except ValueError as exc:  # float16 for a family that overflows it, refused as the real start does
+        raise DryRunError(f"cannot start the engine: {exc}") from None
     kv = kv_cache_dtype(config.kv_cache_dtype, dtype)
     kv_bpt = kv_bytes_per_token(
         model.num_layers,
@@ -232,6 +240,11 @@ def check_args(
             if cc is not None:
                 check_dtypes(gpu.name, cc, dtype, config.kv_cache_dtype)
         except UnsupportedOnGPU as exc:
+            raise DryRunError(f"cannot start the engine: {exc}") from None
+    if device == "cuda" and config.attention_backend != "torch":
+        try:
+            check_gpu_kernels(model.shape)
+        except SizingError as exc:
             raise DryRunError(f"cannot start the engine: {exc}") from None
 
     kv_memory, act, total, free, others, source = 0, 0, None, None, None, "none"

@@ -26,6 +26,7 @@ from typing import Any
 from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
 from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.gpus import GPUInfo, check_engine_runs_on
+from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
 from pagoda.engine.sizing.windows import sliding_layers, window_capacity
@@ -282,8 +283,22 @@ def _common_lengths(shape: ModelShape, h: Hints, warnings: list[str]) -> tuple[i
     return limit, target
 
 
+def check_gpu_kernels(shape: ModelShape) -> None:
+    """Refuse a shape the GPU engine's Triton attention kernels cannot run: they tile head_dim as a power of
+    two (kernels/runtime.py), so Phi-3/3.5-mini's 96 would fail at the first prefill. CPU plans are not
+    affected (the CPU kernels take any head_dim)."""
+    d = shape.head_dim
+    if d & (d - 1):
+        raise SizingError(
+            f"{shape.name} has head_dim {d}; the GPU engine's Triton attention kernels need a power of two "
+            "(64, 128, 256) until they pad it: run it on CPU (--device cpu, gpu.count: 0) or with "
+            "--attention-backend torch"
+        )
+
+
 def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     check_engine_runs_on(gpu)
+    check_gpu_kernels(shape)
     reasons: dict[str, str] = {}
     warnings = list(gpu.warnings)
     memory = gpu.memory_bytes
@@ -299,6 +314,12 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     block_size = BLOCK_SIZE
 
     cc = f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}"
+    if not shape.float16 and (0, 0) < tuple(gpu.compute_capability) < BF16_MIN_COMPUTE:
+        shape = shape.with_dtype("float32")  # what the engine's dtype `auto` runs it in (engine_plan)
+        warnings.append(
+            f"{shape.name} overflows float16 and compute capability {cc} has no bfloat16: the engine runs it in "
+            "float32, twice the weight and KV bytes"
+        )
     if h.kv_cache_dtype == "int8":
         kv_dtype = "int8"
         reasons["kv_cache_dtype"] = "set explicitly: " + int8_trade(shape, shape.dtype)

@@ -13,6 +13,7 @@ import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from pagoda.engine.sizing import architectures
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
 from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype, lookup
@@ -53,6 +54,15 @@ class ModelShape:
     attn_logit_softcapping: float | None = None
     # How many layers slide when sliding_window is set (Gemma: 1 in 2 or 5 in 6); None = every layer.
     sliding_window_layers: int | None = None
+    architecture: str = ""  # the architecture table's family ("" = a Llama-shaped decoder of no known family)
+
+    @property
+    def float16(self) -> bool:
+        """Whether the family runs in float16 (Gemma 2/3 overflow it: `auto` then picks bfloat16, or float32
+        where the GPU has no bfloat16; the architecture table's `float16`)."""
+        if not self.architecture:
+            return True
+        return architectures.architecture(self.architecture).float16
 
     def kv_bytes_per_token(self, kv_dtype: str | None = "auto", tp: int = 1) -> int:
         """KV bytes per token of the whole model, or of the rank with the most KV heads under tensor
@@ -195,7 +205,7 @@ def well_known_shape(model_id: str) -> ModelShape | None:
     return ModelShape(
         row.name, row.layers, row.heads, row.kv_heads, row.head_dim, row.hidden, row.intermediate, row.vocab,
         row.max_positions, row.window, "bfloat16", 2 * n, n, row.tied, row.softcap,
-        row.window_layers if row.window else None,
+        row.window_layers if row.window else None, row.family,
     )  # fmt: skip
 
 
@@ -233,7 +243,7 @@ def shape_from_config(
         str(label), mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
         mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.sliding_window,
         dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes, n, mc.tie_word_embeddings,
-        getattr(mc, "attn_logit_softcapping", None), sliding_layers,
+        mc.attn_logit_softcapping, sliding_layers, mc.architecture,
     )  # fmt: skip
 
 
@@ -320,11 +330,19 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         vocab = tokens.length if isinstance(tokens, ArrayLength) else len(tokens or [])
     window = field("attention.sliding_window")
     params = sum(math.prod(dims) for dims in meta.tensors.values())
-    return ModelShape(
-        name=path.stem,  # general.name is often a training-run name; the file name is what users typed
-        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim, hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length", 4 * hidden)), vocab_size=int(vocab),
-        max_position_embeddings=int(field("context_length", 2048)),
-        sliding_window=int(window) if window else None, dtype="float16", weight_bytes=2 * params,
-        num_params=params, tie_word_embeddings="output.weight" not in meta.tensors,
-    )  # fmt: skip
+    try:
+        family = architectures.from_gguf(arch, str(path))
+    except ValueError:
+        family = architectures.GENERIC  # sized as a Llama-shaped decoder; the engine refuses it
+    # llama.cpp's keys as config.json's, read by the engine's own reader (windows per layer by the family)
+    config = {
+        "model_type": family.model_types[0] if family.model_types else arch,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": head_dim, "hidden_size": hidden, "intermediate_size": int(field("feed_forward_length", 4 * hidden)),
+        "vocab_size": int(vocab), "max_position_embeddings": int(field("context_length", 2048)),
+        "sliding_window": int(window) if window else None,
+        "attn_logit_softcapping": field("attn_logit_softcapping"),
+        "tie_word_embeddings": "output.weight" not in meta.tensors, "torch_dtype": "float16",
+    }  # fmt: skip
+    # the file name, not general.name (often a training-run name): the file name is what users typed
+    return shape_from_config(config, 2 * params, name=path.stem, where=str(path))

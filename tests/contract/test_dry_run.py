@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -116,6 +117,42 @@ def test_tensor_parallel_splits_the_weights_and_kv() -> None:
     assert two.plan is not None and two.plan.kv_bytes_per_token == 327_680 // 2 // 2  # half the heads, fp8
     with pytest.raises(DryRunError, match="tensor_parallel_size 128 exceeds the model's 64 attention heads"):
         check([*common, "--tensor-parallel-size", "128"])
+
+
+def test_gemma_runs_in_bfloat16_or_float32_and_refuses_float16_as_the_real_start_does() -> None:
+    """The operator's --model-shape carries the family: Gemma overflows float16, so `auto` is bfloat16 (float32
+    on a GPU without bfloat16) and an explicit float16 is the real start's refusal (engine_plan's rule)."""
+    config = shape_config(well_known_shape("google/gemma-3-12b-it"))
+    assert config["model_type"] == "gemma3_text" and config["sliding_window"] == 1024
+    common = ["google/gemma-3-12b-it", "--model-shape", json.dumps(config), "--max-model-len", "4096"]
+    on_l40s = check([*common, "--gpu", "L40S"])
+    assert on_l40s.device["dtype"] == "bfloat16" and on_l40s.model.shape.sliding_window_layers == 40
+    on_t4 = check([*common, "--gpu", "T4", "--tensor-parallel-size", "8"])
+    assert on_t4.device["dtype"] == "float32"
+    assert on_t4.device["weights_bytes_estimated"] == -(-well_known_shape("Gemma-3-12B").num_params * 4 // 8)
+    with pytest.raises(DryRunError, match="cannot start the engine: --dtype float16 is refused"):
+        check([*common, "--gpu", "L40S", "--dtype", "float16"])
+    soft = shape_config(well_known_shape("google/gemma-2-9b-it"))
+    assert soft["attn_logit_softcapping"] == 50.0 and soft["model_type"] == "gemma2"
+    assert "model_type" not in shape_config(
+        dataclasses.replace(well_known_shape("Qwen3-8B"), architecture="")
+    )
+
+
+def test_a_head_dim_the_triton_kernels_cannot_tile_is_refused_on_a_gpu() -> None:
+    """Phi-3.5-mini's head_dim 96: the Triton attention kernels need a power of two, so a GPU start would fail
+    at its first prefill; the dry run says so up front. The torch backend and the CPU run it."""
+    phi = [
+        "microsoft/Phi-3.5-mini-instruct",
+        "--model-shape",
+        json.dumps(shape_config(well_known_shape("Phi-3.5-mini"))),
+    ]
+    with pytest.raises(
+        DryRunError, match="cannot start the engine: Phi-3.5-mini has head_dim 96; the GPU engine"
+    ):
+        check([*phi, "--gpu", "L40S", "--max-model-len", "8192"])
+    assert check([*phi, "--gpu", "L40S", "--max-model-len", "8192", "--attention-backend", "torch"]).plan
+    assert check([*phi, "--device", "cpu", "--kv-cache-memory-bytes", "4GiB", "--max-model-len", "8192"]).plan
 
 
 def test_dry_run_flags_are_refused_without_dry_run() -> None:

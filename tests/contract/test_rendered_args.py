@@ -15,10 +15,19 @@ from hypothesis import example as hypothesis_example
 from hypothesis import strategies as st
 from pagoda.engine.cli.dry_run import DryRunError, check
 from pagoda.engine.cli.serve_args import build_parser
-from pagoda.engine.sizing import well_known_shape
+from pagoda.engine.sizing import (
+    ENGINE_MIN_COMPUTE,
+    GPU_CATALOGUE,
+    GPUInfo,
+    GPUSpec,
+    Hints,
+    lookup_gpu,
+    plan,
+    well_known_shape,
+)
 from pagoda.operator import render
 from pagoda.operator.contract import dry_run_argv
-from pagoda.operator.discovery import node_gpus, pools
+from pagoda.operator.discovery import GPUPool, node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.spec import SHAPE_KEYS, SpecError, parse_spec
 from pagoda_testkit import EXAMPLES, GPU_NODES, example, node
@@ -117,6 +126,92 @@ def test_the_70b_example_runs_on_two_gpus() -> None:
     assert report.plan is not None and report.device["tensor_parallel_size"] == 2
 
 
+# ---------------------------------------------------------------- the families of issue 35, on every GPU
+
+# One hub id per catalogue shape of the new families (Qwen3, Gemma 2 and 3, Phi-3.5 and 4, Granite 3.3).
+NEW_FAMILY_MODELS = [
+    "Qwen/Qwen3-8B", "Qwen/Qwen3-32B", "google/gemma-3-4b-it", "google/gemma-3-12b-it", "google/gemma-3-27b-it",
+    "google/gemma-2-9b-it", "google/gemma-2-27b-it", "microsoft/phi-4", "microsoft/Phi-3.5-mini-instruct",
+    "ibm-granite/granite-3.3-8b-instruct",
+]  # fmt: skip
+ENGINE_GPUS = [s for s in GPU_CATALOGUE if s.compute_capability >= ENGINE_MIN_COMPUTE]
+
+
+def _pool(spec: GPUSpec, per_node: int = 8) -> dict[str, GPUPool]:
+    """A node pool of one catalogue GPU, as `pagoda render --gpu` plans against."""
+    label = spec.labels[0]
+    return {label: GPUPool(label, GPUInfo.from_spec(spec, per_node), ["(rendered)"], per_node)}
+
+
+@pytest.mark.parametrize("model_id", NEW_FAMILY_MODELS)
+def test_each_new_family_renders_on_every_gpu_and_passes_the_dry_run(model_id: str) -> None:
+    """The operator plans and renders an InferenceDeployment of each new catalogue model on every catalogue
+    GPU the engine runs on, and the engine's dry run accepts the rendered command as the operator checks it
+    (the shape passed with --model-shape, the GPU with --gpu)."""
+    shape = well_known_shape(model_id)
+    if shape.head_dim & (shape.head_dim - 1):  # Phi-3.5-mini's 96: no GPU kernels, refused before any pod
+        body = {"model": {"source": f"hf://{model_id}"}, "gpu": {"product": "H100", "count": 1}}
+        with pytest.raises(SpecError, match="head_dim 96; the GPU engine's Triton attention kernels need"):
+            decide(parse_spec(body), _pool(lookup_gpu("H100"), 1))
+        on_cpu = parse_spec({"model": {"source": f"hf://{model_id}"}, "gpu": {"count": 0},
+                             "resources": {"limits": {"memory": "32Gi"}}})  # fmt: skip
+        cpu = decide(on_cpu, {})
+        args = render.engine_args(on_cpu, cpu)
+        assert check(dry_run_argv(cpu, args)).plan is not None
+        return
+    for gpu in ENGINE_GPUS:
+        count = plan(shape, GPUInfo.from_spec(gpu, 64), Hints()).tensor_parallel_size  # the GPUs it needs
+        body = {"model": {"source": f"hf://{model_id}"}, "gpu": {"product": gpu.name, "count": count}}
+        spec = parse_spec(body)
+        decision = decide(spec, _pool(gpu, count))
+        meta = {"name": "m", "namespace": "default"}
+        doc = {"apiVersion": render.API_VERSION, "kind": render.KIND, "metadata": meta, "spec": body}
+        args = render.statefulset(doc, spec, decision)["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert_only_known_flags(args)
+        assert args[0] == model_id
+        report = check(dry_run_argv(decision, args))
+        assert report.plan is not None, (model_id, gpu.name)
+        assert report.config.max_model_len == int(flag(args, "--max-model-len")), gpu.name
+        assert report.config.tensor_parallel_size == decision.plan.tensor_parallel_size
+        assert (report.model.num_layers, report.model.num_kv_heads, report.model.head_dim) == (
+            shape.num_layers, shape.num_kv_heads, shape.head_dim,
+        )  # fmt: skip
+        # Gemma overflows float16: bfloat16, or float32 where the GPU has no bfloat16 (T4), sized as such
+        expect = "bfloat16" if shape.float16 or gpu.compute_capability >= (8, 0) else "float32"
+        if shape.float16 and gpu.compute_capability < (8, 0):
+            expect = "float16"
+        assert report.device["dtype"] == expect, (model_id, gpu.name)
+
+
+@pytest.mark.parametrize("model_id", ["google/gemma-3-27b-it", "Qwen/Qwen3-8B", "microsoft/phi-4"])
+def test_a_new_family_pod_command_passes_the_dry_run_as_a_process_without_the_weights(
+    model_id: str, tmp_path: Path
+) -> None:
+    """The pod's own command line with `--dry-run` appended, on a machine without the model: sized from the
+    catalogue's published shape, as the operator planned it."""
+    import os
+
+    body = {"model": {"source": f"hf://{model_id}"}, "gpu": {"product": "L4", "count": 4}}
+    spec = parse_spec(body)
+    decision = decide(spec, _pool(lookup_gpu("L4"), 4))
+    doc = {"apiVersion": render.API_VERSION, "kind": render.KIND, "metadata": {"name": "m", "namespace": "d"},
+           "spec": body}  # fmt: skip
+    args = render.statefulset(doc, spec, decision)["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = subprocess.run(
+        [PAGODA, "serve", *args, "--gpu", "L4", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, f"{model_id}: {r.stderr}"
+    report = json.loads(r.stdout)
+    assert report["model"]["shape_from"] == "catalogue of known models"
+    assert report["model"]["shape"]["name"] == decision.shape.name
+    assert report["config"]["max_model_len"] == int(flag(args, "--max-model-len"))
+
+
 # ------------------------------------------------------------------------------------- generated specs
 
 HF_MODELS = [
@@ -126,6 +221,7 @@ HF_MODELS = [
     "Qwen/Qwen2.5-72B-Instruct",
     "mistralai/Mistral-7B-Instruct-v0.3",
     "HuggingFaceTB/SmolLM2-135M-Instruct",
+    *NEW_FAMILY_MODELS,
 ]
 GPU_PRODUCTS = ["", "H100", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L4", "A100-80GB", "L40S"]
 SIZES = ["2Gi", "8Gi", "16Gi", "64Gi", "200G", "512Gi"]

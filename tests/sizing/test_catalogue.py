@@ -1,0 +1,173 @@
+"""The catalogue of well-known shapes: the families of issue 35, their parameter counts against the published
+ones, the hub ids that name them, and a plan for each on every catalogue GPU the engine runs on."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.engine.sizing import (
+    ENGINE_MIN_COMPUTE,
+    GPU_CATALOGUE,
+    GPUInfo,
+    Hints,
+    SizingError,
+    plan,
+    shape_from_config,
+    well_known_shape,
+)
+from pagoda.engine.sizing.architectures import SUPPORTED_ARCHITECTURES
+from pagoda.engine.sizing.shapes import _WELL_KNOWN, well_known_family
+
+NEW = ["Qwen3-8B", "Qwen3-32B", "Gemma-3-4B", "Gemma-3-12B", "Gemma-3-27B", "Gemma-2-9B", "Gemma-2-27B",
+       "Phi-4", "Phi-3.5-mini", "Granite-3.3-8B"]  # fmt: skip
+
+# Published parameter counts, in billions. Model cards and the Hub's safetensors totals: Qwen3-8B "8.2B"
+# (6.95B non-embedding), Qwen3-32B "32.8B", Gemma-2-9B 9.24B, Gemma-2-27B 27.2B, Phi-4 14.7B, Phi-3.5-mini
+# 3.8B, Granite-3.3-8B 8.17B. Gemma 3's checkpoints are multimodal (4.3B, 12.2B, 27.4B with the 417M SigLIP
+# encoder); the text decoder the catalogue sizes is embedding + non-embedding of the Gemma 3 technical
+# report's table 1: 675M + 3,209M, 1,012M + 10,759M, 1,416M + 25,600M.
+PUBLISHED = {
+    "Qwen3-8B": 8.19, "Qwen3-32B": 32.8, "Gemma-3-4B": 0.675 + 3.209, "Gemma-3-12B": 1.012 + 10.759,
+    "Gemma-3-27B": 1.416 + 25.600, "Gemma-2-9B": 9.24, "Gemma-2-27B": 27.2, "Phi-4": 14.7,
+    "Phi-3.5-mini": 3.82, "Granite-3.3-8B": 8.17,
+}  # fmt: skip
+
+HUB_IDS = {
+    "Qwen/Qwen3-8B": "Qwen3-8B", "Qwen/Qwen3-32B": "Qwen3-32B", "Qwen/Qwen3-8B-Base": "Qwen3-8B",
+    "google/gemma-3-4b-it": "Gemma-3-4B", "google/gemma-3-12b-it": "Gemma-3-12B",
+    "google/gemma-3-27b-it": "Gemma-3-27B", "google/gemma-3-27b-pt": "Gemma-3-27B",
+    "google/gemma-2-9b-it": "Gemma-2-9B", "google/gemma-2-27b": "Gemma-2-27B", "microsoft/phi-4": "Phi-4",
+    "microsoft/Phi-3.5-mini-instruct": "Phi-3.5-mini", "ibm-granite/granite-3.3-8b-instruct": "Granite-3.3-8B",
+    "ibm-granite/granite-3.3-8b-base": "Granite-3.3-8B",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_parameter_estimate_is_within_3_percent_of_the_published_count(name: str) -> None:
+    shape = well_known_shape(name)
+    assert shape is not None
+    assert abs(shape.num_params / 1e9 / PUBLISHED[name] - 1) < 0.03, shape.num_params
+    assert shape.weight_bytes == 2 * shape.num_params and shape.dtype == "bfloat16"
+
+
+def test_hub_ids_name_their_shapes() -> None:
+    for hub_id, name in HUB_IDS.items():
+        shape = well_known_shape(hub_id)
+        assert shape is not None and shape.name == name, hub_id
+    assert well_known_shape("google/gemma-3-270m-it") is None  # not in the catalogue: no guess
+    assert well_known_shape("Qwen/Qwen3-30B-A3B") is None  # a mixture of experts, not a Qwen3-32B
+
+
+def test_every_catalogue_row_names_a_family_the_engine_runs() -> None:
+    for row in _WELL_KNOWN.values():
+        assert row.family in SUPPORTED_ARCHITECTURES, row
+        assert well_known_family(row.name) == row.family
+
+
+def test_the_windows_and_soft_caps_of_the_new_families() -> None:
+    g3, g2 = well_known_shape("Gemma-3-27B"), well_known_shape("Gemma-2-9B")
+    # 62 layers, every sixth global: 10 global, 52 sliding; Gemma 2: the even layers of 42 slide
+    assert (g3.sliding_window, g3.sliding_window_layers, g3.attn_logit_softcapping) == (1024, 52, None)
+    assert (g2.sliding_window, g2.sliding_window_layers, g2.attn_logit_softcapping) == (4096, 21, 50.0)
+    assert (g3.vocab_size, g3.head_dim, g3.tie_word_embeddings) == (262208, 128, True)
+    for name in ("Qwen3-8B", "Qwen3-32B", "Phi-4", "Granite-3.3-8B"):
+        s = well_known_shape(name)
+        assert (
+            s.sliding_window is None and s.sliding_window_layers is None and s.attn_logit_softcapping is None
+        )
+    assert well_known_shape("Phi-3.5-mini").head_dim == 96
+
+
+# The published config.json (the fields sizing reads) of three checkpoints; the engine's reader must give the
+# catalogue's shape from each, so a plan from the hub id and one from the downloaded config agree.
+GEMMA_3_27B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024,
+        "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "vocab_size": 262208, "max_position_embeddings": 131072,
+    },
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+GEMMA_2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+    "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 256, "vocab_size": 256000, "max_position_embeddings": 8192,
+    "torch_dtype": "float32", "hidden_activation": "gelu_pytorch_tanh",
+}  # fmt: skip
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, config", [("Gemma-3-27B", GEMMA_3_27B_IT), ("Gemma-2-9B", GEMMA_2_9B), ("Qwen3-8B", QWEN3_8B)]
+)
+def test_the_engines_reader_gives_the_catalogue_shape_from_the_published_config(name: str, config) -> None:
+    known = well_known_shape(name).to_dict()
+    read = shape_from_config(config, name=name).to_dict()
+    for key in ("name", "dtype", "weight_bytes", "num_params", "tie_word_embeddings"):
+        known.pop(key), read.pop(key)  # Gemma ties by its family's default, not in config.json
+    assert read == known
+
+
+# head_dim 96: the Triton attention kernels tile head_dim as a power of two, so GPU plans are refused
+NO_GPU_KERNELS = {"Phi-3.5-mini"}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_a_plan_for_every_gpu_the_engine_runs_on(name: str) -> None:
+    shape = well_known_shape(name)
+    if name in NO_GPU_KERNELS:  # its way to run: a CPU pod
+        assert plan(shape, None, Hints(memory_limit_bytes=64 << 30)).num_gpu_blocks > 0
+    for spec in GPU_CATALOGUE:
+        if spec.compute_capability < ENGINE_MIN_COMPUTE:
+            continue  # refused for every model (tests/operator/test_unsupported_gpu.py)
+        if name in NO_GPU_KERNELS:
+            with pytest.raises(
+                SizingError, match="head_dim 96; the GPU engine's Triton attention kernels need"
+            ):
+                plan(shape, GPUInfo.from_spec(spec, 64), Hints())
+            continue
+        p = plan(shape, GPUInfo.from_spec(spec, 64), Hints())
+        # at least the planner's default context (4,096 tokens) for one sequence, or the model's whole limit
+        assert p.num_gpu_blocks > 0 and p.max_model_len >= min(4096, shape.max_position_embeddings), spec.name
+        assert shape.num_attention_heads % p.tensor_parallel_size == 0
+
+
+def test_kernels_warm_plans_every_new_model_on_every_gpu_the_engine_runs_on() -> None:
+    """`pagoda kernels warm --gpu all --model NAME --common` for each new model: a kernel plan for every GPU the
+    engine image's torch build runs (none skipped for not fitting), with the model's head_dim and window, and
+    Gemma in float32 where the GPU has no bfloat16 (T4). Compiling them is tests/kernels/test_warm.py's job."""
+    from pagoda.engine.cli.kernels import Result, _gpus, _parser, units_of
+    from pagoda.engine.sizing.gpus import TORCH_WHEEL_ARCHS
+
+    gpu_models = [name for name in NEW if name not in NO_GPU_KERNELS]
+    models = [arg for name in gpu_models for arg in ("--model", name)]
+    args = _parser().parse_args(["warm", "--gpu", "all", *models, "--common"])
+    result = Result()
+    specs = _gpus(args.gpu, TORCH_WHEEL_ARCHS, result)
+    units = units_of(args, specs, result.skipped)
+    assert sorted(s.split(":")[0] for s in result.skipped) == ["V100-16GB", "V100-32GB"]  # compute 7.0
+    for name in gpu_models:
+        shape = well_known_shape(name)
+        mine = [u for u in units if u.model == name]
+        assert {u.gpus[0] for u in mine} == {s.name for s in specs}, name
+        for unit in mine:
+            assert unit.plan.head_dim == shape.head_dim and unit.plan.sliding_window == shape.sliding_window
+            cc = unit.compute_capability
+            want = "float16" if cc < (8, 0) else "bfloat16"
+            if not shape.float16 and cc < (8, 0):
+                want = "float32"
+            assert unit.dtype == want, (name, unit.gpus)
+    # the catalogue run (the engine image's step) skips Phi-3.5-mini on every GPU, saying why
+    args = _parser().parse_args(["warm", "--gpu", "all", "--model", "catalogue"])
+    skipped: list[str] = []
+    units = units_of(args, specs, skipped)
+    assert not [u for u in units if u.model == "Phi-3.5-mini"]
+    assert len([s for s in skipped if "Phi-3.5-mini: Phi-3.5-mini has head_dim 96" in s]) == len(specs)
