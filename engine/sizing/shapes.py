@@ -46,7 +46,7 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     sliding_window: int | None = None
-    dtype: str = "bfloat16"  # the checkpoint's compute dtype (GGUF: float16, what it dequantises to)
+    dtype: str = "bfloat16"  # the checkpoint's compute dtype (GGUF: the dtype it is dequantised to)
     weight_bytes: int = 0  # parameter bytes in `dtype`
     num_params: int = 0
     tie_word_embeddings: bool = False
@@ -342,7 +342,8 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         "vocab_size": int(vocab), "max_position_embeddings": int(field("context_length", 2048)),
         "sliding_window": int(window) if window else None,
         "attn_logit_softcapping": field("attn_logit_softcapping"),
-        "tie_word_embeddings": "output.weight" not in meta.tensors, "torch_dtype": "float16",
+        "tie_word_embeddings": "output.weight" not in meta.tensors,
+        "torch_dtype": "float16" if family.float16 else "bfloat16",  # what the engine dequantises to
     }  # fmt: skip
     # the file name, not general.name (often a training-run name): the file name is what users typed
     return shape_from_config(config, 2 * params, name=path.stem, where=str(path))

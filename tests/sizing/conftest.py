@@ -26,3 +26,11 @@ def pagoda_cli() -> Path:
     path = Path(sys.executable).parent / "pagoda"
     assert path.exists(), f"{path} missing: pip install -e . into this environment"
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M GGUF (Q4_K_M) that make install puts in place (assembled on first use)."""
+    from pagoda.engine.loader.resolve import gemma3_270m_gguf
+
+    return gemma3_270m_gguf()

@@ -171,3 +171,34 @@ def test_kernels_warm_plans_every_new_model_on_every_gpu_the_engine_runs_on() ->
     units = units_of(args, specs, skipped)
     assert not [u for u in units if u.model == "Phi-3.5-mini"]
     assert len([s for s in skipped if "Phi-3.5-mini: Phi-3.5-mini has head_dim 96" in s]) == len(specs)
+
+
+def test_the_real_gemma_3_270m_gguf_is_sized_as_the_engine_reads_it(gemma3_gguf, pagoda_cli) -> None:
+    """Gemma 3 270M (GGUF Q4_K_M): its metadata goes through the engine's config reader, so the family's rules
+    apply (five of six layers slide, bfloat16); `pagoda plan --model gemma-3-270m` finds the embedded file."""
+    import json
+    import subprocess
+
+    from pagoda.engine.sizing import shape_from_path
+
+    shape = shape_from_path(gemma3_gguf)
+    assert (shape.architecture, shape.num_layers, shape.num_attention_heads, shape.num_kv_heads) == (
+        "gemma3",
+        18,
+        4,
+        1,
+    )
+    assert (shape.head_dim, shape.hidden_size, shape.vocab_size, shape.tie_word_embeddings) == (
+        256,
+        640,
+        262144,
+        True,
+    )
+    assert (shape.sliding_window, shape.sliding_window_layers, shape.dtype) == (512, 15, "bfloat16")
+    assert abs(shape.num_params / 268e6 - 1) < 0.01  # "270M": 268M parameters (the model card)
+    r = subprocess.run([str(pagoda_cli), "plan", "--model", "gemma-3-270m", "--gpu", "L4", "--json"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["max_model_len"] == 32768 and p["kv_bytes_per_token"] == 18 * 1 * 256 * 2  # FP8 on an L4
+    assert any("512-token sliding window on 15 of 18 layers" in w for w in p["warnings"])
