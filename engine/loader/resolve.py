@@ -117,7 +117,7 @@ def _from_hub_cache(repo_id: str, revision: str | None = None, adapter: bool = F
         raise ModelNotFoundError(
             f"{kind} {repo_id!r} at revision {revision!r} has no complete copy ({what}) in "
             f"the Hugging Face cache at {repo_dir} (revisions cached: {cached}). Pagoda never downloads models "
-            f"at run time: download it beforehand (e.g. `huggingface-cli download {repo_id} --revision "
+            f"at run time: download it beforehand (e.g. `hf download {repo_id} --revision "
             f"{revision}`, which fills that cache)"
         )
     candidates: list[Path] = []
@@ -132,7 +132,7 @@ def _from_hub_cache(repo_id: str, revision: str | None = None, adapter: bool = F
     raise ModelNotFoundError(
         f"{kind} {repo_id!r} is not a local path and has no complete copy ({what}) in the "
         f"Hugging Face cache at {repo_dir}. Pagoda never downloads models at run time: download it beforehand "
-        f"(e.g. `huggingface-cli download {repo_id}`, which fills that cache), or put config.json, the "
+        f"(e.g. `hf download {repo_id}`, which fills that cache), or put config.json, the "
         f"*.safetensors files and tokenizer.json in a directory and pass its path"
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def _snapshot(path: Path, max_positions: int) -> None:
 
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Hugging Face cache as `huggingface-cli download --revision` leaves it: refs/<name> -> snapshots/<sha>."""
+    """A Hugging Face cache as `hf download --revision` leaves it: refs/<name> -> snapshots/<sha>."""
     cache = tmp_path_factory.mktemp("hf") / "hub"
     repo = cache / ("models--" + REPO_ID.replace("/", "--"))
     for name, sha in COMMITS.items():
@@ -49,8 +50,13 @@ def test_revision_selects_the_snapshot(in_cache: Path) -> None:
     assert resolve_model(REPO_ID, "main").name == COMMITS["main"]
     assert resolve_model(REPO_ID, "v2").name == COMMITS["v2"]
     assert resolve_model(REPO_ID, COMMITS["v2"]).name == COMMITS["v2"]  # a commit, not a ref
-    with pytest.raises(ModelNotFoundError, match=r"revision 'v3'.*revisions cached: main, v2, a{40}, b{40}"):
+    with pytest.raises(
+        ModelNotFoundError, match=r"revision 'v3'.*revisions cached: main, v2, a{40}, b{40}"
+    ) as err:
         resolve_model(REPO_ID, "v3")
+    # the command the message recommends is one the installed huggingface_hub ships (`huggingface-cli` is gone)
+    assert f"`hf download {REPO_ID} --revision v3`" in str(err.value)
+    assert [e.value for e in entry_points(group="console_scripts", name="hf")]
 
 
 def test_a_revision_that_is_not_a_name_is_refused() -> None:
