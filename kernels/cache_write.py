@@ -19,6 +19,7 @@ from pagoda.kernels.runtime import (
     launch,
     next_power_of_2,
 )
+from pagoda.kernels.scores import head_lanes
 
 # Integers kept out of Triton's specialization, as in paged_decode.
 DYNAMIC_ARGS = ["k_row_heads", "v_row_heads", "num_slots", "num_kv_heads"]
@@ -53,6 +54,7 @@ def _reshape_and_cache_kernel(
     num_kv_heads,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     QUANTIZE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     INT8: tl.constexpr,
@@ -63,10 +65,11 @@ def _reshape_and_cache_kernel(
     if slot < 0:  # a padding token
         return
     h = tl.arange(0, HEADS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    mask = (h < num_kv_heads)[:, None]
-    k = tl.load(k_ptr + (t * k_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask)
-    v = tl.load(v_ptr + (t * v_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask)
+    d, d_ok = head_lanes(HEAD_DIM, HEAD_DIM_PAD)
+    mask = (h < num_kv_heads)[:, None] & d_ok[None, :]
+    # padding lanes read as 0: an INT8 row's amax must not see them
+    k = tl.load(k_ptr + (t * k_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + (t * v_row_heads + h[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     dst = kv_ptr + (slot * num_kv_heads + h[:, None]) * HEAD_DIM + d[None, :]
     scales_v_offset = num_slots.to(tl.int64) * num_kv_heads  # K half of the scales to its V half
     v_offset = scales_v_offset * HEAD_DIM
@@ -131,6 +134,7 @@ def reshape_and_cache(
         num_kv_heads,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
         QUANTIZE=quantize,
         FP8_MAX=torch.finfo(kv_cache.dtype).max if quantize else 0.0,
         INT8=int8,

@@ -31,7 +31,7 @@ from pagoda.kernels.runtime import (
     num_sms,
     prepare_attention,
 )
-from pagoda.kernels.scores import softcap_scales, tanh
+from pagoda.kernels.scores import head_lanes, softcap_scales, tanh
 
 # Integers that change from step to step or with the cache's size stay out of Triton's specialization
 # (see pagoda.kernels.runtime.launch): a variant depends on the constexprs and dtypes only.
@@ -67,6 +67,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (the lanes of a head)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -83,11 +84,12 @@ def _paged_decode_kernel(
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d, d_ok = head_lanes(HEAD_DIM, HEAD_DIM_PAD)
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
+    q_mask = head_mask[:, None] & d_ok[None, :]
     q = tl.load(
-        q_ptr + (q_row * q_row_heads + heads[:, None]) * HEAD_DIM + d[None, :], mask=head_mask[:, None]
+        q_ptr + (q_row * q_row_heads + heads[:, None]) * HEAD_DIM + d[None, :], mask=q_mask, other=0.0
     )
 
     # The cache is contiguous [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]: its strides follow.
@@ -105,7 +107,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_ptr + kv_head.to(tl.int64) * HEAD_DIM
     for tile in range(tile_lo, tile_hi):
@@ -114,7 +116,8 @@ def _paged_decode_kernel(
         valid = in_seq & (n >= kv_start)
         block = tl.load(table + n // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         offs = block * stride_block + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
-        k = widen(tl.load(kv_base + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0), q.dtype)
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = widen(tl.load(kv_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -135,9 +138,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = widen(
-            tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0), q.dtype
-        )
+        v = widen(tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         if INT8:
             p = p * v_s[None, :]
         if IEEE_DOT:
@@ -150,12 +151,12 @@ def _paged_decode_kernel(
     o = acc * (v_scale / l_safe)[:, None]
     if SPLIT:
         row = (i.to(tl.int64) * num_heads + heads) * num_splits + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=head_mask[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=head_mask)
     else:
         dst = out_ptr + (q_row * out_row_heads + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=MERGE_DYNAMIC_ARGS)
@@ -169,28 +170,29 @@ def _merge_splits_kernel(
     num_heads,
     num_splits,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     # One pass over the splits with a running maximum (online softmax over their log-sum-exps).
     i = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + i)
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
+    d, d_ok = head_lanes(HEAD_DIM, HEAD_DIM_PAD)
     first = (i.to(tl.int64) * num_heads + h) * num_splits
     m = tl.full([], float("-inf"), tl.float32)
     w_sum = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     for sp in range(num_splits):
         lse = tl.load(part_lse_ptr + first + sp)
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse - m_safe)  # an empty split carries -inf and weighs 0
-        acc = acc * alpha + w * tl.load(part_out_ptr + (first + sp) * HEAD_DIM + d)
+        acc = acc * alpha + w * tl.load(part_out_ptr + (first + sp) * HEAD_DIM + d, mask=d_ok, other=0.0)
         w_sum = w_sum * alpha + w
         m = m_new
     o = acc / w_sum
-    tl.store(out_ptr + (q_row * out_row_heads + h) * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (q_row * out_row_heads + h) * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -233,8 +235,9 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     group = num_heads // num_kv_heads
+    head_pad = next_power_of_2(head_dim)
     config = decode_config(
-        device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_dim, group
+        device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_pad, group
     )
     if num_splits is None:
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, q.device)
@@ -276,6 +279,7 @@ def paged_decode_attention(
         GROUP=group,
         GROUP_PAD=group_pad(group),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n or config.block_n,
         SPLIT=num_splits > 1,
@@ -300,6 +304,7 @@ def paged_decode_attention(
             num_heads,
             num_splits,
             HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_pad,
             num_warps=config.merge_warps,
             shared_memory_bound=SCRATCH_SHARED_MEMORY,
         )

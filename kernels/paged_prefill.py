@@ -16,8 +16,15 @@ import triton
 import triton.language as tl
 from pagoda.kernels.convert import widen
 from pagoda.kernels.launch_config import DOT_MIN, prefill_config
-from pagoda.kernels.runtime import check_int8_scales, device_limits, dtype_name, launch, prepare_attention
-from pagoda.kernels.scores import softcap_scales, tanh
+from pagoda.kernels.runtime import (
+    check_int8_scales,
+    device_limits,
+    dtype_name,
+    launch,
+    next_power_of_2,
+    prepare_attention,
+)
+from pagoda.kernels.scores import head_lanes, softcap_scales, tanh
 
 # Integers kept out of Triton's specialization, as in paged_decode.
 DYNAMIC_ARGS = ["window", "q_row_heads", "out_row_heads", "stride_bt", "num_blocks", "num_kv_heads"]
@@ -44,6 +51,7 @@ def _paged_prefill_kernel(
     num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (the lanes of a head)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -64,15 +72,16 @@ def _paged_prefill_kernel(
     context_len = seq_len - q_len
 
     m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
+    d, d_ok = head_lanes(HEAD_DIM, HEAD_DIM_PAD)
     row_mask = m < q_len
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + (rows[:, None] * q_row_heads + head) * HEAD_DIM + d[None, :], mask=row_mask[:, None])
+    q_mask = row_mask[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + (rows[:, None] * q_row_heads + head) * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     q_pos = context_len + m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The cache is contiguous [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]: its strides follow.
     stride_tok = num_kv_heads * HEAD_DIM
@@ -93,9 +102,8 @@ def _paged_prefill_kernel(
         n = start + tl.arange(0, BLOCK_N)
         block = tl.load(table + n // BLOCK_SIZE, mask=n < seq_len, other=0).to(tl.int64)
         offs = block * stride_block + (n % BLOCK_SIZE).to(tl.int64) * stride_tok
-        k = widen(
-            tl.load(kv_base + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0), q.dtype
-        )
+        kv_mask = (n < seq_len)[:, None] & d_ok[None, :]
+        k = widen(tl.load(kv_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -119,7 +127,7 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=(n < seq_len)[:, None], other=0.0)
+        v = tl.load(kv_base + v_offset + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = widen(v, q.dtype)
         if INT8:
             p = p * v_s[None, :]
@@ -132,7 +140,7 @@ def _paged_prefill_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
     dst = out_ptr + (rows[:, None] * out_row_heads + head) * HEAD_DIM + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def paged_prefill_attention(
@@ -162,8 +170,9 @@ def paged_prefill_attention(
     if n == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
+    head_pad = next_power_of_2(head_dim)
     config = prefill_config(
-        device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_dim, group
+        device_limits(q.device), dtype_name(q.dtype), dtype_name(kv_cache.dtype), head_pad, group
     )
     block_m, block_n = block_m or config.block_m, block_n or config.block_n
     if min(block_m, block_n) < DOT_MIN:  # the interpreter runs such tiles; the GPU compiler refuses them
@@ -194,6 +203,7 @@ def paged_prefill_attention(
         num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_pad,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

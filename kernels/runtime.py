@@ -129,8 +129,8 @@ def prepare_attention(
             f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim must match and "
             "num_heads must be a multiple of num_kv_heads"
         )
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size ({block_size}) must be a power of two")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     q = heads_layout(q, head_dim)

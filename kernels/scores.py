@@ -1,4 +1,4 @@
-"""Score transforms the attention kernels share: the logit soft-cap of Gemma 2."""
+"""What the attention kernels share about scores and heads: the logit soft-cap of Gemma 2, padded head lanes."""
 
 from __future__ import annotations
 
@@ -26,3 +26,15 @@ def softcap_scales(scale: float, logit_softcap: float | None) -> tuple[float, fl
     if not logit_softcap:
         return scale * math.log2(math.e), 0.0
     return scale / logit_softcap, logit_softcap * math.log2(math.e)
+
+
+@triton.jit
+def head_lanes(HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """The lanes of one head (`tl.arange` wants a power of two: Phi-3's head_dim 96 runs on 128) and which of
+    them are real; a constant all-true mask when none is padding, which the compiler folds away."""
+    d = tl.arange(0, HEAD_DIM_PAD)
+    if HEAD_DIM_PAD == HEAD_DIM:
+        ok = tl.full([HEAD_DIM_PAD], 1, tl.int1)
+    else:
+        ok = d < HEAD_DIM
+    return d, ok

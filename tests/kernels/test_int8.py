@@ -55,7 +55,9 @@ def test_quantize_round_trip_within_half_a_step_and_zero_rows():
     assert q2.tolist() == [[127, 0, 2, -2]]
 
 
-@pytest.mark.parametrize(("block_size", "num_kv_heads", "head_dim"), [(8, 1, 64), (16, 3, 64), (32, 2, 128)])
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "head_dim"), [(8, 1, 64), (16, 3, 64), (32, 2, 128), (16, 2, 96)]
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_cache_write_matches_twin_and_touches_only_its_slots(block_size, num_kv_heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(block_size + head_dim)

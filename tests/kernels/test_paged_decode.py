@@ -33,9 +33,11 @@ def test_split_kv_merge_matches_twin(paged, num_splits):
 
 @pytest.mark.parametrize(
     ("head_dim", "dtype"),
-    [(64, torch.float32), (128, torch.float16), (256, torch.float16), (256, torch.float32)],
-)
+    [(64, torch.float32), (128, torch.float16), (256, torch.float16), (256, torch.float32), (96, torch.float16),
+     (80, torch.float32)],
+)  # fmt: skip
 def test_head_dims_and_dtypes(paged, head_dim, dtype):
+    """Every head size the catalogue has, powers of two or not (Phi-3's 96: lanes padded to 128)."""
     case = paged.make([5, 32, 47], block_size=16, group=2, head_dim=head_dim, dtype=dtype, seed=head_dim)
     out = _run(case, out=paged.poisoned_like(case.q), num_splits=2)
     ref = paged_decode_attention_ref(case.q, case.kv_cache, case.seq_lens, case.block_tables, case.scale)

@@ -44,9 +44,17 @@ def test_ragged_chunked_prefill_matches_twin(paged, block_size, group):
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "dtype"), [(64, torch.float32), (128, torch.float16), (256, torch.float16)]
+    ("head_dim", "dtype"),
+    [
+        (64, torch.float32),
+        (128, torch.float16),
+        (256, torch.float16),
+        (96, torch.float16),
+        (80, torch.float32),
+    ],
 )
 def test_head_dims_and_dtypes(paged, head_dim, dtype):
+    """Every head size the catalogue has, powers of two or not (Phi-3's 96: lanes padded to 128)."""
     case = paged.make([19, 40], [19, 7], block_size=16, group=2, head_dim=head_dim, dtype=dtype, seed=3)
     _check(paged, case)
 

@@ -375,3 +375,24 @@ def test_warm_lists_the_soft_cap_and_window_variants_of_gemma(tmp_path):
         for kernel in ("paged_prefill_kernel", "paged_decode_kernel"):
             windowed = {"USE_WINDOW" in v for v in variants if v.startswith(kernel)}
             assert windowed == {True, False}, (kernel, variants)
+
+
+def test_warm_compiles_a_head_dim_that_is_no_power_of_two(tmp_path):
+    """Phi-3.5-mini's head_dim 96 (the kernels pad a head's lanes to 128): every variant compiles for the
+    T4, the smallest shared memory of the catalogue, within the launch configuration's bound."""
+    done = subprocess.run(
+        [PAGODA, "kernels", "warm", "--gpu", "T4", "--jobs", "1", "--cache-dir", str(tmp_path), "--json", "--",
+         "microsoft/Phi-3.5-mini-instruct"], capture_output=True, text=True, env=_env(), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["rows"]
+    kernels = {r["variant"].split("[")[0] for r in rows}
+    assert {
+        "paged_prefill_kernel",
+        "paged_decode_kernel",
+        "merge_splits_kernel",
+        "reshape_and_cache_kernel",
+    } <= kernels
+    for r in rows:
+        assert r["fits"] and r["shared_memory"] <= r["shared_memory_bound"], r
+        assert "HEAD_DIM=" not in r["variant"] or "HEAD_DIM=96" in r["variant"], r
