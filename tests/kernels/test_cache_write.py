@@ -15,9 +15,11 @@ def _inputs(num_tokens, num_kv_heads, head_dim, dtype, seed=0):
     return k, v
 
 
-# 96: Phi-3's head size, no power of two (the kernel pads its lanes to 128 and must not write past a head)
+# 96: Phi-3's head size, no power of two (the kernel pads its lanes to 128 and must not write past a head);
+# 256: Gemma's, one KV head (Gemma 3 270M)
 @pytest.mark.parametrize(
-    ("block_size", "num_kv_heads", "head_dim"), [(8, 1, 64), (16, 3, 64), (32, 2, 128), (16, 2, 96)]
+    ("block_size", "num_kv_heads", "head_dim"),
+    [(8, 1, 64), (16, 3, 64), (32, 2, 128), (16, 2, 96), (8, 1, 256)],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_writes_exactly_the_given_slots(block_size, num_kv_heads, head_dim, dtype):
