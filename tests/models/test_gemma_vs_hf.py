@@ -21,75 +21,22 @@ from pagoda.engine.models import get_model_class
 from pagoda.engine.models.gemma import GemmaForCausalLM
 from pagoda.engine.sizing.engine_plan import resolve_dtype_name
 from pagoda.engine.sizing.model_config import ModelConfig
-from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from pagoda_testkit import tiny_gemma
+from pagoda_testkit.tiny_gemma import SEQ, VOCAB
 
-SEQ = 29
-VOCAB = 320
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=112,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    query_pre_attn_scalar=24,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    sliding_window=6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-FAMILIES = {
-    "gemma2": (
-        Gemma2ForCausalLM,
-        lambda: Gemma2Config(
-            **COMMON, num_hidden_layers=4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0
-        ),
-    ),
-    "gemma3": (
-        Gemma3ForCausalLM,
-        lambda: Gemma3TextConfig(
-            **COMMON,
-            num_hidden_layers=6,
-            sliding_window_pattern=3,  # layers 2 and 5 global
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            },
-        ),
-    ),
-}
 ATOL, RTOL = 5e-5, 1e-4
 _BUILT: dict = {}
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every weight random; norms' w (Gemma scales by 1 + w) around 0, so a missed offset shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.3 if "norm" in name else 0.15
-            p.copy_(scale * torch.randn(p.shape, generator=g))
-
-
 def _build(name: str, tmp_path_factory):
     if name not in _BUILT:
-        hf_cls, make_config = FAMILIES[name]
-        cfg = make_config()
-        cfg._attn_implementation = "eager"
-        hf = hf_cls(cfg).eval()
-        _randomize(hf, seed=len(name) + 7)
         path = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(path, safe_serialization=True)
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-        with torch.no_grad():
-            ref = hf(ids).logits.float()
+        hf, ids, ref = tiny_gemma.build(name, path)
         _BUILT[name] = name, path, hf, ids, ref
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=tiny_gemma.FAMILIES)
 def family(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 
@@ -333,17 +280,6 @@ def _with_tokenizer(path: Path) -> Path:
     return path
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of transformers' full forward each step: its generate() with a cache drifts from its own
-    full forward once the window (6) slides past the prompt (a 0.13 logit margin flipped here), while our
-    paged cache matches the full forward."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    return seq[len(prompt) :]
-
-
 @pytest.mark.timeout(180)
 def test_gemma3_tp2_matches_tp1_and_hf(tmp_path_factory):
     """Two gloo ranks (each with 2 of the 4 query heads, 1 KV head, half the MLP and of the vocabulary)
@@ -355,7 +291,7 @@ def test_gemma3_tp2_matches_tp1_and_hf(tmp_path_factory):
     assert json.loads((path / "config.json").read_text())["model_type"] == "gemma3_text"
     prompts = [ids[0, :20].tolist(), ids[1, :9].tolist()]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expect = [_hf_greedy(hf, p, 12) for p in prompts]
+    expect = [tiny_gemma.hf_greedy(hf, p, 12) for p in prompts]
     results = {}
     for tp in (1, 2):
         llm = LLM(

@@ -1,0 +1,91 @@
+"""Tiny random-weight Gemma 2 and Gemma 3 (text) checkpoints and transformers' answers on them, shared by
+the model parity tests (tests/models) and the Triton-path tests (tests/kernels).
+
+The window (6) is shorter than the prompts (29 tokens), the soft-caps small enough to bend scores and
+logits, and Gemma 3's two RoPE bases far apart, so each feature shows in the logits. transformers runs eager
+attention, the implementation that applies its soft-cap and window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SEQ = 29
+VOCAB = 320
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    sliding_window=6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES = ("gemma2", "gemma3")
+
+
+def hf_model(name: str, layers: int | None = None) -> Any:
+    """transformers' model of the family (Gemma 2: 4 layers, Gemma 3: 6, every third global; ``layers``
+    fewer), eager attention, every weight random (norms' w around 0: Gemma scales by 1 + w, so a missed
+    offset shows)."""
+    import torch
+    import transformers
+
+    if name == "gemma2":
+        cfg = transformers.Gemma2Config(
+            **COMMON, num_hidden_layers=layers or 4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0
+        )
+        cls = transformers.Gemma2ForCausalLM
+    elif name == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=layers or 6,
+            sliding_window_pattern=3,  # layers 2 and 5 global
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        )
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        raise ValueError(name)
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(len(name) + 7)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_((0.3 if "norm" in pname else 0.15) * torch.randn(p.shape, generator=g))
+    return model
+
+
+def build(name: str, path: Path, layers: int | None = None) -> tuple[Any, Any, Any]:
+    """Save the family's tiny model as safetensors in ``path``: (hf model, prompt ids [2, SEQ], its float32
+    logits [2, SEQ, VOCAB])."""
+    import torch
+
+    hf = hf_model(name, layers)
+    hf.save_pretrained(path, safe_serialization=True)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    return hf, ids, ref
+
+
+def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of transformers' full forward each step: its generate() with a cache drifts from its own
+    full forward once the window (6) slides past the prompt (a 0.13 logit margin flipped on the Gemma 3
+    model), while Pagoda's paged cache matches the full forward."""
+    import torch
+
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
