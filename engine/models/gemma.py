@@ -48,7 +48,7 @@ class GeluMLP(SiluMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate) * up))
+        return all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate).mul_(up)))
 
 
 class SoftCappedBackend:

@@ -48,8 +48,10 @@ class Architecture:
     weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
     # False: activations overflow float16 (Gemma 2/3): dtype auto picks bfloat16, an explicit float16 is refused.
     float16: bool = True
-    # model_type of the family's multimodal checkpoints, which the engine refuses naming the text-only ones.
+    # model_type of the family's multimodal checkpoints, which the engine refuses naming the text-only ones
+    # (text_only_checkpoints: which those are, for the message).
     multimodal_model_types: tuple[str, ...] = ()
+    text_only_checkpoints: str = ""
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -126,6 +128,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         post_norms=True,
         float16=False,
         multimodal_model_types=("gemma3",),
+        text_only_checkpoints="google/gemma-3-270m(-it) and google/gemma-3-1b(-it); 4B, 12B and 27B are "
+        "published as multimodal checkpoints only",
     ),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)

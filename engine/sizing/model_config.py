@@ -79,7 +79,8 @@ class ModelConfig:
             raise SizingError(
                 f"{where}: model_type {model_type!r} ({', '.join(d.get('architectures') or [])}) is a multimodal "
                 f"checkpoint, which Pagoda does not run; use a text-only {wrapped.name} checkpoint (model_type "
-                f"{', '.join(map(repr, wrapped.model_types))}, {', '.join(wrapped.hf_architectures)})"
+                f"{', '.join(map(repr, wrapped.model_types))}, {', '.join(wrapped.hf_architectures)}"
+                + (f": {wrapped.text_only_checkpoints})" if wrapped.text_only_checkpoints else ")")
             )
         if family is None and strict:
             raise SizingError(

@@ -256,7 +256,9 @@ def test_multimodal_gemma3_is_refused_and_sized():
         "text_config": {**text, "model_type": "gemma3_text"},
         "vision_config": {"model_type": "siglip_vision_model"},
     }
-    with pytest.raises(ValueError, match="multimodal.*text-only gemma3.*'gemma3_text'.*Gemma3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="multimodal.*text-only gemma3.*'gemma3_text'.*Gemma3ForCausalLM.*gemma-3-1b"
+    ):
         ModelConfig.from_hf_config(multimodal)
     lenient = ModelConfig.from_hf_config(multimodal, strict=False)
     assert lenient.architecture == "gemma3" and lenient.num_hidden_layers == 7
