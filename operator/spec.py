@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES
+from pagoda.engine.sizing import architectures
 from pagoda.operator.quantity import parse_quantity
 from pagoda.operator.schema import (
     Bool,
@@ -81,11 +82,15 @@ def _has(obj: dict[str, Any], *path: str) -> Any:
 # -- the model ----------------------------------------------------------------------------------------------
 
 
+# config.json model_type values of the families the engine runs (the architecture table's)
+MODEL_TYPES = tuple(t for a in architectures.ARCHITECTURES for t in a.model_types)
+
+
 @dataclass
 class ShapeSpec:
     """The model's shape, for a model the operator does not know by name (pvc://, s3:// and file:// sources).
     Read it from the model's config.json (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    head_dim, hidden_size, intermediate_size, vocab_size, max_position_embeddings, torch_dtype)."""
+    head_dim, hidden_size, intermediate_size, vocab_size, max_position_embeddings, torch_dtype, model_type)."""
 
     # field names are config.json's keys, which the engine and sizing read
     num_hidden_layers: int | None = prop(Int(1), "numLayers", required=True, reason="InvalidModelShape")
@@ -100,6 +105,12 @@ class ShapeSpec:
     max_position_embeddings: int | None = prop(Int(1), "maxPositionEmbeddings")
     num_parameters: int | None = prop(Int(1), "numParams", "parameter count")
     torch_dtype: str | None = prop(Str(enum=("float16", "bfloat16", "float32")), "dtype")
+    model_type: str | None = prop(
+        Str(enum=MODEL_TYPES),
+        "modelType",
+        "config.json's model_type: the family's rules apply (Gemma's sliding layers, no float16); unset: a "
+        "Llama-shaped decoder",
+    )
 
     def config(self) -> dict[str, Any]:
         """The shape as config.json keys (only those given)."""

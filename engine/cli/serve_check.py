@@ -33,8 +33,9 @@ from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
+from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.sizing.planner import activation_bytes, check_gpu_kernels, cuda_context_bytes
-from pagoda.engine.sizing.shapes import dtype_bytes
+from pagoda.engine.sizing.shapes import dtype_bytes, well_known_config
 
 
 class DryRunError(Exception):
@@ -183,6 +184,20 @@ def _device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+def check_published(model: str | None) -> None:
+    """Refuse a catalogue hub id whose published checkpoint the engine refuses (Gemma 3 4B-27B are multimodal),
+    with the engine's own message, where its config.json is not at hand (the operator, a dry run without the
+    weights); a local path is read for itself."""
+    if not model or model.count("/") != 1 or Path(model).expanduser().exists():
+        return
+    published = well_known_config(model)
+    if published is not None:
+        try:
+            ModelConfig.from_hf_config(published, where=f"{model}'s config.json as published")
+        except SizingError as exc:
+            raise DryRunError(f"cannot start the engine: {exc}") from None
+
+
 def check_args(
     args: argparse.Namespace,
     config: EngineConfig,
@@ -194,6 +209,7 @@ def check_args(
     where the caller measured a GPU (dry_run.py), else the memory comes from `--gpu` or this host's RAM.
     Raises DryRunError where the real start would fail."""
     warnings: list[str] = list(getattr(args, "compat_warnings", ()))  # vLLM flags accepted and ignored
+    check_published(config.model)
     tp = config.tensor_parallel_size
     try:
         check_tensor_parallel(model.num_heads, tp)

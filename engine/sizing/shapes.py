@@ -132,13 +132,17 @@ class _Known:
     tied: bool = False  # tie_word_embeddings
     qkv_bias: bool = False
     softcap: float | None = None  # attn_logit_softcapping
+    # The checkpoint's `architectures` where the hub publishes a multimodal wrapper around this decoder (Gemma 3
+    # 4B-27B): sized by its text decoder, refused by the engine (well_known_config).
+    published_as: str | None = None
 
 
 def _gemma3(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
     """Gemma 3's text decoder: five 1,024-token sliding layers to each global one (layer i slides unless
-    (i + 1) % 6 == 0), a 262,208-token tied vocabulary, 128k positions."""
+    (i + 1) % 6 == 0), a 262,208-token tied vocabulary, 128k positions; published inside a multimodal
+    checkpoint (Gemma3ForConditionalGeneration, with a SigLIP vision tower)."""
     return _Known(name, "gemma3", layers, heads, kv, hd, hidden, inter, 262208, 131072, 1024,
-                  layers - layers // 6, tied=True)  # fmt: skip
+                  layers - layers // 6, tied=True, published_as="Gemma3ForConditionalGeneration")  # fmt: skip
 
 
 def _gemma2(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
@@ -207,6 +211,28 @@ def well_known_shape(model_id: str) -> ModelShape | None:
         row.max_positions, row.window, "bfloat16", 2 * n, n, row.tied, row.softcap,
         row.window_layers if row.window else None, row.family,
     )  # fmt: skip
+
+
+def well_known_config(model_id: str) -> dict | None:
+    """The published config.json of a catalogue model as far as the engine's strict reader decides on it (its
+    family, a multimodal wrapper, the shape), for checks where the checkpoint is not at hand; None if unknown."""
+    row = _WELL_KNOWN.get(_normalise_id(model_id))
+    if row is None:
+        return None
+    family = architectures.architecture(row.family)
+    text = {
+        "model_type": family.model_types[0], "architectures": [family.hf_architectures[0]],
+        "num_hidden_layers": row.layers, "num_attention_heads": row.heads, "num_key_value_heads": row.kv_heads,
+        "head_dim": row.head_dim, "hidden_size": row.hidden, "intermediate_size": row.intermediate,
+        "vocab_size": row.vocab, "max_position_embeddings": row.max_positions, "tie_word_embeddings": row.tied,
+    }  # fmt: skip
+    if row.published_as is None:
+        return text
+    return {
+        "model_type": family.multimodal_model_types[0],
+        "architectures": [row.published_as],
+        "text_config": text,
+    }
 
 
 def well_known_family(model_id: str) -> str | None:

@@ -124,7 +124,7 @@ def test_gemma_runs_in_bfloat16_or_float32_and_refuses_float16_as_the_real_start
     on a GPU without bfloat16) and an explicit float16 is the real start's refusal (engine_plan's rule)."""
     config = shape_config(well_known_shape("google/gemma-3-12b-it"))
     assert config["model_type"] == "gemma3_text" and config["sliding_window"] == 1024
-    common = ["google/gemma-3-12b-it", "--model-shape", json.dumps(config), "--max-model-len", "4096"]
+    common = ["/models/gemma-3-12b-text", "--model-shape", json.dumps(config), "--max-model-len", "4096"]
     on_l40s = check([*common, "--gpu", "L40S"])
     assert on_l40s.device["dtype"] == "bfloat16" and on_l40s.model.shape.sliding_window_layers == 40
     on_t4 = check([*common, "--gpu", "T4", "--tensor-parallel-size", "8"])
@@ -137,6 +137,26 @@ def test_gemma_runs_in_bfloat16_or_float32_and_refuses_float16_as_the_real_start
     assert "model_type" not in shape_config(
         dataclasses.replace(well_known_shape("Qwen3-8B"), architecture="")
     )
+
+
+def test_a_hub_id_published_as_a_multimodal_checkpoint_is_refused_without_its_weights(tmp_path: Path) -> None:
+    """google/gemma-3-27b-it's config.json is Gemma3ForConditionalGeneration, which the engine refuses: the dry
+    run says so where the weights are not (the operator, a laptop), as the real start would once they are.
+    `pagoda plan` still sizes its text decoder."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = serve("google/gemma-3-27b-it", "--dry-run", "--gpu", "H100", env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "pagoda serve: cannot start the engine: google/gemma-3-27b-it's config.json as published: model_type "
+        "'gemma3' (Gemma3ForConditionalGeneration) is a multimodal checkpoint, which Pagoda does not run; use a "
+        "text-only gemma3 checkpoint (model_type 'gemma3_text', Gemma3ForCausalLM)"
+    )
+    shape = json.dumps(shape_config(well_known_shape("Gemma-3-27B")))
+    with pytest.raises(DryRunError, match="multimodal checkpoint"):
+        check(["google/gemma-3-27b-it", "--model-shape", shape, "--gpu", "H100"])
+    text = ["/models/gemma-3-27b-text", "--model-shape", shape, "--gpu", "H100", "--max-model-len", "32768"]
+    assert check(text).plan is not None
+    assert check(["google/gemma-2-27b-it", "--gpu", "H100", "--max-model-len", "8192"]).plan is not None
 
 
 def test_a_head_dim_the_triton_kernels_cannot_tile_is_refused_on_a_gpu() -> None:

@@ -15,7 +15,8 @@ from pagoda.engine.sizing import (
     well_known_shape,
 )
 from pagoda.engine.sizing.architectures import SUPPORTED_ARCHITECTURES
-from pagoda.engine.sizing.shapes import _WELL_KNOWN, well_known_family
+from pagoda.engine.sizing.model_config import ModelConfig
+from pagoda.engine.sizing.shapes import _WELL_KNOWN, well_known_config, well_known_family
 
 NEW = ["Qwen3-8B", "Qwen3-32B", "Gemma-3-4B", "Gemma-3-12B", "Gemma-3-27B", "Gemma-2-9B", "Gemma-2-27B",
        "Phi-4", "Phi-3.5-mini", "Granite-3.3-8B"]  # fmt: skip
@@ -61,6 +62,16 @@ def test_every_catalogue_row_names_a_family_the_engine_runs() -> None:
     for row in _WELL_KNOWN.values():
         assert row.family in SUPPORTED_ARCHITECTURES, row
         assert well_known_family(row.name) == row.family
+        config = well_known_config(row.name)
+        if row.published_as is None:  # the engine's strict reader takes the published config.json
+            assert ModelConfig.from_hf_config(config).architecture == row.family
+        else:  # Gemma 3 4B-27B: multimodal on the hub, refused by the engine, sized by their text decoder
+            with pytest.raises(SizingError, match="is a multimodal checkpoint, which Pagoda does not run"):
+                ModelConfig.from_hf_config(config)
+            assert shape_from_config(config).num_layers == row.layers
+    assert sorted(r.name for r in _WELL_KNOWN.values() if r.published_as) == [
+        "Gemma-3-12B", "Gemma-3-27B", "Gemma-3-4B",
+    ]  # fmt: skip
 
 
 def test_the_windows_and_soft_caps_of_the_new_families() -> None:
