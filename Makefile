@@ -76,6 +76,11 @@ image-check: install
 image-gpu: install
 	$(PY) images/check.py --gpu
 
+# Every image the chart defaults to (charts/pagoda/README.md: push them to your registry, then --set the
+# repositories): localhost/pagoda-engine:VERSION and VERSION-cpu, localhost/pagoda-operator:VERSION.
+.PHONY: images
+images: image-check image-gpu
+
 bench-offline: install
 	$(PY) benchmarks/bench_offline.py
 

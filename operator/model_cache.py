@@ -58,7 +58,7 @@ KERNEL_SCRIPT = (
 )
 COMPONENT_LABEL = "pagoda.dev/component"
 COMPONENT = "model-download"
-DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-operator"
+DEFAULT_IMAGE_REPO = "localhost/pagoda-operator"  # what `make image-check` builds (images/check.py)
 SECRET_KEYS = {
     "hf": ("HF_TOKEN",),
     "s3": (

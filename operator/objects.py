@@ -23,11 +23,16 @@ LABEL_MANAGED = "app.kubernetes.io/managed-by"
 LABEL_OWNER = "pagoda.dev/inference-deployment"
 HASH_ANNOTATION = "pagoda.dev/spec-hash"
 TERMINATION_LOG = "/dev/termination-log"
-DEFAULT_IMAGE_REPO = "ghcr.io/pagoda-llm/pagoda-engine"
+# What `make image-gpu` / `make image-check` build (images/check.py): localhost/pagoda-engine:VERSION is the GPU
+# flavour, VERSION-cpu the CPU one. Nothing publishes them: push them to a registry and point the chart there
+# (charts/pagoda/README.md).
+DEFAULT_IMAGE_REPO = "localhost/pagoda-engine"
+CPU_TAG_SUFFIX = "-cpu"
 
 
 def default_image() -> str:
-    """The engine image: $PAGODA_ENGINE_IMAGE (the chart sets it), else ours at this package's version."""
+    """The engine image (GPU flavour): $PAGODA_ENGINE_IMAGE (the chart sets it), else ours at this package's
+    version."""
     override = envs.engine_image()
     if override:
         return override
@@ -38,6 +43,18 @@ def default_image() -> str:
     except Exception:  # pragma: no cover - only outside an installed checkout
         tag = "latest"
     return f"{DEFAULT_IMAGE_REPO}:{tag}"
+
+
+def cpu_flavour(image: str) -> str:
+    """The CPU flavour of an engine image: its tag with `-cpu` appended, as the images are tagged (the GPU
+    flavour's CUDA wheels are gigabytes a CPU node never uses). An image named by digest or without a tag,
+    or already a `-cpu` tag, is returned as it is: there is no flavour to derive."""
+    if "@" in image:
+        return image
+    _, colon, tag = image.rpartition(":")
+    if not colon or "/" in tag or tag.endswith(CPU_TAG_SUFFIX):  # no tag (a colon of a registry's port)
+        return image
+    return image + CPU_TAG_SUFFIX
 
 
 def selector_labels(name: str) -> dict[str, str]:

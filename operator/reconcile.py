@@ -283,7 +283,9 @@ class Reconciler:
         if not fresh:
             await self._delete_unwanted(body, spec, keda, outcome)
         # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
-        image = plan_image or old_status.get("planImage") or render.engine_image(spec)
+        image = (
+            plan_image or old_status.get("planImage") or render.engine_image(spec, cpu=decision.gpu is None)
+        )
         status = ready_status(body, spec, decision, sts_live, refit, plan_image=image, model=model)
         outcome.status = status
         old_plan = old_status.get("plan")
@@ -417,13 +419,18 @@ class Reconciler:
                 spec = parse_spec(body.get("spec"))
             except SpecError:
                 return None
-            if render.engine_image(spec) != image:
-                return None  # a pod of an image the spec no longer asks for
             meta = body["metadata"]
             generation = meta.get("generation")
             state = refitting.current(status, generation, body.get("spec"))
             if state.get("exhausted"):
                 return None
+            nodes = list(nodes)
+            try:
+                decision = decide(spec, pools(nodes), state)
+            except SpecError:
+                return None
+            if render.engine_image(spec, cpu=decision.gpu is None) != image:
+                return None  # a pod of an image the spec no longer asks for (in its flavour)
             sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
             live_plan = (
                 ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
@@ -439,11 +446,6 @@ class Reconciler:
                 log.warning("could not read the memory profile of pod %s: %s", pod_meta.get("name"), exc)
                 return None
             if not isinstance(measured, dict):
-                return None
-            nodes = list(nodes)
-            try:
-                decision = decide(spec, pools(nodes), state)
-            except SpecError:
                 return None
             outcome = await self._replan_from_profile(
                 body, spec, decision, state, nodes, pod_meta, image, measured

@@ -29,6 +29,7 @@ from pagoda.operator.objects import (
     LABEL_NAME,
     TERMINATION_LOG,
     common_labels,
+    cpu_flavour,
     default_image,
     selector_labels,
     with_hash,
@@ -83,9 +84,12 @@ ROUTER_HOLD_SECONDS = 300
 SCALE_UP_PODS = 2  # at most this many engine pods added per minute (each loads its weights first)
 
 
-def engine_image(spec: InferenceSpec) -> str:
-    """The image the engine (and router) pods run: spec.image, else the operator's engine image."""
-    return spec.image or default_image()
+def engine_image(spec: InferenceSpec, *, cpu: bool) -> str:
+    """The image the engine (and router) pods run: spec.image, else the operator's engine image in the
+    flavour of the nodes they run on (its `-cpu` tag for a deployment planned onto CPUs)."""
+    if spec.image:
+        return spec.image
+    return cpu_flavour(default_image()) if cpu else default_image()
 
 
 def router_selector_labels(name: str) -> dict[str, str]:
@@ -160,7 +164,7 @@ def kernel_step(spec: InferenceSpec, decision: Decision) -> tuple[str, str, list
     cache (model_cache.kernel_container) for a GPU deployment whose weights it downloads; None otherwise."""
     if decision.gpu is None or decision.gpu.spec is None or not spec.downloads:
         return None
-    return engine_image(spec), decision.gpu.spec.name, engine_args(spec, decision)
+    return engine_image(spec, cpu=False), decision.gpu.spec.name, engine_args(spec, decision)
 
 
 def adapter_path(adapter: AdapterSpec) -> str:
@@ -309,7 +313,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     args = engine_args(spec, decision)
     container = {
         "name": "engine",
-        "image": engine_image(spec),
+        "image": engine_image(spec, cpu=decision.gpu is None),
         "imagePullPolicy": "IfNotPresent",
         "command": ["pagoda", "serve"],
         "args": args,
@@ -450,13 +454,14 @@ def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
     return args
 
 
-def router_deployment(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
-    """The router: one pod from the engine image (`pagoda router`), in front of the engine pods."""
+def router_deployment(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False) -> dict[str, Any]:
+    """The router: one pod from the engine image (`pagoda router`; the engines' flavour, so a deployment
+    needs one image), in front of the engine pods."""
     name = body["metadata"]["name"]
     env = _api_key_env(spec)
     container = {
         "name": "router",
-        "image": engine_image(spec),
+        "image": engine_image(spec, cpu=cpu),
         "imagePullPolicy": "IfNotPresent",
         "command": ["pagoda", "router"],
         "args": router_args(body, spec),
@@ -714,7 +719,7 @@ def children(
     if with_service_monitor and spec.service_monitor:
         out.append(service_monitor(body, spec))
     if spec.routing.policy is not None:
-        out.append(router_deployment(body, spec))
+        out.append(router_deployment(body, spec, cpu=decision.gpu is None))
     if spec.autoscaling is not None:
         out.append(scaled_object(body, spec) if with_keda else hpa(body, spec))
     out.append(statefulset(body, spec, decision))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tomllib
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -123,15 +125,47 @@ def test_engine_image_defaults_to_app_version_and_tags_can_be_pinned(helm):
     version = _app_version(helm)
     dep = _by_kind(helm.render(), "Deployment")[0]
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["PAGODA_ENGINE_IMAGE"] == f"ghcr.io/pagoda-llm/pagoda-engine:{version}"
+    assert env["PAGODA_ENGINE_IMAGE"] == f"localhost/pagoda-engine:{version}"
     dep = _by_kind(
         helm.render("--set", "engine.image.tag=9.9.9", "--set", "operator.image.tag=1.2.3"), "Deployment"
     )[0]
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"].endswith(":1.2.3")
-    assert {"name": "PAGODA_ENGINE_IMAGE", "value": "ghcr.io/pagoda-llm/pagoda-engine:9.9.9"} in container[
-        "env"
-    ]
+    assert {"name": "PAGODA_ENGINE_IMAGE", "value": "localhost/pagoda-engine:9.9.9"} in container["env"]
+
+
+def test_default_values_images_are_the_ones_make_builds(helm):
+    """No registry publishes Pagoda's images: the defaults are the names images/check.py tags them with
+    (`make image-gpu`: engine VERSION; `make image-check`: engine VERSION-cpu and the operator), and the
+    README says how to push them and point the chart elsewhere."""
+    root = Path(__file__).resolve().parents[2]
+    version = _app_version(helm)
+    assert version == tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    check = (root / "images" / "check.py").read_text()
+    for built in (
+        'f"localhost/pagoda-engine:{version()}"',
+        'f"localhost/pagoda-engine:{version()}-cpu"',
+        'f"localhost/pagoda-operator:{version()}"',
+    ):
+        assert built in check, built
+    dep = _by_kind(helm.render(), "Deployment")[0]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert container["image"] == f"localhost/pagoda-operator:{version}"
+    assert env["PAGODA_DOWNLOAD_IMAGE"] == container["image"]
+    engine = env["PAGODA_ENGINE_IMAGE"]
+    assert engine == f"localhost/pagoda-engine:{version}"
+    # the operator's own defaults (no chart) are the same names, and the CPU flavour is the -cpu tag
+    from pagoda.operator.model_cache import DEFAULT_IMAGE_REPO as OPERATOR_REPO
+    from pagoda.operator.objects import DEFAULT_IMAGE_REPO as ENGINE_REPO
+    from pagoda.operator.objects import cpu_flavour
+
+    assert (ENGINE_REPO, OPERATOR_REPO) == ("localhost/pagoda-engine", "localhost/pagoda-operator")
+    assert cpu_flavour(engine) == f"localhost/pagoda-engine:{version}-cpu"
+    readme = (helm.chart / "README.md").read_text()
+    assert "buildah push localhost/$image docker://$REGISTRY/$image" in readme
+    assert "--set engine.image.repository=$REGISTRY/pagoda-engine" in readme
+    assert "--set operator.image.repository=$REGISTRY/pagoda-operator" in readme
 
 
 def _args(objs: list[dict]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from importlib.metadata import version
 from typing import Any
 
 import jsonschema
@@ -12,8 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from pagoda.operator.discovery import node_gpus, pools
+from pagoda.operator.objects import DEFAULT_IMAGE_REPO, cpu_flavour
 from pagoda.operator.planning import decide
-from pagoda.operator.render import KV_DIR, children
+from pagoda.operator.render import KV_DIR, children, default_image
 from pagoda.operator.render_cli import main as render_main
 from pagoda.operator.spec import SpecError, parse_spec
 from pagoda_testkit import CRD_FILE, EXAMPLES, example, node
@@ -197,6 +199,43 @@ def test_engine_pods_get_no_service_account_token(name: str) -> None:
     """The engine never calls the Kubernetes API: a mounted token would only be something to steal."""
     sts = rendered(name)[-1]
     assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_cpu_deployments_run_the_cpu_flavour_of_the_engine_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make image-check tags the CPU engine image VERSION-cpu, make image-gpu the GPU one VERSION: a CPU
+    deployment must not pull gigabytes of CUDA wheels, nor a GPU one get an engine without CUDA."""
+    assert default_image() == f"{DEFAULT_IMAGE_REPO}:{version('pagoda')}"
+    for chart_image in (None, "registry.example/ml/pagoda-engine:1.2.3"):
+        if chart_image:  # the chart passes its engine.image as $PAGODA_ENGINE_IMAGE
+            monkeypatch.setenv("PAGODA_ENGINE_IMAGE", chart_image)
+        gpu_image = default_image()
+        assert not gpu_image.endswith("-cpu")
+        assert _container(rendered("cpu-default-model.yaml")[-1])["image"] == gpu_image + "-cpu"
+        for name in ("llama-3.1-8b-h100-nvme.yaml", "qwen2.5-7b-l4-fp8.yaml"):
+            assert _container(rendered(name)[-1])["image"] == gpu_image
+    # a routed CPU deployment: its router runs the engines' (CPU) image too
+    body = example("cpu-default-model.yaml")
+    body["metadata"] |= {"namespace": "default"}
+    body["spec"]["replicas"] = 2
+    spec = parse_spec(body["spec"])
+    objects = children(body, spec, decide(spec, ALL_POOLS), with_service_monitor=False)
+    images = {
+        o["kind"]: _container(o)["image"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    assert images == {"Deployment": gpu_image + "-cpu", "StatefulSet": gpu_image + "-cpu"}
+    # spec.image is used as given, whatever the flavour
+    body["spec"]["image"] = "registry.example/custom-engine:7"
+    spec = parse_spec(body["spec"])
+    assert (
+        _container(children(body, spec, decide(spec, ALL_POOLS), with_service_monitor=False)[-1])["image"]
+        == "registry.example/custom-engine:7"
+    )
+    # where no flavour can be derived, the image stays as named
+    digest = "registry.example/pagoda-engine@sha256:" + "a" * 64
+    assert cpu_flavour(digest) == digest
+    assert cpu_flavour("registry.example:5000/pagoda-engine") == "registry.example:5000/pagoda-engine"
+    assert cpu_flavour("localhost/pagoda-engine:0.1.0-cpu") == "localhost/pagoda-engine:0.1.0-cpu"
+    assert cpu_flavour("registry.example:5000/pagoda-engine:2") == "registry.example:5000/pagoda-engine:2-cpu"
 
 
 def test_the_crd_says_what_creating_an_inference_deployment_allows() -> None:
