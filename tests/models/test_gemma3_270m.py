@@ -1,0 +1,101 @@
+"""The real Gemma 3 270M (GGUF Q4_K_M from the package make install puts in place): Pagoda on the file gives
+transformers' greedy tokens on the same file (each dequantizes it on its own), for short prompts, a chat
+prompt and one prompt longer than the 512-token sliding window; the converted directory carries Gemma's
+layer pattern, both RoPE bases, a chat template and <end_of_turn> among the stop ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pagoda.engine.frontend.llm import LLM
+from pagoda.engine.loader import load_tokenizer, resolve_model
+from pagoda.engine.loader.resolve import gemma3_270m_gguf, locate_model
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sizing.model_config import ModelConfig
+from pagoda_testkit.gemma3_reference import greedy_reference
+
+NEW_TOKENS = 24
+WINDOW = 512
+_PARAGRAPH = (
+    "The history of the city begins with a small settlement on the river, where traders met to exchange "
+    "grain, salt and cloth. Over the centuries the settlement grew into a market town, then a walled city "
+    "with a cathedral, a university and a harbour. "
+)
+LONG = "".join(f"Chapter {i}. {_PARAGRAPH}" for i in range(1, 14)) + "In summary, the city is known for"
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of", LONG]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# What Gemma's chat format makes of FRANCE (the file has no template; the converter gives Gemma's turns).
+FRANCE_RENDERED = (
+    "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+)
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return gemma3_270m_gguf()
+
+
+@pytest.fixture(scope="module")
+def converted(gguf):
+    # The real cache (PAGODA_CACHE or the user cache dir): the suite converts the file at most once.
+    return resolve_model(gguf)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf):
+    prompts = [(text, True) for text in TEXTS] + [(FRANCE_RENDERED, False)]
+    return greedy_reference(gguf, prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm(gguf):
+    return LLM(str(gguf), device="cpu", dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+
+
+def test_well_known_name_and_converted_directory(gguf, converted):
+    assert locate_model("gemma-3-270m") == gguf and gguf.name == "gemma-3-270m-q4_k_m.gguf"
+    mc = ModelConfig.from_dir(converted)
+    assert (mc.architecture, mc.num_hidden_layers, mc.hidden_size, mc.head_dim, mc.vocab_size) == (
+        "gemma3",
+        18,
+        640,
+        256,
+        262144,
+    )
+    assert (mc.num_attention_heads, mc.num_key_value_heads, mc.sliding_window) == (4, 1, WINDOW)
+    assert mc.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert (mc.rope_theta, mc.rope_local_base_freq, mc.qk_norm, mc.tie_word_embeddings) == (
+        1e6,
+        1e4,
+        True,
+        True,
+    )
+    generation = json.loads((converted / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 2, "eos_token_id": [1, 106]}  # <eos>, <end_of_turn>
+
+
+def test_chat_template_and_stop_ids(converted, llm):
+    tok = load_tokenizer(converted)
+    assert tok.apply_chat_template(FRANCE, tokenize=False, add_generation_prompt=True) == FRANCE_RENDERED
+    assert tok.convert_ids_to_tokens([1, 106]) == ["<eos>", "<end_of_turn>"]
+    assert {1, 106} <= set(llm.engine.core.eos_token_ids)
+
+
+def test_tokenizer_matches_transformers(converted, reference):
+    tok = load_tokenizer(converted)
+    ours = [tok(text).input_ids for text in TEXTS] + [
+        tok(FRANCE_RENDERED, add_special_tokens=False).input_ids
+    ]
+    assert ours == [r["prompt_ids"] for r in reference]
+    assert len(ours[TEXTS.index(LONG)]) > WINDOW + 150  # the window cuts into it: sliding layers matter
+
+
+def test_greedy_tokens_match_transformers(llm, reference):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in reference], params, use_tqdm=False)
+    for out, ref in zip(outs, reference, strict=True):
+        got = out.outputs[0]
+        assert list(got.token_ids) == ref["tokens"], out.prompt
+        ours = [step[tok].logprob for step, tok in zip(got.logprobs, got.token_ids, strict=True)]
+        assert ours == pytest.approx(ref["logprobs"], abs=2e-3)
