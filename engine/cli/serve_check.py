@@ -34,7 +34,7 @@ from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
 from pagoda.engine.sizing.model_config import ModelConfig
-from pagoda.engine.sizing.planner import activation_bytes, check_gpu_kernels, cuda_context_bytes
+from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
 from pagoda.engine.sizing.shapes import dtype_bytes, well_known_config
 
 
@@ -256,11 +256,6 @@ def check_args(
             if cc is not None:
                 check_dtypes(gpu.name, cc, dtype, config.kv_cache_dtype)
         except UnsupportedOnGPU as exc:
-            raise DryRunError(f"cannot start the engine: {exc}") from None
-    if device == "cuda" and config.attention_backend != "torch":
-        try:
-            check_gpu_kernels(model.shape)
-        except SizingError as exc:
             raise DryRunError(f"cannot start the engine: {exc}") from None
 
     kv_memory, act, total, free, others, source = 0, 0, None, None, None, "none"

@@ -283,22 +283,8 @@ def _common_lengths(shape: ModelShape, h: Hints, warnings: list[str]) -> tuple[i
     return limit, target
 
 
-def check_gpu_kernels(shape: ModelShape) -> None:
-    """Refuse a shape the GPU engine's Triton attention kernels cannot run: they tile head_dim as a power of
-    two (kernels/runtime.py), so Phi-3/3.5-mini's 96 would fail at the first prefill. CPU plans are not
-    affected (the CPU kernels take any head_dim)."""
-    d = shape.head_dim
-    if d & (d - 1):
-        raise SizingError(
-            f"{shape.name} has head_dim {d}; the GPU engine's Triton attention kernels need a power of two "
-            "(64, 128, 256) until they pad it: run it on CPU (--device cpu, gpu.count: 0) or with "
-            "--attention-backend torch"
-        )
-
-
 def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     check_engine_runs_on(gpu)
-    check_gpu_kernels(shape)
     reasons: dict[str, str] = {}
     warnings = list(gpu.warnings)
     memory = gpu.memory_bytes
