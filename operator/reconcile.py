@@ -22,7 +22,7 @@ from pagoda.operator import model_cache, render
 from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
 from pagoda.operator.contract import check_engine_args, check_router_args
-from pagoda.operator.discovery import NodeGPUs, pools
+from pagoda.operator.discovery import KEDA_API, PROMETHEUS_OPERATOR_API, NodeGPUs, pools
 from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
@@ -155,11 +155,11 @@ class Reconciler:
 
     async def monitoring_available(self) -> bool:
         """Whether the Prometheus Operator's CRDs are served (then a ServiceMonitor is rendered)."""
-        return await self._api_available("monitoring.coreos.com/v1")
+        return await self._api_available(PROMETHEUS_OPERATOR_API)
 
     async def keda_available(self) -> bool:
         """Whether KEDA's CRDs are served (then autoscaling renders a ScaledObject instead of an HPA)."""
-        return await self._api_available("keda.sh/v1alpha1")
+        return await self._api_available(KEDA_API)
 
     def own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
         """Whether a StatefulSet event only echoes a write this operator made (nothing to correct)."""
@@ -319,11 +319,9 @@ class Reconciler:
         job_name = model_cache.job_name(name, spec)
         job = await self.kube.get(object_path("Job", namespace, job_name))
         if job is None:
-            kernels = render.kernel_step(spec, decision)
-            job = model_cache.download_job(
-                body, spec, model_cache.kernel_container(*kernels, spec) if kernels else None
+            job = await self.kube.create(
+                object_path("Job", namespace), render.download_job(body, spec, decision)
             )
-            job = await self.kube.create(object_path("Job", namespace), job)
             outcome.writes.append(f"created Job {namespace}/{job_name}")
         pods = [
             p

@@ -167,6 +167,31 @@ def kernel_step(spec: InferenceSpec, decision: Decision) -> tuple[str, str, list
     return engine_image(spec, cpu=False), decision.gpu.spec.name, engine_args(spec, decision)
 
 
+def download_job(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
+    """The Job that fills the model cache claim (hf:// and s3:// models), with the kernel step of a GPU
+    deployment after the download: what reconcile creates and `pagoda render` shows."""
+    from pagoda.operator import model_cache
+
+    kernels = kernel_step(spec, decision)
+    return model_cache.download_job(
+        body, spec, model_cache.kernel_container(*kernels, spec) if kernels else None
+    )
+
+
+def model_objects(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> list[dict[str, Any]]:
+    """The objects the operator creates before any engine pod of a model it downloads into a shared cache:
+    the cache claim (unless spec.model.cache.claimName names one that exists) and the download Job. None
+    for other models, or a per-pod cache (each pod fills its own claim template)."""
+    from pagoda.operator import model_cache
+
+    if not spec.downloads or spec.model.cache.per_pod:
+        return []
+    out = []
+    if not spec.model.cache.claim_name:
+        out.append(model_cache.cache_claim(body, spec, decision, spec.max_possible_replicas))
+    return out + [download_job(body, spec, decision)]
+
+
 def adapter_path(adapter: AdapterSpec) -> str:
     """Where the engine pod finds an adapter: in the model cache (hf://, s3://), on its claim (pvc://, mounted
     like a pvc:// model) or in the image (file://)."""

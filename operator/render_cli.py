@@ -1,7 +1,10 @@
 """`pagoda render FILE.yaml [--nodes nodes.yaml | --gpu H100]`: the objects an InferenceDeployment becomes.
 
-No cluster needed: for GitOps and review. The YAML output applies as is (the plan rides along as comments);
-`--output json` gives children, plan and GPU choice for scripts.
+No cluster needed: for GitOps and review. Every object the operator would create, built by the operator's own
+functions (the model cache claim and download Job first, as the operator creates them before any engine pod);
+what the operator discovers in a cluster (KEDA, the Prometheus Operator, ...) is told with flags. The YAML
+output applies as is (the plan rides along as comments); `--output json` gives children, plan and GPU choice
+for scripts.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import yaml
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
 from pagoda.operator import render
 from pagoda.operator.contract import check_engine_args, check_router_args
-from pagoda.operator.discovery import GPUPool, node_gpus, pools
+from pagoda.operator.discovery import Capabilities, GPUPool, node_gpus, pools
 from pagoda.operator.planning import Decision, decide
 from pagoda.operator.spec import SpecError, parse_spec
 
@@ -46,9 +49,11 @@ def _pools_for(args: argparse.Namespace, count: int, product: str) -> dict[str, 
 
 
 def render_document(
-    body: dict[str, Any], available: dict[str, GPUPool], *, service_monitor: bool
+    body: dict[str, Any], available: dict[str, GPUPool], capabilities: Capabilities | None = None
 ) -> tuple[Decision, list[dict]]:
-    """Decision and children for one InferenceDeployment body; raises SpecError when unservable."""
+    """Decision and every object the operator would create for one InferenceDeployment body, in the order
+    it creates them, in a cluster with ``capabilities``; raises SpecError when unservable."""
+    caps = capabilities or Capabilities()
     spec = parse_spec(body.get("spec"))
     render.check_pod_fields(spec)
     decision = decide(spec, available)
@@ -56,7 +61,10 @@ def render_document(
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
     if spec.routing.policy is not None:
         check_router_args(render.router_args(body, spec))
-    return decision, render.children(body, spec, decision, with_service_monitor=service_monitor)
+    children = render.children(
+        body, spec, decision, with_service_monitor=caps.prometheus_operator, with_keda=caps.keda
+    )
+    return decision, render.model_objects(body, spec, decision) + children
 
 
 def _comment(decision: Decision, name: str) -> str:
@@ -86,9 +94,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     where.add_argument("--gpu", help="plan for this GPU (short name like H100 or a GFD product label)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --gpu (default 8)")
-    parser.add_argument("--service-monitor", action="store_true", help="also render the ServiceMonitor")
+    cluster = parser.add_argument_group(
+        "cluster capabilities", "what the operator discovers in a cluster and a render cannot: say it here"
+    )
+    cluster.add_argument(
+        "--prometheus-operator",
+        "--service-monitor",
+        dest="prometheus_operator",
+        action="store_true",
+        help="the Prometheus Operator is installed: render the ServiceMonitor (unless spec.serviceMonitor is off)",
+    )
+    cluster.add_argument(
+        "--keda",
+        action="store_true",
+        help="KEDA is installed: render a ScaledObject instead of the HorizontalPodAutoscaler (spec.autoscaling)",
+    )
+    cluster.add_argument(
+        "--lws",
+        action="store_true",
+        help="LeaderWorkerSet is installed (changes nothing yet: no object uses it)",
+    )
+    cluster.add_argument(
+        "--gateway-api",
+        action="store_true",
+        help="the Gateway API is installed (changes nothing yet: no object uses it)",
+    )
     parser.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     args = parser.parse_args(argv)
+    capabilities = Capabilities(
+        prometheus_operator=args.prometheus_operator,
+        keda=args.keda,
+        lws=args.lws,
+        gateway_api=args.gateway_api,
+    )
 
     try:
         bodies = [d for d in _load_documents(args.file) if d.get("kind") == render.KIND]
@@ -110,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spec = parse_spec(body.get("spec"))
             available = _pools_for(args, spec.gpu.count, spec.gpu.product)
-            decision, objects = render_document(body, available, service_monitor=args.service_monitor)
+            decision, objects = render_document(body, available, capabilities)
         except (SpecError, SizingError, ValueError, OSError) as exc:
             print(f"pagoda render: {name}: {exc}", file=sys.stderr)
             failed = True

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from pagoda.operator import model_cache
 from pagoda.operator.download.progress import progress_line
 from pagoda.operator.download.result import Result
-from pagoda_testkit import INFD, STS, Cluster, example, running_operator
+from pagoda.operator.render_cli import main as render_main
+from pagoda_testkit import INFD, STS, Cluster, example, node, running_operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 JOBS, PVCS, PODS = "batch/v1/jobs", "v1/persistentvolumeclaims", "v1/pods"
@@ -122,6 +124,30 @@ async def test_download_job_then_engine_pods_with_progress_on_the_way(cluster: C
     # The token's value was never anywhere: only the Secret's name.
     everything = json.dumps([cluster.objects(r) for r in (JOBS, PVCS, STS, INFD, PODS)])
     assert "hf-token" in everything and "HF_TOKEN" in everything
+
+
+async def test_pagoda_render_shows_the_claim_and_the_job_the_operator_creates(
+    cluster: Cluster, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pagoda render` of the same InferenceDeployment for the same node: the cache claim, the download Job
+    (its kernel step included) and the engines' StatefulSet the operator created, in the order it did."""
+    await cluster.add_node("gpu-l4-1", "l4")
+    cr = qwen("qwen")
+    async with running_operator(cluster):
+        await cluster.create(cr)
+        sts = await cluster.wait_for(lambda: cluster.get(STS, "default", "qwen"), what="the StatefulSet")
+        await cluster.settle()
+    job = job_of(cluster, "qwen")
+    [pvc] = cluster.objects(PVCS)
+    (tmp_path / "cr.yaml").write_text(yaml.safe_dump(cr))
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(node("gpu-l4-1", "l4")))
+    assert render_main([str(tmp_path / "cr.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert [d["kind"] for d in docs][:2] == ["PersistentVolumeClaim", "Job"]
+    assert docs[-1]["kind"] == "StatefulSet"
+    for live, shown in zip((pvc, job, sts), (docs[0], docs[1], docs[-1]), strict=True):
+        assert shown["metadata"]["name"] == live["metadata"]["name"]
+        assert shown["spec"] == live["spec"], live["kind"]
 
 
 @pytest.mark.parametrize(

@@ -160,8 +160,56 @@ def test_render_cli_prints_children_and_plan(capsys: pytest.CaptureFixture[str])
     assert "# InferenceDeployment qwen2-5-7b" in out and "kv_cache_dtype: fp8" in out
     assert "#   max_num_queued_reqs: " in out
     docs = [d for d in yaml.safe_load_all(out) if d]
-    assert [d["kind"] for d in docs] == ["Service", "Service", "PodDisruptionBudget", "StatefulSet"]
+    # a hub model: the cache claim and the download Job first, as the operator creates them
+    assert [d["kind"] for d in docs] == [
+        "PersistentVolumeClaim",
+        "Job",
+        "Service",
+        "Service",
+        "PodDisruptionBudget",
+        "StatefulSet",
+    ]
     assert docs[-1]["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L4"
+    job = docs[1]["spec"]["template"]["spec"]
+    assert job["initContainers"][0]["args"][:2] == ["--source", "hf://Qwen/Qwen2.5-7B-Instruct"]
+    engine = _container(docs[-1])
+    [warm] = job["containers"]  # the kernels of the planned GPU, compiled with the engine's own flags
+    assert (
+        warm["args"][:2] == ["--gpu", "L4"] and warm["args"][warm["args"].index("--") + 1 :] == engine["args"]
+    )
+    volumes = docs[-1]["spec"]["template"]["spec"]["volumes"]
+    claim = next(v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v)
+    assert claim == docs[0]["metadata"]["name"] == "qwen2-5-7b-model-cache"
+    # the default model ships in the image: nothing to download, no claim
+    assert render_main([str(EXAMPLES / "cpu-default-model.yaml")]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert "PersistentVolumeClaim" not in kinds and "Job" not in kinds and kinds[-1] == "StatefulSet"
+
+
+def test_render_cli_is_told_what_the_cluster_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """KEDA, the Prometheus Operator, LWS and the Gateway API: what the operator discovers, a render is told."""
+    path = str(EXAMPLES / "llama-3.1-8b-l40s-routed-autoscaled.yaml")
+
+    def kinds(*flags: str) -> list[str]:
+        assert render_main([path, *flags]) == 0
+        return [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+
+    plain = kinds()
+    assert (
+        "HorizontalPodAutoscaler" in plain and "ScaledObject" not in plain and "ServiceMonitor" not in plain
+    )
+    keda = kinds("--keda")
+    assert "ScaledObject" in keda and "HorizontalPodAutoscaler" not in keda
+    assert [k if k != "ScaledObject" else "HorizontalPodAutoscaler" for k in keda] == plain
+    assert kinds("--prometheus-operator") == kinds("--service-monitor")
+    monitored = kinds("--prometheus-operator", "--keda")
+    assert monitored.count("ServiceMonitor") == 1 and [k for k in monitored if k != "ServiceMonitor"] == keda
+    assert kinds("--lws", "--gateway-api") == plain  # accepted: no object of the operator uses them yet
+    assert render_main([path, "--keda", "-o", "json"]) == 0
+    [result] = json.loads(capsys.readouterr().out)
+    [scaled] = [c for c in result["children"] if c["kind"] == "ScaledObject"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "llama-3-1-8b-chat"
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 6)
 
 
 def test_render_cli_plans_against_a_nodes_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
