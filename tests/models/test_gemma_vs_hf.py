@@ -61,7 +61,7 @@ def test_config_is_read(family):
     windows = [layer.self_attn.sliding_window for layer in model.layers]
     if name == "gemma2":
         assert windows == [6, None, 6, None]
-        assert cfg.attn_logit_softcapping == 3.0 and cfg.final_logit_softcapping == 4.0
+        assert cfg.attn_logit_softcapping == 3.0 and cfg.final_logit_softcapping == 0.8
         assert model.layers[0].self_attn.backend.cap == 3.0 and model.layers[0].self_attn.q_norm is None
         assert len(model.rotaries) == 1
     else:
@@ -150,7 +150,11 @@ def test_final_softcap_bounds_the_logits(tmp_path_factory, paged, caches):
     _, path, _, ids, ref = _build("gemma2", tmp_path_factory)
     model, cfg = _load(path)
     logits = _prefill(model, cfg, ids[0], paged, caches)
-    assert logits.abs().max() < 4.0 and ref[0].abs().max() > 2.0  # the cap (4) bends these logits
+    assert logits.abs().max() < 0.8 and ref[0].abs().max() > 0.5
+    cfg.final_logit_softcapping = None
+    raw = _prefill(model, cfg, ids[0], paged, caches)
+    assert raw.abs().max() > 0.8  # the cap (0.8) bends these logits
+    torch.testing.assert_close(0.8 * torch.tanh(raw / 0.8), logits)
 
 
 def test_bfloat16_runs_close_to_fp32(family, paged, caches):

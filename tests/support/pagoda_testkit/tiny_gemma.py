@@ -34,13 +34,14 @@ FAMILIES = ("gemma2", "gemma3")
 def hf_model(name: str, layers: int | None = None) -> Any:
     """transformers' model of the family (Gemma 2: 4 layers, Gemma 3: 6, every third global; ``layers``
     fewer), eager attention, every weight random (norms' w around 0: Gemma scales by 1 + w, so a missed
-    offset shows)."""
+    offset shows; small embeddings: times sqrt(hidden) and tied to the head, larger ones make each token
+    predict itself, and greedy runs would repeat one token)."""
     import torch
     import transformers
 
     if name == "gemma2":
         cfg = transformers.Gemma2Config(
-            **COMMON, num_hidden_layers=layers or 4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0
+            **COMMON, num_hidden_layers=layers or 4, attn_logit_softcapping=3.0, final_logit_softcapping=0.8
         )
         cls = transformers.Gemma2ForCausalLM
     elif name == "gemma3":
@@ -61,7 +62,8 @@ def hf_model(name: str, layers: int | None = None) -> Any:
     g = torch.Generator().manual_seed(len(name) + 7)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            p.copy_((0.3 if "norm" in pname else 0.15) * torch.randn(p.shape, generator=g))
+            scale = 0.3 if "norm" in pname else 0.03 if "embed_tokens" in pname else 0.15
+            p.copy_(scale * torch.randn(p.shape, generator=g))
     return model
 
 
