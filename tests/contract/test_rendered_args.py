@@ -26,10 +26,11 @@ from pagoda.engine.sizing import (
     well_known_shape,
 )
 from pagoda.engine.sizing.shapes import well_known_config
-from pagoda.operator import render
+from pagoda.operator import model_cache, render
 from pagoda.operator.contract import dry_run_argv
-from pagoda.operator.discovery import GPUPool, node_gpus, pools
+from pagoda.operator.discovery import Capabilities, GPUPool, node_gpus, pools
 from pagoda.operator.planning import decide
+from pagoda.operator.render_cli import render_document
 from pagoda.operator.spec import SHAPE_KEYS, SpecError, parse_spec
 from pagoda_testkit import EXAMPLES, GPU_NODES, example, node
 
@@ -40,12 +41,21 @@ KNOWN_FLAGS = {o for a in build_parser()._actions for o in a.option_strings}
 
 
 def container(body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The engine container of the StatefulSet the operator renders for `body`, and the decision."""
-    body = {**body, "metadata": {"namespace": "default", **body["metadata"]}}
-    spec = parse_spec(body["spec"])
-    decision = decide(spec, POOLS)
-    sts = render.statefulset(body, spec, decision)
-    return sts["spec"]["template"]["spec"]["containers"][0], decision
+    """The engine container of the StatefulSet the operator renders for `body`, and the decision: as
+    `pagoda render` prints it (every object, a cluster with every capability it can be told of), so what a
+    user reviews is what these tests run through the engine."""
+    every = Capabilities(prometheus_operator=True, keda=True, lws=True, gateway_api=True)
+    decision, objects = render_document(body, POOLS, every)
+    [sts] = [o for o in objects if o["kind"] == "StatefulSet"]
+    engine = sts["spec"]["template"]["spec"]["containers"][0]
+    for job in (
+        o for o in objects if o["kind"] == "Job"
+    ):  # the download Job warms kernels with the same flags
+        for warm in job["spec"]["template"]["spec"]["containers"]:
+            if warm["name"] != model_cache.KERNEL_CONTAINER:
+                continue  # a CPU deployment's Job only downloads
+            assert warm["args"][warm["args"].index("--") + 1 :] == engine["args"]
+    return engine, decision
 
 
 def flag(args: list[str], name: str) -> str | None:
