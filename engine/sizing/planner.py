@@ -529,6 +529,8 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     parts = [f"model limit {limit}"] + ([f"target context {target}"] if target else [])
     parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")
     reasons["max_model_len"] = "min of " + ", ".join(parts)
+    if cpu_shape.sliding_window and max_len > cpu_shape.sliding_window:
+        warnings.append(sliding_window_note(cpu_shape, kv_bytes, max_len, block_size, kv_dtype, 1))
     max_seqs, reasons["max_num_seqs"] = _max_num_seqs(capacity, tokens, conc, h, blocks)
     reasons["max_num_batched_tokens"] = f"{tokens} tokens per step, vLLM's CPU server default" + (
         f" raised to the p99 prompt ({h.p99_prompt_tokens})" if tokens > MIN_BATCHED_TOKENS else ""

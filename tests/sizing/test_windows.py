@@ -73,3 +73,13 @@ def test_tensor_parallel_ranks_count_their_own_kv_heads() -> None:
     one = sequence_kv_bytes(GEMMA_3_27B, CONTEXT, 16, window_aware=True)
     two = sequence_kv_bytes(GEMMA_3_27B, CONTEXT, 16, tp=2, window_aware=True)
     assert one == 2 * two
+
+
+def test_a_cpu_plan_says_it_too() -> None:
+    shape = well_known_shape("Gemma-2-9B")
+    p = plan(shape, None, Hints(memory_limit_bytes=128 << 30, target_context=8192))
+    (note,) = [w for w in p.warnings if "sliding window" in w]
+    cap = window_capacity(shape.with_dtype("float32"), p.kv_cache_bytes, p.max_model_len, p.block_size)
+    assert f"{cap.full_attention_sequences} sequences of 8192 tokens fit at once" in note
+    assert f"would hold {cap.window_aware_sequences})" in note and "on 21 of 42 layers" in note
+    assert cap.window_aware_sequences > cap.full_attention_sequences > 0
