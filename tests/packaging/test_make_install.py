@@ -6,7 +6,9 @@ on, with the stamps' ages set up as a fresh clone, after `make serve`, and after
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,72 @@ DEPENDS = ("Makefile", "pyproject.toml", "setup.py", "scripts/install_tools.sh",
 SERVE_STAMP = ".venv/.installed-serve"
 STAMP = ".venv/.installed"
 CPU_KERNELS = "kernels/cpu/lib/build.json"
+# Imports every engine and kernel module with only the packages the serving install brings findable (the
+# extras named on the command line, with their requirements, resolved from the installed metadata): any other
+# package is hidden from the import system as if it were not installed.
+ONLY_SERVING = '''
+"""Imports every engine and kernel module with only the serving install's packages findable."""
+import importlib, importlib.machinery, importlib.metadata as md, json, pkgutil, sys
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+SERVING_EXTRAS = tuple(sys.argv[1].split(","))
+
+
+def _wanted(req, extras):
+    return req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras or ("",))
+
+
+def serving_closure():
+    todo = [(Requirement(r), set()) for r in md.distribution("pagoda").requires or []]
+    todo = [(r, set(r.extras)) for r, _ in todo if _wanted(r, ("",) + SERVING_EXTRAS)]
+    todo = [(r, e) for r, e in todo if canonicalize_name(r.name) != "pagoda"]
+    seen = set()
+    while todo:
+        req, extras = todo.pop()
+        key = (canonicalize_name(req.name), frozenset(extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            continue
+        for text in dist.requires or []:
+            sub = Requirement(text)
+            if _wanted(sub, tuple(extras)):
+                todo.append((sub, set(sub.extras)))
+    return {name for name, _ in seen}
+
+
+allowed = serving_closure() | {"pagoda"}
+hidden = {
+    top
+    for top, dists in md.packages_distributions().items()
+    if dists and not {canonicalize_name(d) for d in dists} & allowed
+}
+
+
+class Hide(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in hidden:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path = [Hide if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+import pagoda.engine, pagoda.kernels  # noqa: E402
+
+failed = {}
+for pkg in (pagoda.engine, pagoda.kernels):
+    for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        try:
+            importlib.import_module(mod.name)
+        except ImportError as exc:
+            failed[mod.name] = str(exc)
+print(json.dumps({"failed": failed, "hidden": sorted(hidden & {m.split(".")[0] for m in sys.modules})}))
+'''
 NOT_FOR_SERVING = ("dev", "operator", "download", "install_tools.sh", "kubectl", "apt-get", "sudo")
 
 
@@ -88,3 +156,22 @@ def test_test_after_serve_adds_the_rest_and_redoes_nothing(clone: Path) -> None:
     assert not any("torch==" in line or "smollm2" in line or "gemma3" in line for line in installs), installs
     _made(clone, STAMP)  # what `make test` left: serving again installs nothing
     assert _dry_run(clone, "serve") == [".venv/bin/pagoda serve --host 0.0.0.0 --port 8000"]
+
+
+def test_the_serving_extras_are_enough_to_import_the_engine(clone: Path) -> None:
+    """What `make serve` installs runs the engine: every engine and kernel module imports with the packages of
+    the extras the Makefile's serve path names (and their requirements) and nothing else findable."""
+    [line] = [line for line in _installs(_dry_run(clone, "serve")) if "-e " in line]
+    extras = re.search(r'-e "\.\[([a-z,]+)\]"', line).group(1)
+    out = subprocess.run(
+        [sys.executable, "-c", ONLY_SERVING, extras], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"failed": {}, "hidden": []}, result
+    # and the check can fail: without the engine extra, the engine's modules do not import
+    out = subprocess.run(
+        [sys.executable, "-c", ONLY_SERVING, "router"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    failed = json.loads(out.stdout.strip().splitlines()[-1])["failed"]
+    assert "No module named 'torch'" in failed["pagoda.engine.core.engine_core"]
