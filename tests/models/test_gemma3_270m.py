@@ -13,21 +13,14 @@ from pagoda.engine.loader import load_tokenizer, resolve_model
 from pagoda.engine.loader.resolve import gemma3_270m_gguf, locate_model
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.sizing.model_config import ModelConfig
-from pagoda_testkit.gemma3_reference import greedy_reference
-
-NEW_TOKENS = 24
-WINDOW = 512
-_PARAGRAPH = (
-    "The history of the city begins with a small settlement on the river, where traders met to exchange "
-    "grain, salt and cloth. Over the centuries the settlement grew into a market town, then a walled city "
-    "with a cathedral, a university and a harbour. "
-)
-LONG = "".join(f"Chapter {i}. {_PARAGRAPH}" for i in range(1, 14)) + "In summary, the city is known for"
-TEXTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of", LONG]
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-# What Gemma's chat format makes of FRANCE (the file has no template; the converter gives Gemma's turns).
-FRANCE_RENDERED = (
-    "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+from pagoda_testkit.gemma3_reference import (
+    FRANCE,
+    FRANCE_RENDERED,
+    LONG,
+    NEW_TOKENS,
+    TEXTS,
+    WINDOW,
+    gemma3_reference,
 )
 
 
@@ -44,8 +37,7 @@ def converted(gguf):
 
 @pytest.fixture(scope="module")
 def reference(gguf):
-    prompts = [(text, True) for text in TEXTS] + [(FRANCE_RENDERED, False)]
-    return greedy_reference(gguf, prompts, NEW_TOKENS)
+    return gemma3_reference(gguf)
 
 
 @pytest.fixture(scope="module")

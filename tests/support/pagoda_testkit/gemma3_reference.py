@@ -19,6 +19,27 @@ from pagoda.engine.loader.content_hash import file_sha256
 # Each prompt: (text, whether the tokenizer adds <bos>); a chat prompt is rendered text that carries it.
 Prompt = tuple[str, bool]
 
+NEW_TOKENS = 24
+WINDOW = 512  # Gemma 3 270M's sliding window
+_PARAGRAPH = (
+    "The history of the city begins with a small settlement on the river, where traders met to exchange "
+    "grain, salt and cloth. Over the centuries the settlement grew into a market town, then a walled city "
+    "with a cathedral, a university and a harbour. "
+)
+LONG = "".join(f"Chapter {i}. {_PARAGRAPH}" for i in range(1, 14)) + "In summary, the city is known for"
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of", LONG]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# What Gemma's chat format makes of FRANCE (the file has no template; the converter gives Gemma's turns).
+FRANCE_RENDERED = (
+    "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+)
+PROMPTS: list[Prompt] = [(text, True) for text in TEXTS] + [(FRANCE_RENDERED, False)]
+
+
+def gemma3_reference(gguf: Path) -> list[dict[str, Any]]:
+    """The answers to PROMPTS (TEXTS, then FRANCE as the chat template renders it), NEW_TOKENS each."""
+    return greedy_reference(gguf, PROMPTS, NEW_TOKENS)
+
 
 def greedy_reference(gguf: Path, prompts: list[Prompt], new_tokens: int) -> list[dict[str, Any]]:
     """Per prompt: transformers' prompt ids, its greedy tokens (no stop: every step counts) and each chosen
