@@ -143,7 +143,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         self.vocab_start, self.vocab_end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
         # sqrt(hidden) in the compute dtype, as the reference multiplies (bfloat16: 55.4256 -> 55.5).
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+        scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+        self.register_buffer("embed_scale", scale, persistent=False)
         cap = config.attn_logit_softcapping if config.family.attn_logit_softcap else None
         layer_backend = SoftCappedBackend(backend, cap) if cap else backend
         self.layers = nn.ModuleList(
