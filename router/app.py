@@ -26,11 +26,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pagoda.router.backends import Backend, BackendPool, adapter_holders, reported_number
-from pagoda.router.chain import ChainHasher, chain_of, load_local_tokenizer
+from pagoda.router.backends import Backend, BackendPool, reported_number
+from pagoda.router.chain import ChainHasher, load_local_tokenizer
 from pagoda.router.config import RouterConfig
 from pagoda.router.hold import Hold
 from pagoda.router.metrics import RouterMetrics
+from pagoda.router.picking import Picker
 from pagoda.router.policies import Decision, Router
 
 log = logging.getLogger("pagoda.router")
@@ -78,6 +79,8 @@ class RouterApp:
                 "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}]}
             )
         self.needs_chain = config.policy in ("prefix", "tierAware")
+        self.picker = Picker(self.pool, self.router, self.hasher, self.needs_chain)
+        self.ext_proc: Any = None  # the gRPC server of --ext-proc-port, while it runs
         self.overheads: list[float] = []  # seconds, for benchmarks (GET /router/state)
         self.overheads_cpu: list[float] = []  # the same spans in the router thread's CPU time
 
@@ -99,8 +102,16 @@ class RouterApp:
 
     async def _start(self, _: web.Application) -> None:
         await self.pool.start()
+        if self.config.ext_proc_port is not None:  # grpc only when asked for (router/ext_proc.py)
+            from pagoda.router.ext_proc import ExternalProcessor, serve
+
+            processor = ExternalProcessor(self.picker, self.hold, self.metrics, self.config.policy)
+            self.ext_proc, port = await serve(processor, self.config.host, self.config.ext_proc_port)
+            log.info("ext_proc endpoint picker on %s:%d", self.config.host, port)
 
     async def _stop(self, _: web.Application) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop(grace=5)
         await self.pool.close()
 
     @web.middleware
@@ -178,49 +189,6 @@ class RouterApp:
         )
 
     # -- routing --------------------------------------------------------------------------------------------
-    async def _token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        ids = self.hasher.token_ids(path, body)
-        if ids is not None or self.hasher.tokenizer is not None:
-            return ids
-        return await self._remote_token_ids(path, body)
-
-    async def _remote_token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """No local tokenizer: a replica's /tokenize gives the same ids (one more round trip)."""
-        backends = self.pool.routable()
-        if not backends or self.pool.session is None:
-            return None
-        if path.endswith("/chat/completions"):
-            req = {
-                "messages": body.get("messages"),
-                "add_generation_prompt": body.get("add_generation_prompt", True),
-            }
-        elif isinstance(body.get("prompt"), str):
-            req = {"prompt": body["prompt"]}
-        else:
-            return None
-        b = min(backends, key=lambda x: x.load)
-        try:
-            async with self.pool.session.post(b.url + "/tokenize", json=req) as r:
-                if r.status == 200:
-                    return (await r.json())["tokens"]
-        except (aiohttp.ClientError, OSError, KeyError, ValueError):
-            pass
-        return None
-
-    def _choose(
-        self, backends: list[Backend], ids: list[int] | None, model: object = None
-    ) -> tuple[Backend, Decision, list[str]]:
-        # A LoRA adapter's request goes to a replica that has it loaded, when one has, with its chain.
-        backends, root = adapter_holders(backends, model)
-        cands = [b.candidate() for b in backends]
-        chain: list[str] = []
-        info = next((b.info for b in backends if b.info), None)
-        if ids is not None and info:  # the replicas of one deployment share block size and extra keys
-            chain = chain_of(ids, int(info["block_size"]), tuple(info.get("extra_keys") or ()), root)
-        decision = self.router.choose(cands, chain, len(ids) if ids is not None else 0)
-        chosen = next(b for b in backends if b.url == decision.name)
-        return chosen, decision, chain
-
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         """Route one completion. Every client request is counted once in ``router_requests_total``, by the
         status the client got (499: it went away before any answer started)."""
@@ -244,7 +212,7 @@ class RouterApp:
         if refusal is not None:
             return refusal
         t0, c0 = time.perf_counter(), time.thread_time()
-        ids = await self._token_ids(request.path, body) if self.needs_chain else None
+        ids = await self.picker.token_ids(request.path, body)
         overhead = time.perf_counter() - t0
         tried: set[str] = set()
         retry_after: list[int] = []  # what the replicas that answered 503 asked for
@@ -255,7 +223,7 @@ class RouterApp:
             backends = self.pool.routable(tried)
             if not backends:
                 break
-            b, decision, chain = self._choose(backends, ids, body.get("model"))
+            b, decision, chain = self.picker.choose(backends, ids, body.get("model"))
             if refused is None:
                 overhead += time.perf_counter() - t1
                 self._record_overhead(overhead, time.thread_time() - c0)

@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.hold_max_bytes,
         help="bytes of request bodies held at once (with --hold-seconds); more get 503 + Retry-After at once",
     )
+    p.add_argument(
+        "--ext-proc-port",
+        type=int,
+        default=None,
+        help="also serve Envoy's ext_proc v3 gRPC protocol here: the router as a Gateway API Inference "
+        "Extension endpoint picker, with gRPC health checking (docs/router.md)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--dry-run", action="store_true", help="validate, print the config as JSON, exit")
     return p
@@ -115,4 +122,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         hold_seconds=args.hold_seconds,
         hold_max_requests=args.hold_max_requests,
         hold_max_bytes=args.hold_max_bytes,
+        ext_proc_port=args.ext_proc_port,
     ).validate()

@@ -48,6 +48,8 @@ class RouterConfig:
     hold_seconds: float = 0.0
     hold_max_requests: int = DEFAULT_HOLD_MAX_REQUESTS  # requests held at once; more: 503 + Retry-After
     hold_max_bytes: int = DEFAULT_HOLD_MAX_BYTES  # bytes of their bodies held at once; more: the same
+    # Envoy ext_proc endpoint picker (Gateway API Inference Extension) beside the HTTP proxy; None: off.
+    ext_proc_port: int | None = None
 
     def validate(self) -> RouterConfig:
         if self.policy not in POLICIES:
@@ -63,6 +65,10 @@ class RouterConfig:
                 raise ConfigError(f"--backend-dns must be HOST:PORT, got {target!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
+        if self.ext_proc_port is not None and not (
+            0 < self.ext_proc_port < 65536 and self.ext_proc_port != self.port
+        ):
+            raise ConfigError(f"--ext-proc-port must be 1..65535 and not --port, got {self.ext_proc_port}")
         for name in ("dns_interval", "health_interval", "events_interval", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

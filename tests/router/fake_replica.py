@@ -13,6 +13,11 @@ MODE is one of
 - ``hang``: streams ``CRASH_AFTER`` chunks, then stays silent with the connection open; ``mute``: the same
   before its first chunk (headers sent). Stop either with SIGKILL: a graceful stop would wait for them.
 
+For the ext_proc picker's tests (test_ext_proc.py) it can also play a replica's routing state, from its
+environment: ``FAKE_ROUTER_INFO`` (JSON) is its /v1/router_info (block size, LoRA adapters), ``FAKE_KV``
+(JSON: tier -> block hashes) its /v1/kv_snapshot (its events then stay empty), ``FAKE_LOAD`` its
+``vllm:num_requests_running``. Without them it has no /v1/router_info and no KV routes, as before.
+
 Every completion request is appended to REQUEST_LOG (one line each) before it is answered, so a test can
 compare what the replica received with what the router counted.
 """
@@ -92,12 +97,27 @@ def main() -> None:
         return web.Response()
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\n")
+        return web.Response(text=f"vllm:num_requests_running {os.environ.get('FAKE_LOAD', '0')}\n")
+
+    async def router_info(_: web.Request) -> web.Response:
+        return web.json_response(json.loads(os.environ["FAKE_ROUTER_INFO"]))
+
+    async def kv_snapshot(_: web.Request) -> web.Response:
+        tiers = {"device": [], "host": [], "disk": [], **json.loads(os.environ["FAKE_KV"])}
+        return web.json_response({"seq": 0, "epoch": "fake", "tiers": tiers})
+
+    async def kv_events(_: web.Request) -> web.Response:
+        return web.json_response({"resync": False, "epoch": "fake", "batches": []})
 
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/chat/completions", completions)
+    if "FAKE_ROUTER_INFO" in os.environ:
+        app.router.add_get("/v1/router_info", router_info)
+    if "FAKE_KV" in os.environ:
+        app.router.add_get("/v1/kv_snapshot", kv_snapshot)
+        app.router.add_get("/v1/kv_events", kv_events)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
