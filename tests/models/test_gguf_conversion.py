@@ -1,7 +1,8 @@
 """GGUF conversion on small synthetic files written the way llama.cpp writes them (q/k rows permuted for
 Llama and Granite, q/k/v biases for Qwen2, Gemma's norms stored as 1 + w, Phi-3's fused q/k/v and gate/up and
 its LongRoPE factors as tensors, Granite's multipliers as metadata): the converted directory must reproduce
-the original weights and configuration, land atomically in the cache and be reused."""
+the original weights and configuration (transformers and Pagoda compute the source model's logits from it),
+land atomically in the cache and be reused."""
 
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch == "phi3":
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "phi3" and "long_factor" in rope:
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         for kind in ("long", "short"):
             factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
@@ -268,7 +270,7 @@ def _tiny_gguf(arch: str, tmp_path, **write):
 
 
 @pytest.mark.parametrize("arch", list(NEW_FAMILIES))
-def test_gguf_new_families(arch, tmp_path, monkeypatch):
+def test_gguf_new_families(arch, tmp_path, monkeypatch, paged, caches):
     src, hf, cfg = _tiny_gguf(arch, tmp_path)
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
     out = resolve_model(src)
@@ -297,6 +299,17 @@ def test_gguf_new_families(arch, tmp_path, monkeypatch):
         "bos_token_id": 259,
         "eos_token_id": [260],
     }
+
+    # And Pagoda's model on the converted directory computes it too.
+    model, mc = load_model(out, torch.float32, "cpu", get_attention_backend("torch", "cpu"), progress=False)
+    if (
+        arch == "phi3"
+    ):  # an engine within the pretraining length rotates with the short factors, as transformers
+        model.set_max_model_len(cfg.original_max_position_embeddings)
+    kv = caches(mc.num_hidden_layers, 8, 8, mc.num_key_value_heads, mc.head_dim)
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids[0], torch.arange(12), kv, paged(8, 8).step([(0, 0, 12)])))
+        torch.testing.assert_close(logits, hf(ids).logits[0], atol=1e-5, rtol=1e-5)
 
 
 def test_gguf_without_chat_template_gets_the_turn_format_of_its_markers(tmp_path, monkeypatch):
