@@ -634,6 +634,10 @@ class EngineCore:
     def get_scheduler_stats(self) -> SchedulerStats:
         kv = self.scheduler.kv
         offload = self.scheduler.offload
+        sched = self.scheduler
+        running = sorted({r.lora.name for r in sched.running if r.lora is not None})
+        queued = [*sched.waiting, *sched.compiling]
+        waiting = sorted({r.lora.name for r in queued if r.lora is not None})
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
@@ -642,6 +646,9 @@ class EngineCore:
             num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,
             num_blocks_cached=kv.num_cached_blocks,
             offload=offload.snapshot() if offload is not None else {},
+            running_lora_adapters=running,
+            waiting_lora_adapters=waiting,
+            max_lora=self.config.max_loras if self.lora is not None else 0,
         )
 
     def kv_waste(self) -> float:

@@ -22,6 +22,11 @@ class SchedulerStats:
     num_blocks_cached: int = 0  # unreferenced but holding a reusable cached prefix
     # Tier state for the offload issue: tier name -> dict of numbers.
     offload: dict[str, dict[str, float]] = field(default_factory=dict)
+    # LoRA (vllm:lora_requests_info, which the Gateway API Inference Extension's picker reads): the adapters
+    # of the running and of the waiting requests, by name, and how many one batch may use (0: LoRA off).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
 
 
 @dataclass

@@ -16,6 +16,7 @@ Offload tiers are read generically, so the offload work can feed them without to
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -98,6 +99,15 @@ class PrometheusStatLogger:
             registry=reg,
         )
         info_gauge.labels(**lb, **info).set(1)
+        # vLLM's LoRA info, as the Gateway API Inference Extension's model-server protocol reads it: one
+        # series whose labels list the adapters (comma-separated names) and whose value is when it was last
+        # updated (Unix seconds); only while LoRA is on (max_lora > 0), like vLLM.
+        self.lora_info = gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
         if cpu_kernels is not None:
             Gauge(
                 "pagoda:cpu_kernels_info",
@@ -290,6 +300,20 @@ class PrometheusStatLogger:
             self._record_finished(fin)
         self._update_hit_ratio(it)
         self._record_offload(s, it)
+        self._record_lora(s)
+
+    def _record_lora(self, s: SchedulerStats) -> None:
+        """One vllm:lora_requests_info series: the current adapters, stamped now (old sets are dropped)."""
+        if s.max_lora <= 0:
+            return
+        labels = (str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters))
+        if labels != self._lora_labels:
+            self.lora_info.clear()
+            self._lora_labels = labels
+        max_lora, waiting, running = labels
+        self.lora_info.labels(
+            **self.labels, max_lora=max_lora, waiting_lora_adapters=waiting, running_lora_adapters=running
+        ).set(time.time())
 
     def _record_finished(self, fin: FinishedRequestStats) -> None:
         reason = fin.finish_reason if fin.finish_reason in self.success else "error"

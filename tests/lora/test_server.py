@@ -140,3 +140,58 @@ def test_router_info_names_the_root_the_adapters_blocks_are_cached_under(server,
     device = set(httpx.get(server + "/v1/kv_snapshot", headers=headers).json()["tiers"]["device"])
     assert len(chain) >= 2 and set(chain) <= device
     assert not set(base_chain) & device
+
+
+def _series(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample called ``name`` on the server's /metrics: (labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return [
+        (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    ]
+
+
+def test_the_gateway_model_server_metrics_say_what_the_protocol_means(server, tok):
+    """The Gateway API Inference Extension's model-server protocol (its proposal 003) reads queue length,
+    running requests, KV usage, vllm:cache_config_info (block_size, num_gpu_blocks) and
+    vllm:lora_requests_info (running and waiting adapters, max_lora, value: when updated): block size and
+    block count are the engine's own, and a running adapter is listed while its request runs."""
+    import time
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(server + "/v1/router_info", headers=headers).json()
+    [(cache, one)] = _series(server, "vllm:cache_config_info")
+    assert one == 1 and int(cache["block_size"]) == info["block_size"]
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        [(_, value)] = _series(server, name)
+        assert value == 0  # idle: nothing queued, running or holding KV
+
+    before = time.time()
+    prompt = tok(PROMPT).input_ids
+    stream = client(server).completions.create(
+        model="beta",
+        prompt=prompt,
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))  # running now
+    [(running, _)] = _series(server, "vllm:num_requests_running")
+    [(lora, stamp)] = _series(server, "vllm:lora_requests_info")
+    usage = _series(server, "vllm:kv_cache_usage_perc")[0][1]
+    stream.close()
+    assert lora["running_lora_adapters"] == "beta" and lora["waiting_lora_adapters"] == ""
+    assert lora["max_lora"] == "2" and before - 1 <= stamp <= time.time() + 1
+    assert 0 < usage <= 1
+    [(_, blocks)] = _series(server, "pagoda:kv_blocks_total")  # the block pool's size, set by a step
+    assert int(cache["num_gpu_blocks"]) == blocks > 0
+    # once it is gone (aborted), the one series lists no adapter, stamped later
+    deadline = time.monotonic() + 60
+    while True:
+        [(lora, later)] = _series(server, "vllm:lora_requests_info")
+        if lora["running_lora_adapters"] == "" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert lora["running_lora_adapters"] == "" and later >= stamp

@@ -167,3 +167,28 @@ def test_log_line_every_interval_while_busy(caplog) -> None:
     assert (
         "Prefix cache hit rate: 50.0%" in lines[0] and "Avg generation throughput: 10.0 tokens/s" in lines[0]
     )
+
+
+def test_lora_requests_info_is_one_series_of_the_current_adapters_stamped_now() -> None:
+    """vllm:lora_requests_info as the Gateway API Inference Extension reads it: labels list the adapters
+    (comma-separated), the value is the update time; a changed set replaces the old series; LoRA off: none."""
+    import time
+
+    def lora_series(e: PrometheusStatLogger) -> list[tuple[tuple, float]]:
+        return [(k[1], v) for k, v in samples(e).items() if k[0] == "vllm:lora_requests_info"]
+
+    e = PrometheusStatLogger("m", max_model_len=1024)
+    e.record(SchedulerStats(1, 0), IterationStats())
+    assert lora_series(e) == []  # max_lora 0: LoRA is off
+    before = time.time()
+    e.record(
+        SchedulerStats(2, 1, running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"], max_lora=4),
+        IterationStats(),
+    )
+    [(labels, stamp)] = lora_series(e)
+    assert dict(labels) == {"max_lora": "4", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
+    assert before <= stamp <= time.time()
+    e.record(SchedulerStats(1, 0, running_lora_adapters=["c"], max_lora=4), IterationStats())
+    [(labels, later)] = lora_series(e)
+    assert dict(labels) == {"max_lora": "4", "running_lora_adapters": "c", "waiting_lora_adapters": ""}
+    assert later >= stamp
