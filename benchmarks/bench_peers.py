@@ -16,6 +16,10 @@ warm-up are excluded from the timing. Pagoda and vLLM also get a single-stream m
 across engines. `--serve` adds the served throughput of `pagoda serve` vs `vllm serve` at concurrency
 1/8/32 with the official `openai` client (see peers_serve.py).
 
+`--model gemma-3-270m` runs the same comparison on the second embedded model, Gemma 3 270M (its GGUF Q4_K_M
+file dequantized into the float32 safetensors directory that every engine, vLLM included, loads); its
+results go to bench-results/peers-gemma-3-270m*.json.
+
 The workload's seed is used by no other benchmark or test: tune the engine on bench_offline.py's
 workload, never on this one. Writes bench-results/peers.json and peers.png and prints a table.
 """
@@ -62,6 +66,15 @@ def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
         prompt_len, out_len = rng.randint(24, 512), rng.randint(16, 256)
         work.append(([rng.randrange(100, vocab) for _ in range(prompt_len)], out_len))
     return work
+
+
+def results_name(model: str | None, model_dir: Path) -> str:
+    """bench-results/<name>.json: "peers" for the default model, "peers-<model>" for another one."""
+    from pagoda.engine.loader.resolve import WELL_KNOWN_MODELS
+
+    if model is None:
+        return "peers"
+    return f"peers-{model if model in WELL_KNOWN_MODELS else model_dir.name}"
 
 
 def model_directory(model: str | None) -> Path:
@@ -315,7 +328,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=WORKLOAD_SEED, help="workload seed (held out from tuning)")
-    ap.add_argument("--model", default=None, help="HF directory or GGUF file; default: the embedded model")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, GGUF file or gemma-3-270m (the embedded Gemma 3 270M); default: the embedded "
+        "SmolLM2-135M-Instruct",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -352,11 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     model_dir = model_directory(args.model)
     config = json.loads((model_dir / "config.json").read_text())
-    meta = {"model_dir": str(model_dir), "model_name": model_dir.name, "vocab": config["vocab_size"]}
-    if args.model is None:
-        from pagoda.engine.loader.resolve import DEFAULT_MODEL_FILE
+    meta = {
+        "model_dir": str(model_dir),
+        "model_name": model_dir.name,
+        "vocab": config["vocab_size"],
+        "results": results_name(args.model, model_dir),
+    }
+    from pagoda.engine.loader.resolve import DEFAULT_MODEL_FILE, WELL_KNOWN_MODELS
 
+    if args.model is None:
         meta["model_name"] = DEFAULT_MODEL_FILE.split(".")[0]
+    elif args.model in WELL_KNOWN_MODELS:
+        meta["model_name"] = args.model
     say(f"model: {model_dir}")
 
     vllm_python, vllm_note = None, "not needed"
@@ -428,9 +453,11 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         png = plot(
-            results, f"Offline throughput, {args.num_requests} requests, {os.cpu_count()} CPUs", "peers"
+            results,
+            f"Offline throughput, {meta['model_name']}, {args.num_requests} requests, {os.cpu_count()} CPUs",
+            meta["results"],
         )
-        path = write_json("peers", payload)
+        path = write_json(meta["results"], payload)
         say(f"wrote {path}" + (f" and {png}" if png else ""))
 
     if args.serve or args.serve_only:

@@ -228,8 +228,9 @@ def serve_comparison(
     )  # fmt: skip
     for why in skipped:
         print(f"skipped: {why}")
-    path = write_json("peers-serve", {"model_dir": str(model_dir), "runs": runs, "skipped": skipped})
-    png = _plot(runs, levels, dtypes)
+    name = f"{meta['results']}-serve"
+    path = write_json(name, {"model_dir": str(model_dir), "runs": runs, "skipped": skipped})
+    png = _plot(runs, levels, dtypes, name)
     say(f"wrote {path}" + (f" and {png}" if png else ""))
 
 
@@ -264,7 +265,7 @@ def _row(r: dict, runs: list[dict]) -> list:
     ]
 
 
-def _plot(runs: list[dict], levels: list[int], dtypes: list[str]) -> Path | None:
+def _plot(runs: list[dict], levels: list[int], dtypes: list[str], name: str) -> Path | None:
     if not runs:
         return None
     import matplotlib
@@ -297,7 +298,7 @@ def _plot(runs: list[dict], levels: list[int], dtypes: list[str]) -> Path | None
     tpot_ax.set_title("Time per output token, CPU")
     tps_ax.legend(fontsize=8)
     fig.tight_layout()
-    path = plot_path("peers-serve")
+    path = plot_path(name)
     fig.savefig(path)
     plt.close(fig)
     return path
