@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM, Phi-3/4, Granite) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM, Phi-3/4, Granite, and with a mixture-of-experts
+MLP Qwen3-MoE and Mixtral) over a paged KV cache.
 
 Our own forward: attention goes through an `AttentionBackend`, which owns the KV cache writes and the
 paged attention; the model only projects, rotates and mixes. What differs between the families is read
 from the ModelConfig (and through it the architecture table), never from the family's name: QK-norm
 (Qwen3), partial rotary (Phi-4-mini), fused checkpoint tensors (Phi-3), the scalings of RoPE (llama3,
-yarn, LongRoPE) and Granite's embedding, attention, residual and logits multipliers.
+yarn, LongRoPE), Granite's embedding, attention, residual and logits multipliers, and which layers' MLP is
+the sparse one of engine/models/moe.py (`ModelConfig.layer_is_sparse`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pagoda.engine.models.layers import (
     finish_logits,
     rotary_dim,
 )
+from pagoda.engine.models.moe import MOE_PREFIXES, SparseMoE
 from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
 
@@ -131,9 +134,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device, triton
         )
-        self.mlp = SiluMLP(
-            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, triton
-        )
+        if config.layer_is_sparse(layer):  # mixture of experts (Qwen3-MoE, Mixtral)
+            self.mlp = SparseMoE(config, dtype, device, triton)
+        else:
+            self.mlp = SiluMLP(
+                config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, triton
+            )
         self.residual_multiplier = config.residual_multiplier  # Granite: blocks' outputs scaled before adding
 
     def forward(
@@ -249,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _target(self, name: str) -> tuple[torch.Tensor, int, int, tuple[int, list[int]] | None] | None:
         """Map a Hugging Face tensor name to (our parameter, row offset, rows, this rank's part of the
-        checkpoint tensor as (dim, indices) or None for all of it); None = ignore the tensor."""
+        checkpoint tensor as (dim, indices) or None for all of it); None = ignore the tensor. A sparse
+        layer's expert and router tensors map to (its SparseMoE, the name within its block, 0, None)."""
         if name.startswith("model."):
             name = name[len("model.") :]
         if "rotary_emb" in name:
@@ -268,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         layer = self.layers[int(parts[1])]
         sub = ".".join(parts[2:])
         attn, mlp, c = layer.self_attn, layer.mlp, self.config
+        if isinstance(mlp, SparseMoE) and sub.startswith(MOE_PREFIXES):
+            return (mlp, sub.split(".", 1)[1], 0, None)  # load_weights hands it to the experts
         q, kv, inter, hd = attn.q_size, attn.kv_size, mlp.intermediate, attn.head_dim
         q_idx = list(range(attn.q_heads[0] * hd, attn.q_heads[1] * hd))
         kv_idx = [h * hd + i for h in attn.kv_head_ids for i in range(hd)]
@@ -285,10 +294,13 @@ class LlamaForCausalLM(nn.Module):
             "self_attn.k_proj": (attn.qkv_proj, q, kv, kv_rows, kv_rows),
             "self_attn.v_proj": (attn.qkv_proj, q + kv, kv, kv_rows, kv_rows),
             "self_attn.o_proj": (attn.o_proj, 0, c.hidden_size, (1, q_idx), None),
-            "mlp.gate_proj": (mlp.gate_up_proj, 0, inter, inter_rows, inter_rows),
-            "mlp.up_proj": (mlp.gate_up_proj, inter, inter, inter_rows, inter_rows),
-            "mlp.down_proj": (mlp.down_proj, 0, c.hidden_size, (1, inter_idx), None),
         }
+        if not isinstance(mlp, SparseMoE):
+            table |= {
+                "mlp.gate_proj": (mlp.gate_up_proj, 0, inter, inter_rows, inter_rows),
+                "mlp.up_proj": (mlp.gate_up_proj, inter, inter, inter_rows, inter_rows),
+                "mlp.down_proj": (mlp.down_proj, 0, c.hidden_size, (1, inter_idx), None),
+            }
         if module_name not in table or kind not in ("weight", "bias"):
             raise KeyError(name)
         module, offset, rows, weight_slice, bias_slice = table[module_name]
@@ -317,6 +329,15 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model"
                 ) from None
             if target is None:
+                continue
+            if isinstance(target[0], SparseMoE):  # the experts place (and shard) their own tensors
+                try:
+                    param, rows = target[0].load(target[1], tensor, name)
+                except KeyError:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model"
+                    ) from None
+                loaded[id(param)] = loaded.get(id(param), 0) + rows
                 continue
             param, offset, rows, part = target
             if part is not None and tp_size() > 1:

@@ -42,6 +42,7 @@ class Architecture:
     attn_logit_softcap: bool = False  # soft-capping of attention scores and final logits
     attention_sinks: bool = False  # learned per-head sink logits
     experts: bool = False  # mixture-of-experts MLP
+    norm_topk_prob: bool = True  # experts: renormalise the top-k routing weights where config.json is silent
     # The checkpoint stores q/k/v as one `self_attn.qkv_proj` and gate/up as one `mlp.gate_up_proj` (Phi-3);
     # the loader splits them into their parts before sharding each.
     fused_checkpoint: bool = False
@@ -86,6 +87,22 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding_window="opt_in",
         rope_scalings=("llama3", "linear", "yarn"),
         qk_norm=True,
+    ),
+    Architecture(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        ("qwen3_moe",),
+        sliding_window="opt_in",
+        rope_scalings=("llama3", "linear", "yarn"),
+        qk_norm=True,
+        experts=True,
+        norm_topk_prob=False,  # transformers' default; Qwen3-30B-A3B's config.json sets it true
+    ),
+    Architecture(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        ("mixtral",),
+        experts=True,
     ),
     Architecture(
         "phi3",

@@ -60,6 +60,13 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
     attention_multiplier: float | None = None  # the attention scale itself (Granite); see attention_scale
     logits_scaling: float = 1.0  # final logits divided by this (Granite)
+    # Mixture of experts (the table's `experts` feature: Qwen3-MoE, Mixtral); num_experts 0 = dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's intermediate size (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to one
+    decoder_sparse_step: int = 1  # every Nth layer is sparse (Qwen3-MoE) ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which keep a dense MLP
 
     @property
     def family(self) -> architectures.Architecture:
@@ -143,6 +150,7 @@ class ModelConfig:
             residual_multiplier=float(d.get("residual_multiplier") or 1.0),
             attention_multiplier=_optional_float(d, "attention_multiplier"),
             logits_scaling=float(d.get("logits_scaling") or 1.0),
+            **_experts(d, family),
         )
 
     @classmethod
@@ -151,6 +159,14 @@ class ModelConfig:
         if not cfg.is_file():
             raise ValueError(f"model directory {str(path)!r} has no config.json")
         return cls.from_hf_config(json.loads(cfg.read_text()))
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether a layer's MLP is the mixture of experts (else the dense MLP of intermediate_size)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of one layer (None = full attention)."""
@@ -192,6 +208,24 @@ def _positive(d: dict[str, Any], key: str, where: str) -> int:
 def _optional_float(d: dict[str, Any], key: str) -> float | None:
     value = d.get(key)
     return None if value is None else float(value)
+
+
+def _experts(d: dict[str, Any], family: architectures.Architecture) -> dict[str, Any]:
+    """The mixture-of-experts fields of a family with experts (or of an unknown family read leniently):
+    `num_experts` (Qwen3-MoE on the hub) or `num_local_experts` (Mixtral, and what transformers 5 writes);
+    the top-k weights renormalised unless `norm_topk_prob` says otherwise (the table's default: Mixtral
+    always renormalises, Qwen3-MoE only with norm_topk_prob)."""
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    if not experts or not (family.experts or not family.name):
+        return {}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 2),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or d.get("intermediate_size") or 0),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", family.norm_topk_prob)),
+        "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(i) for i in d.get("mlp_only_layers") or []],
+    }
 
 
 def _per_layer_type_rope(d: dict[str, Any]) -> tuple[dict[str, Any], float | None]:

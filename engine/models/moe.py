@@ -1,0 +1,177 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router, top-k experts per token, grouped GEMMs.
+
+Routing: router logits -> softmax over the experts in float32 -> the k largest, renormalised to sum to one
+where the config says (`norm_topk_prob`; Mixtral always). The (token, expert) slots are then sorted by
+expert and each projection is one grouped computation over the sorted rows: on the GPU the Triton kernel
+(pagoda.kernels.fused_moe), on the CPU torch's grouped matmul (`torch._grouped_mm`, one call per projection
+over the whole step, no Python loop over experts; measured faster than gathering a weight per slot for
+`torch.bmm`, see kernels/BENCHMARKS.md). Without `_grouped_mm`, or for rows not a multiple of 16 bytes long
+(which it refuses), the CPU path gathers each slot's expert weights and uses bmm.
+
+Weights: every expert's gate and up rows are stacked in ``w13`` [E, 2I, H] and its down in ``w2`` [E, H, I];
+the checkpoint's per-expert tensors (Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral
+`block_sparse_moe.experts.{e}.w1/w3/w2`) or transformers' in-memory 3-D ones (`experts.gate_up_proj`,
+`experts.down_proj`) are copied into them, and the router (`gate.weight`) into ``router``.
+
+Tensor parallelism: each rank holds every expert, with a 1/tp slice of each expert's intermediate dimension
+(gate/up rows, down columns), as the dense MLP is split. Routing is computed identically on every rank
+(the router is replicated), each rank's experts give partial sums of the output, and one all-reduce adds
+them: no token is sent between ranks, and the traffic is that of a dense layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pagoda.engine.distributed.parallel_state import all_reduce, shard_range
+from pagoda.engine.models import cpu_ops
+from pagoda.engine.sizing.model_config import ModelConfig
+from torch import nn
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+# checkpoint names of an expert's projections -> (ours, part): gate and up are halves of w13
+_EXPERT_PARTS = {
+    "gate_proj": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", None),
+    "w1": ("w13", 0),
+    "w3": ("w13", 1),
+    "w2": ("w2", None),
+}
+MOE_PREFIXES = ("mlp.", "block_sparse_moe.")  # where a layer's sparse block lives in the checkpoint
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) from router logits [T, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_cpu(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The CPU path of the experts (shapes as `pagoda.kernels.fused_moe.fused_experts`): slots sorted by
+    expert, one grouped matmul per projection."""
+    t, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order // top_k)
+    scale = weights.reshape(-1)[order]
+    grouped = HAS_GROUPED_MM and _grouped_mm_strides(x.element_size(), w13.shape[2], w2.shape[2])
+    if grouped:
+        offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    else:
+        per_slot = flat[order]
+        gate_up = torch.bmm(rows.unsqueeze(1), w13[per_slot].transpose(1, 2)).squeeze(1)
+    act = cpu_ops.silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    if grouped:
+        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+    else:
+        y = torch.bmm(act.unsqueeze(1), w2[per_slot].transpose(1, 2)).squeeze(1)
+    per_slot_out = torch.empty((t * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
+    per_slot_out[order] = y.float() * scale[:, None]
+    return per_slot_out.view(t, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_mm_strides(element_size: int, hidden: int, intermediate: int) -> bool:
+    """torch._grouped_mm takes rows a multiple of 16 bytes long only (a tensor-parallel slice of an
+    intermediate size may not be); the other shapes take the bmm path."""
+    return (hidden * element_size) % 16 == 0 and (intermediate * element_size) % 16 == 0
+
+
+def experts_loop(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The per-expert Python loop the grouped paths replace (transformers' way): kept for the benchmark."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of one decoder layer: ``forward(x [T, H]) -> [T, H]`` (summed over tensor-parallel ranks)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, triton: bool = False):
+        super().__init__()
+        experts, hidden = config.num_experts, config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.full_intermediate = config.moe_intermediate_size
+        self.inter_lo, self.inter_hi = shard_range(config.moe_intermediate_size)
+        self.intermediate = self.inter_hi - self.inter_lo
+        self.router = nn.Parameter(torch.empty(experts, hidden, dtype=dtype, device=device), False)
+        self.w13 = nn.Parameter(
+            torch.empty(experts, 2 * self.intermediate, hidden, dtype=dtype, device=device), False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(experts, hidden, self.intermediate, dtype=dtype, device=device), False
+        )
+        self.triton = triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        if self.triton:
+            from pagoda.kernels.fused_moe import fused_experts
+
+            y = fused_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            y = experts_cpu(x, self.w13, self.w2, weights, ids)
+        return all_reduce(y)
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def load(self, sub: str, tensor: torch.Tensor, name: str = "") -> tuple[nn.Parameter, float]:
+        """Copy the checkpoint tensor named ``sub`` (the name after the layer's sparse block, e.g.
+        `experts.3.w1.weight`, `experts.gate_up_proj`, `gate.weight`) into this rank's part of our stacked
+        parameters: (the parameter, how much of its first dimension that completed: halves of an expert for
+        its gate or up rows; ``name``: the full name, for messages). A KeyError for a name that has no place, a ValueError for a wrong shape."""
+        parts = sub.split(".")
+        experts, hidden = self.w13.shape[0], self.w13.shape[2]
+        lo, hi, inter, full = self.inter_lo, self.inter_hi, self.intermediate, self.full_intermediate
+        if sub == "gate.weight":
+            self._check(tensor, (experts, hidden), name or sub)
+            self.router.copy_(tensor)
+            return self.router, experts
+        if parts[0] != "experts":
+            raise KeyError(sub)
+        if len(parts) == 2 and parts[1] == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+            self._check(tensor, (experts, 2 * full, hidden), name or sub)
+            gate, up = tensor.chunk(2, dim=1)
+            self.w13[:, :inter].copy_(gate[:, lo:hi])
+            self.w13[:, inter:].copy_(up[:, lo:hi])
+            return self.w13, experts
+        if len(parts) == 2 and parts[1] == "down_proj":  # [E, H, I]
+            self._check(tensor, (experts, hidden, full), name or sub)
+            self.w2.copy_(tensor[:, :, lo:hi])
+            return self.w2, experts
+        if len(parts) != 4 or parts[3] != "weight" or parts[2] not in _EXPERT_PARTS:
+            raise KeyError(sub)
+        expert = int(parts[1])
+        if not 0 <= expert < experts:
+            raise KeyError(sub)
+        ours, half = _EXPERT_PARTS[parts[2]]
+        if ours == "w2":
+            self._check(tensor, (hidden, full), name or sub)
+            self.w2[expert].copy_(tensor[:, lo:hi])
+            return self.w2, 1.0
+        self._check(tensor, (full, hidden), name or sub)
+        self.w13[expert, half * inter : (half + 1) * inter].copy_(tensor[lo:hi])
+        return self.w13, 0.5
+
+    @staticmethod
+    def _check(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+        """The whole checkpoint tensor's shape (each rank then takes its slice of it)."""
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
