@@ -267,6 +267,34 @@ def test_full_duplex_returns_the_whole_body_and_buffered_continues_the_headers(r
     asyncio.run(scenario())
 
 
+def test_full_duplex_passes_the_answer_through(replicas):
+    """The response phases of a full-duplex stream: headers continue, each body chunk comes back as is
+    (the picker holds nothing of the answer: tokens stream on)."""
+
+    async def scenario() -> None:
+        async with Picker([replicas["idle"]], "leastLoaded") as p:
+            call = p.stub.Process()
+            mode = pb.ProtocolConfiguration(request_body_mode=MODES.FULL_DUPLEX_STREAMED)
+            await call.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(), protocol_config=mode))
+            await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True)))
+            assert endpoint([await call.read(), await call.read()]) == endpoint_of(replicas["idle"])
+            await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+            assert (await call.read()).response_headers.response.status == pb.CommonResponse.CONTINUE
+            for chunk, last in ((b"data: w0\n\n", False), (b"data: [DONE]\n\n", True)):
+                await call.write(
+                    pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=last))
+                )
+                back = (await call.read()).response_body.response.body_mutation.streamed_response
+                assert (back.body, back.end_of_stream) == (chunk, last)
+            assert p.app.pool.backends[replicas["idle"]].inflight == 1  # open until the stream ends
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            await asyncio.sleep(0.1)
+            assert p.app.pool.backends[replicas["idle"]].inflight == 0
+
+    asyncio.run(scenario())
+
+
 def test_no_replica_is_an_immediate_503_and_a_full_hold_429(kit):
     dead = f"http://127.0.0.1:{kit.free_port()}"  # nothing listens there
 
