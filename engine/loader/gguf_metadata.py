@@ -35,6 +35,7 @@ _STANDARD_KEYS = {
 # Plain numbers llama.cpp writes under "{arch}." that map one-to-one onto config.json fields.
 _EXTRA_KEYS = {
     "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",  # Phi-3's (transformers reads only Gemma's)
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
     "attention.scale": "attention_multiplier",

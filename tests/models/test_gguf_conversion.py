@@ -97,7 +97,7 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
     if arch in ("qwen3", *_GEMMA):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch in _GEMMA:
+    if arch in _GEMMA or (arch == "phi3" and cfg.sliding_window):
         writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -242,6 +242,7 @@ NEW_FAMILIES = {
             "partial_rotary_factor": 0.5,  # Phi-4-mini rotates part of each head
         },
         original_max_position_embeddings=64,
+        sliding_window=6,  # Phi-3-mini's config has one (2047)
         pad_token_id=0,
         tie_word_embeddings=False,
     ),
