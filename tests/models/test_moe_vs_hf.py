@@ -222,7 +222,7 @@ def test_a_missing_or_misshapen_expert_tensor_is_named(tmp_path_factory):
 
 @pytest.mark.parametrize("grouped_mm", [True, False])
 def test_cpu_experts_match_the_twin_and_the_loop(monkeypatch, grouped_mm):
-    """The CPU path (torch._grouped_mm, or the gathered-weight bmm without it) against the twin and the
+    """The CPU path (torch._grouped_mm, or the padded bmm without it) against the twin and the
     per-expert loop, with experts no token chose."""
     monkeypatch.setattr(moe_module, "HAS_GROUPED_MM", grouped_mm and moe_module.HAS_GROUPED_MM)
     g = torch.Generator().manual_seed(5)
