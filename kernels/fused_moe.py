@@ -129,7 +129,9 @@ def expert_tiles(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertTil
     flat = ids.reshape(-1)
     slots = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the largest id back to the host, which a captured graph cannot do
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
     tiles_of = (counts + block_m - 1) // block_m
     tiles_end = tiles_of.cumsum(0)

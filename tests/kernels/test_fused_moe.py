@@ -79,3 +79,19 @@ def test_launch_config_fits_shared_memory():
     assert small.shared_memory <= 20 * 1024 and small.block_m >= 16
     with pytest.raises(ValueError, match="no fused MoE tile fits"):
         fused_moe_config(DeviceLimits((7, 5), 1024), "float32")
+
+
+def test_the_layer_s_gpu_path_matches_its_cpu_path():
+    """SparseMoE with the Triton kernels (the GPU path, interpreted here) against its CPU path."""
+    from pagoda.engine.models.moe import SparseMoE
+    from pagoda.engine.sizing.model_config import ModelConfig
+
+    cfg = ModelConfig("mixtral", 64, 48, 40, 1, 4, 2, 12, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=40)  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    layers = [SparseMoE(cfg, torch.float32, torch.device("cpu"), triton=t) for t in (True, False)]
+    for p in layers[0].parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(11, 48, generator=g)
+    torch.testing.assert_close(layers[0](x), layers[1](x), atol=1e-4, rtol=1e-4)
