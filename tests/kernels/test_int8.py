@@ -207,3 +207,31 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(paged, window):
     torch.testing.assert_close(tri.scales, ref.scales, equal_nan=True, atol=0, rtol=0)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, want, **paged.tolerance(case.q.dtype))
+
+
+@pytest.mark.parametrize(("head_dim", "window"), [(256, None), (64, 5)])
+def test_decode_and_prefill_with_soft_cap_match_twin(paged, head_dim, window):
+    """Gemma 2's soft-cap over an INT8 cache: each key's scale applies before the cap, in both kernels
+    (Gemma 3 270M's 4 query heads on 1 KV head at head_dim 256)."""
+    seq_lens, query_lens = [1, 19, 40], [1, 19, 6]
+    case, scales = int8_case(paged, seq_lens, query_lens, block_size=16, group=4, num_kv_heads=1,
+                             head_dim=head_dim, dtype=torch.float32, seed=head_dim)  # fmt: skip
+    kw = dict(kv_scales=scales, sliding_window=window, logit_softcap=0.9)
+    out = paged_prefill_attention(
+        case.q, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
+        max_query_len=max(query_lens), out=paged.poisoned_like(case.q), **kw,
+    )  # fmt: skip
+    ref = paged_prefill_attention_ref(
+        case.q, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables, case.scale, **kw
+    )
+    torch.testing.assert_close(out, ref, **paged.tolerance(case.q.dtype))
+    last = case.query_start_loc[1:] - 1  # each sequence's last token, as a decode
+    dec = paged_decode_attention(
+        case.q[last], case.kv_cache, case.block_tables, case.seq_lens, case.scale, num_splits=2, **kw
+    )
+    torch.testing.assert_close(dec, ref[last], **paged.tolerance(case.q.dtype))
+    plain = paged_decode_attention_ref(
+        case.q[last], case.kv_cache, case.seq_lens, case.block_tables, case.scale, kv_scales=scales,
+        sliding_window=window,
+    )  # fmt: skip
+    assert (plain - dec).abs().max() > 1e-2
