@@ -105,7 +105,9 @@ class RouterApp:
         if self.config.ext_proc_port is not None:  # grpc only when asked for (router/ext_proc.py)
             from pagoda.router.ext_proc import ExternalProcessor, serve
 
-            processor = ExternalProcessor(self.picker, self.hold, self.metrics, self.config.policy)
+            processor = ExternalProcessor(
+                self.picker, self.hold, self.metrics, self.config.policy, self.config.max_request_body_bytes
+            )
             self.ext_proc, port = await serve(processor, self.config.host, self.config.ext_proc_port)
             log.info("ext_proc endpoint picker on %s:%d", self.config.host, port)
 

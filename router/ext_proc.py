@@ -10,7 +10,7 @@ read before picking, as the policies need the prompt); the answer sets the ``x-g
 header and the same ``ip:port`` under dynamic metadata ``envoy.lb``. A subset hint (filter metadata
 ``envoy.lb.subset_hint``, key ``x-gateway-destination-endpoint-subset``) restricts the choice to the listed
 endpoints. No endpoint: an immediate 503 with Retry-After; the scale-to-zero hold full: 429 (the protocol's
-"drop this request" answer). The pick counts as in flight at its replica until the stream ends (Envoy keeps
+"drop this request" answer); a body past ``--max-request-body-bytes``: 413, as the proxy answers. The pick counts as in flight at its replica until the stream ends (Envoy keeps
 it open for the request's life when the response phases are sent; else until the request phase ends).
 
 Body modes, read from the stream's ``protocol_config``: BUFFERED answers the headers at once and the body
@@ -89,11 +89,14 @@ class _Stream:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The ext_proc servicer over the router's picker (and its pool), hold and metrics."""
 
-    def __init__(self, picker: Picker, hold: Hold, metrics: RouterMetrics, policy: str) -> None:
+    def __init__(
+        self, picker: Picker, hold: Hold, metrics: RouterMetrics, policy: str, max_body_bytes: int
+    ) -> None:
         self.picker = picker
         self.hold = hold
         self.metrics = metrics
         self.policy = policy
+        self.max_body_bytes = max_body_bytes  # the proxy's (and the engine's) limit: 413 beyond it
 
     async def Process(  # noqa: N802 - the gRPC method's name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -127,6 +130,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return []  # answered with the pick once the body has ended
         if kind == "request_body":
             s.body += req.request_body.body
+            if len(s.body) > self.max_body_bytes:  # a replica would refuse it: no need to hold it all
+                limit = self.max_body_bytes
+                err = {
+                    "message": f"Request body is larger than the limit of {limit} bytes.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+                return [_immediate(413, json.dumps({"error": err}).encode(), None)]
             if not req.request_body.end_of_stream:
                 if s.body_mode == _MODES.FULL_DUPLEX_STREAMED:
                     return []  # the whole body goes back with the last answer

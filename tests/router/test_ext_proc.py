@@ -81,7 +81,8 @@ class Picker:
         self.app = RouterApp(self.config)
         await self.app.pool.start()
         app = self.app
-        processor = ExternalProcessor(app.picker, app.hold, app.metrics, self.config.policy)
+        limit = self.config.max_request_body_bytes
+        processor = ExternalProcessor(app.picker, app.hold, app.metrics, self.config.policy, limit)
         self.server, port = await serve(processor, "127.0.0.1", 0)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
@@ -310,6 +311,19 @@ def test_no_replica_is_an_immediate_503_and_a_full_hold_429(kit):
             assert status == 429 and body["error"]["code"] == "hold_full" and int(headers["retry-after"]) > 0
             status, _, body = immediate(await held)  # none came up within the hold
             assert status == 503 and body["error"]["code"] == "no_backend"
+
+    asyncio.run(scenario())
+
+
+def test_a_body_past_the_limit_is_an_immediate_413(replicas):
+    """--max-request-body-bytes, as the proxy (and the engine) apply it: in either body mode."""
+
+    async def scenario() -> None:
+        async with Picker([replicas["idle"]], "prefix", max_request_body_bytes=1000) as p:
+            for mode in (MODES.BUFFERED, MODES.FULL_DUPLEX_STREAMED):
+                status, _, body = immediate(await p.route(prompt(10, n=400), mode=mode))
+                assert status == 413 and body["error"]["code"] == "request_too_large"
+                assert await p.pick(prompt(10, n=20), mode=mode) == endpoint_of(replicas["idle"])
 
     asyncio.run(scenario())
 
