@@ -34,6 +34,11 @@ def module_shapes(model: torch.nn.Module) -> dict[str, ModuleShape]:
 
 class LoRAModel:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            raise ValueError(
+                f"LoRA adapters are not supported on mixture-of-experts models ({model.config.architecture}): "
+                "serve the model without --enable-lora"
+            )
         self.model = model
         self.max_rank = max_rank
         self.context = LoRAContext()

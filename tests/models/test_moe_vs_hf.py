@@ -276,3 +276,12 @@ def test_tp2_greedy_matches_hf(tmp_path):
         assert list(out.token_ids) == tokens
         got = [step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)]
         assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_lora_is_refused_by_name(tmp_path_factory):
+    from pagoda.engine.lora.model import LoRAModel
+
+    _, path, _, _, _ = _build("mixtral-window", tmp_path_factory)
+    model, _ = _load(path)
+    with pytest.raises(ValueError, match=r"not supported on mixture-of-experts models \(mixtral\)"):
+        LoRAModel(model, max_loras=2, max_rank=8)
