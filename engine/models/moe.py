@@ -65,6 +65,8 @@ def experts_cpu(
     """The CPU path of the experts (shapes as `pagoda.kernels.fused_moe.fused_experts`): slots sorted by
     expert, one grouped matmul per projection."""
     t, top_k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // top_k)

@@ -235,6 +235,7 @@ def test_cpu_experts_match_the_twin_and_the_loop(monkeypatch, grouped_mm):
     want = fused_experts_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(experts_cpu(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(experts_loop(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
+    assert experts_cpu(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 48)
 
 
 # ---------------------------------------------------------------- tensor parallelism
