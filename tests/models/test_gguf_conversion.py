@@ -104,6 +104,11 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch == "phi3":
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3" and "long_factor" in rope:
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         for kind in ("long", "short"):
@@ -213,15 +218,36 @@ _GEMMA_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
 }
 _NO_THETA = {k: v for k, v in COMMON.items() if k != "rope_theta"}
-# Each family with the features its GGUF form must carry set away from their defaults where GGUF can say so.
+# Each family with the features its GGUF form must carry set away from their defaults where GGUF can say so
+# (a key's text before "-" is the GGUF architecture).
 NEW_FAMILIES = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
+    "qwen3-yarn": lambda: Qwen3Config(
+        **_NO_THETA,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "gemma3": lambda: Gemma3TextConfig(
         **{**_NO_THETA, "num_hidden_layers": 6},  # five sliding layers, then a full one
         head_dim=16,
         sliding_window=4,
         rope_parameters=_GEMMA_ROPE,
         query_pre_attn_scalar=256,  # GGUF has no key for it; readers use Gemma's 256
+    ),
+    "gemma3-linear": lambda: Gemma3TextConfig(  # Gemma 3 4B and larger: global layers' positions / 8
+        **{**_NO_THETA, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=4,
+        rope_parameters={
+            **_GEMMA_ROPE,
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        },
+        query_pre_attn_scalar=256,
     ),
     "gemma2": lambda: Gemma2Config(
         **_NO_THETA,
@@ -258,9 +284,10 @@ NEW_FAMILIES = {
 _ENGINE_ONLY = ("torch_dtype", "bos_token_id", "eos_token_ids")  # the file's tokenizer ids, bfloat16 on GPU
 
 
-def _tiny_gguf(arch: str, tmp_path, **write):
+def _tiny_gguf(name: str, tmp_path, **write):
+    arch = name.split("-")[0]
     torch.manual_seed(0)
-    cfg = NEW_FAMILIES[arch]()
+    cfg = NEW_FAMILIES[name]()
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -270,9 +297,9 @@ def _tiny_gguf(arch: str, tmp_path, **write):
     return src, hf, cfg
 
 
-@pytest.mark.parametrize("arch", list(NEW_FAMILIES))
-def test_gguf_new_families(arch, tmp_path, monkeypatch, paged, caches):
-    src, hf, cfg = _tiny_gguf(arch, tmp_path)
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_gguf_new_families(name, tmp_path, monkeypatch, paged, caches):
+    src, hf, cfg = _tiny_gguf(name, tmp_path)
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
     out = resolve_model(src)
 
@@ -281,8 +308,8 @@ def test_gguf_new_families(arch, tmp_path, monkeypatch, paged, caches):
     }
     converted = load_file(str(out / "model.safetensors"))
     assert sorted(converted) == sorted(expected)
-    for name, tensor in expected.items():  # Gemma's norms come back through (w + 1) - 1 in float32
-        torch.testing.assert_close(converted[name], tensor, atol=1e-6, rtol=0, msg=name)
+    for key, tensor in expected.items():  # Gemma's norms come back through (w + 1) - 1 in float32
+        torch.testing.assert_close(converted[key], tensor, atol=1e-6, rtol=0, msg=key)
 
     ours = asdict(ModelConfig.from_dir(out))
     source = asdict(ModelConfig.from_hf_config(json.loads(cfg.to_json_string())))
@@ -303,9 +330,8 @@ def test_gguf_new_families(arch, tmp_path, monkeypatch, paged, caches):
 
     # And Pagoda's model on the converted directory computes it too.
     model, mc = load_model(out, torch.float32, "cpu", get_attention_backend("torch", "cpu"), progress=False)
-    if (
-        arch == "phi3"
-    ):  # an engine within the pretraining length rotates with the short factors, as transformers
+    if name == "phi3":
+        # an engine within the pretraining length rotates with the short factors, as transformers does
         model.set_max_model_len(cfg.original_max_position_embeddings)
     kv = caches(mc.num_hidden_layers, 8, 8, mc.num_key_value_heads, mc.head_dim)
     with torch.no_grad():
