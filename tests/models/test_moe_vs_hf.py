@@ -286,3 +286,36 @@ def test_lora_is_refused_by_name(tmp_path_factory):
     model, _ = _load(path)
     with pytest.raises(ValueError, match=r"not supported on mixture-of-experts models \(mixtral\)"):
         LoRAModel(model, max_loras=2, max_rank=8)
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "experts", "top_k", "billions"),
+    [(QWEN3_30B_A3B, 128, 8, 30.53), (MIXTRAL_8X7B, 8, 2, 46.70)],
+    ids=["Qwen3-30B-A3B", "Mixtral-8x7B"],
+)
+def test_published_configs_build_the_published_parameter_count(config, experts, top_k, billions):
+    """The hub's config.json (the fields as published) read and built on the meta device: the model cards'
+    parameter counts (30.5B, 46.7B), so every expert has its place."""
+    cfg = ModelConfig.from_hf_config(config)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (experts, top_k, True)
+    model = LlamaForCausalLM(cfg, get_attention_backend("torch", "cpu"), torch.bfloat16, device="meta")
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.005)
