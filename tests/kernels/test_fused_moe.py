@@ -95,3 +95,19 @@ def test_the_layer_s_gpu_path_matches_its_cpu_path():
     layers[1].load_state_dict(layers[0].state_dict())
     x = torch.randn(11, 48, generator=g)
     torch.testing.assert_close(layers[0](x), layers[1](x), atol=1e-4, rtol=1e-4)
+
+
+def test_the_gpu_tiles_match_too(monkeypatch):
+    """The largest GPU tile (64 slots x 128 columns x 64), wider than every dimension here: masks only."""
+    from pagoda.kernels import fused_moe
+
+    monkeypatch.setattr(
+        fused_moe, "fused_moe_config", lambda limits, dtype: fused_moe.MoEConfig(64, 128, 64, 4, 1)
+    )
+    x, w13, w2, weights, ids = _case(29, 8, 2, 40, 24, torch.float32, 3, unused=(4,))
+    torch.testing.assert_close(
+        fused_experts(x, w13, w2, weights, ids),
+        fused_experts_ref(x, w13, w2, weights, ids),
+        atol=1e-4,
+        rtol=1e-4,
+    )
