@@ -68,6 +68,8 @@ def hf_config(
     arch = field(reader, "general.architecture")
     d = _base_config(reader, gguf_path, family, arch)
     _add_extras(d, reader, arch, rope_factors)
+    if d["num_hidden_layers"] in family.gguf_width_scaled_layers:  # Gemma 2/3 27B, as llama.cpp runs them
+        d["query_pre_attn_scalar"] = d["hidden_size"] // d["num_attention_heads"]
     model_type = d.pop("model_type")
     d = CONFIG_MAPPING[model_type].from_dict(d).to_dict()  # normalized as transformers itself reads it
     for key in ("_name_or_path", "_model_name_or_path", "dtype", "transformers_version"):

@@ -28,6 +28,9 @@ class Architecture:
     gguf_arch: str | None = None  # a GGUF file's general.architecture; None: not loaded from GGUF
     gguf_permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of q/k rows (undone on load)
     gguf_norm_shift: float = 0.0  # llama.cpp added it to each *norm.weight (Gemma: 1); undone on load
+    # GGUF has no key for Gemma's query_pre_attn_scalar: llama.cpp takes head_dim (transformers' 256), except
+    # for the layer counts listed here (the 27B models), where it is hidden_size / num_attention_heads.
+    gguf_width_scaled_layers: tuple[int, ...] = ()
     qkv_bias: bool = False  # q/k/v projections carry a bias unless config.json says attention_bias
     # Sliding windows: "config" = wherever config.json sets sliding_window (use_sliding_window: false turns it
     # off); "opt_in" = only with use_sliding_window: true, and then from max_window_layers on (Qwen2).
@@ -127,6 +130,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         model_class="GemmaForCausalLM",
         gguf_arch="gemma2",
         gguf_norm_shift=1.0,
+        gguf_width_scaled_layers=(46,),
         sliding_pattern=2,
         post_norms=True,
         attn_logit_softcap=True,
@@ -140,6 +144,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         model_class="GemmaForCausalLM",
         gguf_arch="gemma3",
         gguf_norm_shift=1.0,
+        gguf_width_scaled_layers=(62,),
         sliding_pattern=6,
         qk_norm=True,
         post_norms=True,

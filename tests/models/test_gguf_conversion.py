@@ -258,6 +258,13 @@ NEW_FAMILIES = {
         final_logit_softcapping=3.0,
         query_pre_attn_scalar=256,
     ),
+    "gemma2-27b": lambda: Gemma2Config(  # 46 layers: llama.cpp scales attention by hidden / heads (27B)
+        **{**_NO_THETA, "num_hidden_layers": 46, "hidden_size": 48},
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=12,
+    ),
     "phi3": lambda: Phi3Config(
         **{**_NO_THETA, "num_key_value_heads": 4},
         rope_parameters={
