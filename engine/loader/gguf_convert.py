@@ -34,7 +34,7 @@ from pagoda.engine.sizing.architectures import Architecture, from_gguf
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 3  # 3: Qwen3, Gemma 2/3, Phi-3, Granite; generation_config.json with turn-end ids
+CONVERTER_VERSION = 4  # 3: Qwen3, Gemma 2/3, Phi-3, Granite, generation_config.json; 4: windows, 27B scale
 
 # blk.N.<name> -> model.layers.N.<name>, for every family; the entries below it depend on the family.
 _LAYER_NAMES = {
