@@ -5,16 +5,19 @@ where the config says (`norm_topk_prob`; Mixtral always). The (token, expert) sl
 expert and each projection is one grouped computation over the sorted rows: on the GPU the Triton kernel
 (pagoda.kernels.fused_moe), on the CPU torch's grouped matmul (`torch._grouped_mm`, one call per projection
 over the whole step), or where it is missing or refuses the shape (rows must be a multiple of 16 bytes long,
-which a tensor-parallel slice may not be) batched matmuls over the experts with each expert's rows padded
-to the busiest one's count. Neither loops over experts in Python.
+which a tensor-parallel slice may not be) batched matmuls over the experts the step chose, each one's rows
+padded to the busiest one's count. Neither loops over experts in Python.
 
-Measured on this project's 2-core CPU host (median of 60, one thread, a loaded machine: +-30 %), experts
-E=8 H=256 I=128 top-2, microseconds for T = 1 / 16 / 128 tokens: float32 grouped_mm 138 / 476 / 1115,
-padded bmm 217 / 370 / 1658, the per-expert loop (`experts_loop`, transformers' way) 134 / 656 / 1566;
-bfloat16 258 / 552 / 1053, 347 / 457 / 902, 310 / 966 / 1318. E=64 H=512 I=128 top-8, 64 tokens: float32
-12.2 / 13.6 / 14.6 ms, bfloat16 9.5 / 7.7 / 13.0 ms. Gathering each slot's expert weights for one bmm
-(no padding) was 30-170x slower (a copy of the weights per slot) and was dropped. grouped_mm is the
-default: no padding, no host synchronisation for the busiest count; the loop only ties at one token.
+Measured on this project's 2-core CPU host (medians, one thread, a machine shared with other jobs: runs
+differ by up to 50 %; microseconds for T tokens). E=8 H=256 I=128 top-2, T = 1 / 16 / 128: float32
+grouped_mm 138 / 476 / 1115, padded bmm 217 / 370 / 1658, the per-expert loop (`experts_loop`,
+transformers' way) 134 / 656 / 1566; bfloat16 258 / 552 / 1053, 347 / 457 / 902, 310 / 966 / 1318. E=64
+H=512 I=128 top-8, T=64, float32: 12.2 / 13.6 / 14.6 ms. E=128 H=512 I=192 top-8 bfloat16, T = 1 / 8 / 64:
+grouped_mm 5.1 / 17.7 / 48.4 ms, padded bmm 3.7 / 19.3 / 97.1, loop 6.3 / 17.4 / 47.2 (a few tokens per
+expert: the CPU grouped_mm does one product per group, so it only ties the loop there). Gathering each
+slot's expert weights for one bmm was 30-170x slower (a copy of the weights per slot) and was dropped, as
+was padding every expert (31.8 ms at one token over 128 experts). grouped_mm is the default: never slower
+than the loop beyond the noise, 1.5-6x faster with 16-128 tokens over 8 experts, no padding.
 
 Weights: every expert's gate and up rows are stacked in ``w13`` [E, 2I, H] and its down in ``w2`` [E, H, I];
 the checkpoint's per-expert tensors (Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral
@@ -94,14 +97,19 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _padded_bmm(
     rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """Both projections of the expert-sorted ``rows`` as batched matmuls over [experts, most tokens of one
-    expert, H]: each expert's rows padded to the busiest expert's count."""
+    """Both projections of the expert-sorted ``rows`` as batched matmuls over [experts chosen this step,
+    most tokens of one expert, H]: each chosen expert's rows padded to the busiest one's count (the experts
+    no token chose are left out, which matters at decode with many experts)."""
+    used = torch.nonzero(counts).squeeze(1)
+    slot_of = torch.zeros_like(counts)
+    slot_of[used] = torch.arange(used.numel(), device=counts.device)
     starts = counts.cumsum(0) - counts
     within = torch.arange(rows.shape[0], device=rows.device) - starts[expert]
-    padded = rows.new_zeros((w13.shape[0], int(counts.max()), rows.shape[1]))
-    padded[expert, within] = rows
-    act = _silu_mul(torch.bmm(padded, w13.transpose(1, 2)))
-    return torch.bmm(act, w2.transpose(1, 2))[expert, within]
+    batch = slot_of[expert]
+    padded = rows.new_zeros((used.numel(), int(counts.max()), rows.shape[1]))
+    padded[batch, within] = rows
+    act = _silu_mul(torch.bmm(padded, w13.index_select(0, used).transpose(1, 2)))
+    return torch.bmm(act, w2.index_select(0, used).transpose(1, 2))[batch, within]
 
 
 def _grouped_mm_strides(element_size: int, hidden: int, intermediate: int) -> bool:
