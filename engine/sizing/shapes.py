@@ -103,14 +103,20 @@ def estimate_num_params(
     vocab_size: int,
     tie_word_embeddings: bool = False,
     qkv_bias: bool = False,
+    sparse_layers: int = 0,
+    num_experts: int = 0,
+    moe_intermediate_size: int = 0,
 ) -> int:
-    """Parameters of a Llama-family decoder (gated MLP, RMSNorm), used when no weights are at hand."""
+    """Parameters of a Llama-family decoder (gated MLP, RMSNorm), used when no weights are at hand; in
+    `sparse_layers` of them the MLP is `num_experts` gated experts of `moe_intermediate_size` and a router
+    (Qwen3-MoE, Mixtral): every expert's weights are held, whichever few a token uses."""
     q, kv = num_attention_heads * head_dim, num_kv_heads * head_dim
     attn = hidden_size * (q + 2 * kv) + q * hidden_size + ((q + 2 * kv) if qkv_bias else 0)
     mlp = 3 * hidden_size * intermediate_size
     per_layer = attn + mlp + 2 * hidden_size
     embed = vocab_size * hidden_size * (1 if tie_word_embeddings else 2)
-    return num_layers * per_layer + embed + hidden_size
+    experts = num_experts * 3 * hidden_size * moe_intermediate_size + hidden_size * num_experts
+    return num_layers * per_layer + sparse_layers * (experts - mlp) + embed + hidden_size
 
 
 @dataclass(frozen=True)
@@ -257,7 +263,8 @@ def shape_from_config(
         num_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
         num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, hidden_size=mc.hidden_size,
         intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size, tie_word_embeddings=mc.tie_word_embeddings,
-        qkv_bias=mc.attention_bias,
+        qkv_bias=mc.attention_bias, num_experts=mc.num_experts, moe_intermediate_size=mc.moe_intermediate_size,
+        sparse_layers=sum(mc.layer_is_sparse(i) for i in range(mc.num_hidden_layers)),
     )  # fmt: skip
     if weight_bytes is not None:
         n = weight_bytes // dtype_bytes(dtype)

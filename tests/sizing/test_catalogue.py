@@ -195,3 +195,31 @@ def test_the_real_gemma_3_270m_gguf_is_sized_as_the_engine_reads_it(gemma3_gguf,
     p = json.loads(r.stdout)
     assert p["max_model_len"] == 32768 and p["kv_bytes_per_token"] == 18 * 1 * 256 * 2  # FP8 on an L4
     assert any("512-token sliding window on 15 of 18 layers" in w for w in p["warnings"])
+
+
+# Mixture-of-experts decoders sized from config.json alone (spec.model.shape, --model-shape, a config without
+# safetensors): every expert's weights count. Published totals: Qwen3-30B-A3B "30.5B" (model card), Mixtral-8x7B
+# 46.7B; the engine's own model built from these configs on the meta device has 30.53B and 46.70B
+# (tests/models/test_moe_vs_hf.py).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_a_mixture_of_experts_is_sized_with_every_expert() -> None:
+    qwen, mixtral = shape_from_config(QWEN3_30B_A3B), shape_from_config(MIXTRAL_8X7B)
+    assert round(qwen.num_params / 1e9, 2) == 30.53 and round(mixtral.num_params / 1e9, 2) == 46.70
+    # dense layers stay dense: with every other layer sparse, half the experts' weights
+    half = shape_from_config({**QWEN3_30B_A3B, "decoder_sparse_step": 2})
+    dense_mlp, experts = 3 * 2048 * 6144, 128 * 3 * 2048 * 768 + 2048 * 128
+    assert qwen.num_params - half.num_params == 24 * (experts - dense_mlp)
