@@ -8,16 +8,17 @@ over the whole step), or where it is missing or refuses the shape (rows must be 
 which a tensor-parallel slice may not be) batched matmuls over the experts the step chose, each one's rows
 padded to the busiest one's count. Neither loops over experts in Python.
 
-Measured on this project's 2-core CPU host (medians, one thread, a machine shared with other jobs: runs
-differ by up to 50 %; microseconds for T tokens). E=8 H=256 I=128 top-2, T = 1 / 16 / 128: float32
-grouped_mm 138 / 476 / 1115, padded bmm 217 / 370 / 1658, the per-expert loop (`experts_loop`,
-transformers' way) 134 / 656 / 1566; bfloat16 258 / 552 / 1053, 347 / 457 / 902, 310 / 966 / 1318. E=64
-H=512 I=128 top-8, T=64, float32: 12.2 / 13.6 / 14.6 ms. E=128 H=512 I=192 top-8 bfloat16, T = 1 / 8 / 64:
-grouped_mm 5.1 / 17.7 / 48.4 ms, padded bmm 3.7 / 19.3 / 97.1, loop 6.3 / 17.4 / 47.2 (a few tokens per
-expert: the CPU grouped_mm does one product per group, so it only ties the loop there). Gathering each
-slot's expert weights for one bmm was 30-170x slower (a copy of the weights per slot) and was dropped, as
-was padding every expert (31.8 ms at one token over 128 experts). grouped_mm is the default: never slower
-than the loop beyond the noise, 1.5-6x faster with 16-128 tokens over 8 experts, no padding.
+Measured on this project's 2-core CPU host (a machine shared with other jobs: medians differ from run to
+run by up to 50 %, so the best of 7-20 runs is quoted; `benchmarks/bench_moe.py` runs it). Small experts
+(E=8 H=256 I=128 top-2, T = 1 / 16 / 128 tokens, float32): grouped_mm 0.14 / 0.48 / 1.1 ms, the per-expert
+loop (`experts_loop`, transformers' way) 0.13 / 0.66 / 1.6 ms. Scaled-down Mixtral (E=8 H=1024 I=3584
+top-2, bfloat16, 2 threads): grouped_mm 27 / 54 ms for 16 / 128 tokens against the loop's 31 / 59;
+scaled-down Qwen3-MoE (E=128 H=1024 I=384 top-8): 2.6 / 34 / 87 ms for 1 / 16 / 128 tokens against
+2.7 / 144 / 111. So grouped_mm is at par with the loop at one token and up to 4x faster once several tokens
+share experts; on one group it is as fast as F.linear (0.24 vs 0.22 ms for a 1024x2048 bfloat16 product).
+The padded-bmm fallback was 2-6x slower than grouped_mm at those sizes (padding, and a copy of the chosen
+experts' weights when not all are chosen); gathering each slot's expert weights for one bmm was 30-170x
+slower and was dropped.
 
 Weights: every expert's gate and up rows are stacked in ``w13`` [E, 2I, H] and its down in ``w2`` [E, H, I];
 the checkpoint's per-expert tensors (Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral
@@ -108,8 +109,10 @@ def _padded_bmm(
     batch = slot_of[expert]
     padded = rows.new_zeros((used.numel(), int(counts.max()), rows.shape[1]))
     padded[batch, within] = rows
-    act = _silu_mul(torch.bmm(padded, w13.index_select(0, used).transpose(1, 2)))
-    return torch.bmm(act, w2.index_select(0, used).transpose(1, 2))[batch, within]
+    if used.numel() < counts.numel():  # a copy of the chosen experts' weights
+        w13, w2 = w13.index_select(0, used), w2.index_select(0, used)
+    act = _silu_mul(torch.bmm(padded, w13.transpose(1, 2)))
+    return torch.bmm(act, w2.transpose(1, 2))[batch, within]
 
 
 def _grouped_mm_strides(element_size: int, hidden: int, intermediate: int) -> bool:
