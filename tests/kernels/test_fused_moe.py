@@ -111,3 +111,56 @@ def test_the_gpu_tiles_match_too(monkeypatch):
         atol=1e-4,
         rtol=1e-4,
     )
+
+
+def test_triton_path_of_a_tiny_qwen3_moe_gives_transformers_greedy_tokens(tmp_path):
+    """The engine on the GPU path (Triton attention, norms, rotary and experts; interpreted here) over a
+    two-layer Qwen3-MoE (a sparse layer, then a dense one): transformers' greedy tokens through chunked
+    prefills, and decodes replayed from recordings (the experts' routing and tiles captured with them)."""
+    from pagoda.engine import LLM, SamplingParams
+    from pagoda.engine.worker.decode_graphs import RerunCapture
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=128,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    hf = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+            else:  # norm scales
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (21,), generator=g).tolist(), [5, 9, 77]]
+    new = 5
+    expect = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            expect.append(ids[len(prompt) :])
+    llm = LLM(
+        model=str(tmp_path), attention_backend="triton", device="cpu", dtype="float32", block_size=16,
+        kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=16, max_model_len=64, max_num_seqs=2,
+        skip_tokenizer_init=True,
+    )  # fmt: skip
+    try:
+        engine = llm.engine
+        assert engine.runner.model.layers[0].mlp.triton
+        capture = RerunCapture()
+        assert engine.runner.capture_decode_graphs(2, engine.max_model_len, capture=capture) is None
+        capture.replays.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+    assert got == expect
+    assert sum(capture.replays.values()) >= new - 1
