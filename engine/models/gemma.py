@@ -223,8 +223,35 @@ class GemmaForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The Llama loader over the checkpoint's tensors, each norm's w turned into the 1 + w it scales by
-        (computed in float32, then stored in the compute dtype)."""
+        (computed in float32, then stored in the compute dtype); a multimodal checkpoint's language model
+        under its decoder's names, its vision tower and projector skipped."""
+        if self.config.multimodal_checkpoint:
+            weights = _language_model_weights(weights, self.config.family.multimodal_skipped)
         super().load_weights(_offset_norms(weights))
+
+
+# A multimodal Gemma 3 checkpoint's language model as a text checkpoint names it: the layout of the published
+# checkpoints (transformers 4.50, and what transformers 5 still writes) and transformers 5's in-memory one.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+
+
+def _language_model_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], skipped: tuple[str, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors renamed as a text checkpoint's; the vision tower's and projector's
+    (`skipped`, the table's) dropped; any other name passes unchanged, so the loader refuses it by name."""
+    for name, tensor in weights:
+        if name.startswith(skipped):
+            continue
+        for old, new in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
 
 
 def _offset_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

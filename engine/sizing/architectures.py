@@ -52,10 +52,14 @@ class Architecture:
     weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
     # False: activations overflow float16 (Gemma 2/3): dtype auto picks bfloat16, an explicit float16 is refused.
     float16: bool = True
-    # model_type of the family's multimodal checkpoints, which the engine refuses naming the text-only ones
-    # (text_only_checkpoints: which those are, for the message).
+    # model_type of the family's multimodal checkpoints (Gemma 3 4B-27B: Gemma3ForConditionalGeneration), whose
+    # language model the engine serves text only: the decoder's config is their `text_config`, where a field it
+    # omits takes the value of text_config_defaults (transformers' defaults of the family's text config); the
+    # tensors named with a prefix of multimodal_skipped (the vision tower's, the projector's) are not loaded, and
+    # not sized.
     multimodal_model_types: tuple[str, ...] = ()
-    text_only_checkpoints: str = ""
+    text_config_defaults: tuple[tuple[str, object], ...] = ()
+    multimodal_skipped: tuple[str, ...] = ()
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -150,8 +154,37 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         post_norms=True,
         float16=False,
         multimodal_model_types=("gemma3",),
-        text_only_checkpoints="google/gemma-3-270m(-it) and google/gemma-3-1b(-it); 4B, 12B and 27B are "
-        "published as multimodal checkpoints only",
+        # transformers' Gemma3TextConfig defaults (4.50 to 5.x): the 4B's published text_config gives only its
+        # sizes, window and rope_scaling; its heads, head_dim, vocabulary and RoPE bases are these
+        text_config_defaults=(
+            ("vocab_size", 262208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+            ("hidden_activation", "gelu_pytorch_tanh"),
+            ("max_position_embeddings", 131072),
+            ("rms_norm_eps", 1e-6),
+            ("bos_token_id", 2),
+            ("eos_token_id", 1),
+            ("tie_word_embeddings", True),
+            ("attention_bias", False),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 4096),
+            ("sliding_window_pattern", 6),
+            ("rope_theta", 1_000_000.0),
+            ("rope_local_base_freq", 10_000.0),
+        ),
+        # the SigLIP tower and its projector into the decoder's width, by the published checkpoints' names and by
+        # transformers 5's
+        multimodal_skipped=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
     ),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
@@ -186,7 +219,7 @@ def from_hf_config(config: dict) -> Architecture | None:
 
 
 def multimodal_of(config: dict) -> Architecture | None:
-    """The family whose multimodal checkpoint config.json is (the engine runs only its text-only ones)."""
+    """The family whose multimodal checkpoint config.json is (the engine serves its language model only)."""
     return _BY_MULTIMODAL.get(config.get("model_type") or "")
 
 

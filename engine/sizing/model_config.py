@@ -3,8 +3,9 @@
 The engine builds its model from a ModelConfig, and the planner's shapes (shapes.shape_from_config) are read
 through the same function, so both see the same heads, head_dim, dtype and sliding window. `strict` is the
 engine's reading: the family must be in the architecture table and its RoPE scaling implemented, and a
-multimodal wrapper is refused. Sizing reads leniently (any Llama-shaped decoder, the decoder of a wrapper),
-since a shape is sized before anyone knows the engine will run it.
+multimodal wrapper is refused unless the table serves its language model (Gemma 3's, read from its
+text_config). Sizing reads leniently (any Llama-shaped decoder, the decoder of any wrapper), since a shape is
+sized before anyone knows the engine will run it.
 
 Sliding window rule (one for both): a window applies where config.json sets `sliding_window` > 0, unless
 `use_sliding_window` is false; a family whose table entry says "opt_in" (Qwen2) slides only with
@@ -67,6 +68,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to one
     decoder_sparse_step: int = 1  # every Nth layer is sparse (Qwen3-MoE) ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which keep a dense MLP
+    # config.json is a multimodal checkpoint (model_type the wrapper's, e.g. "gemma3") whose language model
+    # alone is served: its text_config read, the vision tower's tensors skipped at load, images refused.
+    multimodal_checkpoint: bool = False
 
     @property
     def family(self) -> architectures.Architecture:
@@ -78,17 +82,21 @@ class ModelConfig:
         cls, d: dict[str, Any], *, strict: bool = True, where: str = "config.json"
     ) -> ModelConfig:
         """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be."""
-        if not strict and isinstance(d.get("text_config"), dict):  # multimodal wrappers keep the decoder here
-            d = {**d, **d["text_config"]}
         model_type = d.get("model_type") or ""
         family = architectures.from_hf_config(d)
-        if strict and family is None and (wrapped := architectures.multimodal_of(d)) is not None:
+        multimodal = family is None and isinstance(d.get("text_config"), dict)
+        if multimodal and (wrapper := architectures.multimodal_of(d)) is not None:
+            d, family = _language_model_config(d, wrapper), wrapper  # served text only
+        elif multimodal and strict:
+            served = ", ".join(t for a in architectures.ARCHITECTURES for t in a.multimodal_model_types)
             raise SizingError(
                 f"{where}: model_type {model_type!r} ({', '.join(d.get('architectures') or [])}) is a multimodal "
-                f"checkpoint, which Pagoda does not run; use a text-only {wrapped.name} checkpoint (model_type "
-                f"{', '.join(map(repr, wrapped.model_types))}, {', '.join(wrapped.hf_architectures)}"
-                + (f": {wrapped.text_only_checkpoints})" if wrapped.text_only_checkpoints else ")")
+                "checkpoint (its decoder under text_config), which Pagoda does not run; of multimodal "
+                f"checkpoints it serves the language model (text only) of model_type {served}"
             )
+        elif multimodal:  # sizing reads the decoder of any wrapper
+            d = {**d, **d["text_config"]}
+            family = architectures.from_hf_config(d)
         if family is None and strict:
             raise SizingError(
                 f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
@@ -151,6 +159,7 @@ class ModelConfig:
             attention_multiplier=_optional_float(d, "attention_multiplier"),
             logits_scaling=float(d.get("logits_scaling") or 1.0),
             **_experts(d, family),
+            multimodal_checkpoint=multimodal and bool(family.multimodal_model_types),
         )
 
     @classmethod
@@ -194,6 +203,20 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The wrapper's own fields that hold for its language model too (the checkpoint's dtype, the chat's stop ids).
+_WRAPPER_KEYS = ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings")
+
+
+def _language_model_config(d: dict[str, Any], family: architectures.Architecture) -> dict[str, Any]:
+    """The decoder's config of a multimodal checkpoint: its text_config over the family's text-config defaults
+    (transformers fills what a published text_config omits, so must we), the wrapper's dtype, stop ids and
+    tying over both."""
+    merged = {**dict(family.text_config_defaults), **d["text_config"]}
+    merged.update({k: d[k] for k in _WRAPPER_KEYS if d.get(k) is not None})
+    merged["model_type"] = d.get("model_type")
+    return merged
 
 
 def _positive(d: dict[str, Any], key: str, where: str) -> int:

@@ -250,22 +250,100 @@ def test_published_gemma2_config_without_layer_types():
     assert cfg.hidden_act == "gelu_pytorch_tanh"
 
 
-def test_multimodal_gemma3_is_refused_and_sized():
-    """Gemma3ForConditionalGeneration (model_type gemma3, the 4B/12B/27B on the Hub) is refused by the engine
-    naming the text-only checkpoints; sizing still reads its text decoder."""
-    text = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type")}
+def test_multimodal_gemma3_is_read_as_its_language_model():
+    """Gemma3ForConditionalGeneration (model_type gemma3, the 4B/12B/27B on the Hub): the engine reads its
+    text_config, with the wrapper's dtype and stop ids, and notes it is served text only."""
+    text = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type", "torch_dtype")}
     multimodal = {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",
-        "text_config": {**text, "model_type": "gemma3_text"},
+        "text_config": {**text, "model_type": "gemma3_text", "eos_token_id": 1},
         "vision_config": {"model_type": "siglip_vision_model"},
+        "eos_token_id": [1, 106],
+        "torch_dtype": "bfloat16",
     }
+    for strict in (True, False):
+        cfg = ModelConfig.from_hf_config(multimodal, strict=strict)
+        assert cfg.architecture == "gemma3" and cfg.model_type == "gemma3" and cfg.multimodal_checkpoint
+        assert cfg.num_hidden_layers == 7 and cfg.num_key_value_heads == 1 and cfg.head_dim == 32
+        assert cfg.eos_token_ids == [1, 106] and cfg.torch_dtype == "bfloat16" and cfg.qk_norm
+        assert [cfg.layer_sliding_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert not ModelConfig.from_hf_config(GEMMA3_1B).multimodal_checkpoint
+
+
+# google/gemma-3-4b-it's config.json as published (transformers 4.50): its text_config names only what differs
+# from Gemma3TextConfig's defaults; the vision config shortened.
+GEMMA3_4B_PUBLISHED = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {"model_type": "siglip_vision_model", "image_size": 896, "patch_size": 14},
+}
+
+
+def test_a_published_text_config_takes_transformers_defaults_for_what_it_omits():
+    """The 4B's text_config gives no heads, head_dim, vocabulary, scalar or RoPE bases: ours are the ones
+    transformers' own Gemma3Config reads from the same file."""
+    import transformers
+
+    cfg = ModelConfig.from_hf_config(GEMMA3_4B_PUBLISHED)
+    hf = transformers.Gemma3Config.from_dict(GEMMA3_4B_PUBLISHED).text_config
+    assert cfg.architecture == "gemma3" and cfg.multimodal_checkpoint and cfg.torch_dtype == "bfloat16"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (34, 2560, 10240)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (
+        8,
+        4,
+        256,
+        262208,
+    )
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.vocab_size,
+    )  # fmt: skip
+    assert cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar == 256
+    assert cfg.attention_scale == 256**-0.5 and cfg.hidden_act == hf.hidden_activation
+    assert cfg.max_position_embeddings == hf.max_position_embeddings == 131072
+    assert cfg.tie_word_embeddings and hf.tie_word_embeddings and cfg.rms_norm_eps == hf.rms_norm_eps
+    assert cfg.sliding_window == hf.sliding_window == 1024
+    assert cfg.layer_types == hf.layer_types
+    assert sum(cfg.layer_sliding_window(i) is None for i in range(34)) == 5  # layers 5, 11, ..., 29
+    assert cfg.rope_theta == hf.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert cfg.rope_local_base_freq == hf.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert hf.rope_parameters["full_attention"]["factor"] == 8.0
+    assert cfg.eos_token_ids == [1, 106] and cfg.bos_token_id == 2
+
+
+def test_other_multimodal_wrappers_are_refused():
+    """A wrapper the table does not serve (LLaVA around a Llama) is refused naming what is served; sizing
+    still reads its decoder."""
+    llava = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "vocab_size": 320},
+    }  # fmt: skip
     with pytest.raises(
-        ValueError, match="multimodal.*text-only gemma3.*'gemma3_text'.*Gemma3ForCausalLM.*gemma-3-1b"
+        ValueError,
+        match=r"model_type 'llava' \(LlavaForConditionalGeneration\) is a multimodal checkpoint \(its decoder "
+        r"under text_config\), which Pagoda does not run; .*language model \(text only\) of model_type gemma3",
     ):
-        ModelConfig.from_hf_config(multimodal)
-    lenient = ModelConfig.from_hf_config(multimodal, strict=False)
-    assert lenient.architecture == "gemma3" and lenient.num_hidden_layers == 7
+        ModelConfig.from_hf_config(llava)
+    lenient = ModelConfig.from_hf_config(llava, strict=False)
+    assert lenient.architecture == "llama" and not lenient.multimodal_checkpoint
 
 
 def test_embedding_gemma_is_refused():
@@ -339,3 +417,117 @@ def test_streaming_eviction_rotates_each_layer_with_its_base(tmp_path_factory, m
     assert len(out[0].outputs[0].token_ids) == 100
     local, full = 100.0 ** (-2 / 32), 10000.0 ** (-2 / 32) / 8
     assert used and used[:6] == pytest.approx([local, local, full, local, local, full])
+
+
+# ---------------------------------------------------------------- a multimodal Gemma 3, served text only
+
+# transformers 5's in-memory names of Gemma3ForConditionalGeneration (save_pretrained still writes the
+# published checkpoints' language_model.model.* layout, which the tiny checkpoint has)
+_TRANSFORMERS5_NAMES = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    return _build("gemma3_multimodal", tmp_path_factory)
+
+
+def _rewritten(src: Path, dst: Path, renames=(), extra=None) -> Path:
+    """A copy of the checkpoint in ``src`` with its tensors renamed (first matching prefix) and ``extra``
+    tensors added."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        tensors[name] = tensor
+    save_file({**tensors, **(extra or {})}, dst / "model.safetensors")
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
+def _names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+@pytest.mark.parametrize("layout", ["published", "transformers5"])
+def test_multimodal_gemma3_serves_its_language_model(multimodal, layout, tmp_path, paged, caches):
+    """Both weight layouts of a Gemma3ForConditionalGeneration load (vision tower and projector skipped) and
+    give transformers' text-only logits (input_ids alone) on both sequences."""
+    _, path, hf, ids, ref = multimodal
+    if layout == "transformers5":
+        path = _rewritten(path, tmp_path, _TRANSFORMERS5_NAMES)
+    names = _names(path)
+    lm, head, vision = {
+        "published": ("language_model.model.layers.", "language_model.lm_head.weight", "vision_tower."),
+        "transformers5": ("model.language_model.layers.", "lm_head.weight", "model.vision_tower."),
+    }[layout]
+    assert any(n.startswith(lm) for n in names) and head in names
+    assert any(n.startswith(vision) for n in names) and any("multi_modal_projector." in n for n in names)
+    model, cfg = _load(path)
+    assert cfg.architecture == "gemma3" and cfg.model_type == "gemma3" and cfg.multimodal_checkpoint
+    assert isinstance(model, GemmaForCausalLM) and not cfg.tie_word_embeddings
+    torch.testing.assert_close(model.lm_head_weight, hf.lm_head.weight)
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [6, 6, None, 6, 6, None]
+    batches = paged(num_blocks=16, block_size=8)
+    kv = caches(cfg.num_hidden_layers, 16, 8, cfg.num_key_value_heads, cfg.head_dim)
+    meta = batches.step([(0, 0, SEQ), (1, 0, SEQ)])
+    logits = model.compute_logits(model(ids.reshape(-1), torch.arange(SEQ).repeat(2), kv, meta))
+    torch.testing.assert_close(logits, ref.reshape(2 * SEQ, -1), atol=ATOL, rtol=RTOL)
+    assert torch.equal(logits.argmax(-1), ref.reshape(2 * SEQ, -1).argmax(-1))
+
+
+def test_multimodal_gemma3_greedy_tokens_match_hf(multimodal):
+    """The engine on the multimodal checkpoint gives transformers' greedy tokens (its full forward each step)."""
+    from pagoda.engine import LLM, SamplingParams
+
+    _, path, hf, ids, _ = multimodal
+    prompts = [ids[0, :20].tolist(), ids[1, :9].tolist()]
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
+        skip_tokenizer_init=True,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+    assert got == [tiny_gemma.hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "extra", ["language_model.model.layers.0.extra_norm.weight", "image_newline", "model.audio_tower.w"]
+)
+def test_multimodal_gemma3_refuses_an_unknown_tensor(multimodal, tmp_path, extra):
+    """Only the vision tower and projector are skipped: any other tensor the model has no place for fails
+    the load by name, as in a text checkpoint."""
+    _, path, _, _, _ = multimodal
+    path = _rewritten(path, tmp_path, extra={extra: torch.zeros(64)})
+    with pytest.raises(ValueError, match="has no place in a gemma3 model"):
+        _load(path)
+
+
+def test_the_dry_run_of_a_multimodal_gemma3_sizes_its_language_model(multimodal):
+    """`pagoda serve --dry-run` on the multimodal directory passes, and weighs only the tensors the engine
+    loads (the vision tower and projector are skipped at load, so not sized)."""
+    from pagoda.engine.cli.dry_run import check
+
+    _, path, hf, _, _ = multimodal
+    report = check(
+        [str(path), "--device", "cpu", "--kv-cache-memory-bytes", "16MiB", "--max-model-len", "256"]
+    )
+    decoder = sum(p.numel() for p in hf.model.language_model.parameters()) + hf.lm_head.weight.numel()
+    vision = sum(p.numel() for p in hf.model.vision_tower.parameters())
+    assert vision > 0 and sum(p.numel() for p in hf.parameters()) > decoder
+    assert report.model.shape.num_params == decoder and report.model.shape.architecture == "gemma3"
+    assert report.model.shape.sliding_window_layers == 4 and report.plan is not None

@@ -33,7 +33,8 @@ FAMILIES = ("gemma2", "gemma3")
 
 def hf_model(name: str, layers: int | None = None) -> Any:
     """transformers' model of the family (Gemma 2: 4 layers, Gemma 3: 6, every third global; ``layers``
-    fewer), eager attention, every weight random (norms' w around 0: Gemma scales by 1 + w, so a missed
+    fewer; "gemma3_multimodal": Gemma 3's as the language model of a Gemma3ForConditionalGeneration with a
+    one-layer SigLIP tower, its head untied), eager attention, every weight random (norms' w around 0: Gemma scales by 1 + w, so a missed
     offset shows; small embeddings: times sqrt(hidden) and tied to the head, larger ones make each token
     predict itself, and greedy runs would repeat one token)."""
     import torch
@@ -45,16 +46,27 @@ def hf_model(name: str, layers: int | None = None) -> Any:
         )
         cls = transformers.Gemma2ForCausalLM
     elif name == "gemma3":
-        cfg = transformers.Gemma3TextConfig(
-            **COMMON,
-            num_hidden_layers=layers or 6,
-            sliding_window_pattern=3,  # layers 2 and 5 global
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            },
-        )
+        cfg = _gemma3_text(layers)
         cls = transformers.Gemma3ForCausalLM
+    elif name == "gemma3_multimodal":
+        cfg = transformers.Gemma3Config(
+            text_config=_gemma3_text(layers, tie_word_embeddings=False),  # so the head's names load too
+            vision_config=transformers.SiglipVisionConfig(
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),  # fmt: skip
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 3,
+            eoi_token_index=VOCAB - 2,
+            tie_word_embeddings=False,
+        )
+        cfg.text_config._attn_implementation = "eager"
+        cls = transformers.Gemma3ForConditionalGeneration
     else:
         raise ValueError(name)
     cfg._attn_implementation = "eager"
@@ -65,6 +77,22 @@ def hf_model(name: str, layers: int | None = None) -> Any:
             scale = 0.3 if "norm" in pname else 0.03 if "embed_tokens" in pname else 0.15
             p.copy_(scale * torch.randn(p.shape, generator=g))
     return model
+
+
+def _gemma3_text(layers: int | None, **extra: Any) -> Any:
+    """Gemma 3's tiny text config: 6 layers, every third global, RoPE bases 100 (local) and 10000 scaled by 8."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=layers or 6,
+        sliding_window_pattern=3,  # layers 2 and 5 global
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+        **extra,
+    )
 
 
 def build(name: str, path: Path, layers: int | None = None) -> tuple[Any, Any, Any]:
