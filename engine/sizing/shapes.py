@@ -280,8 +280,9 @@ def shape_from_config(
     )  # fmt: skip
 
 
-def safetensors_weight_bytes(directory: Path) -> tuple[int, int, str | None]:
-    """(bytes, parameters, dominant dtype) of every *.safetensors file, reading only their JSON headers."""
+def safetensors_weight_bytes(directory: Path, skip: tuple[str, ...] = ()) -> tuple[int, int, str | None]:
+    """(bytes, parameters, dominant dtype) of every *.safetensors file, reading only their JSON headers;
+    tensors named with a prefix in `skip` (a multimodal checkpoint's vision tower) are not counted."""
     total = params = 0
     by_dtype: dict[str, int] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
@@ -297,7 +298,7 @@ def safetensors_weight_bytes(directory: Path) -> tuple[int, int, str | None]:
             except ValueError as e:
                 raise SizingError(f"{path}: safetensors header is not valid JSON ({e})") from None
         for key, info in header.items():
-            if key == "__metadata__":
+            if key == "__metadata__" or key.startswith(skip):
                 continue
             begin, end = info["data_offsets"]
             total += end - begin
@@ -324,7 +325,8 @@ def shape_from_path(path: str | Path) -> ModelShape:
             config = json.loads(cfg.read_text())
         except ValueError as e:
             raise SizingError(f"{cfg}: not valid JSON ({e})") from None
-        nbytes, params, st_dtype = safetensors_weight_bytes(p)
+        wrapper = architectures.multimodal_of(config)  # served text only: the vision tower is not loaded
+        nbytes, params, st_dtype = safetensors_weight_bytes(p, wrapper.multimodal_skipped if wrapper else ())
         if params and not (config.get("torch_dtype") or config.get("dtype")) and st_dtype:
             config = {**config, "torch_dtype": st_dtype}
         shape = shape_from_config(config, None, name=p.name, where=str(cfg))

@@ -139,28 +139,41 @@ def test_gemma_runs_in_bfloat16_or_float32_and_refuses_float16_as_the_real_start
     )
 
 
-def test_a_hub_id_published_as_a_multimodal_checkpoint_is_refused_without_its_weights(tmp_path: Path) -> None:
-    """google/gemma-3-27b-it's config.json is Gemma3ForConditionalGeneration, which the engine refuses: the dry
-    run says so where the weights are not (the operator, a laptop), as the real start would once they are.
-    `pagoda plan` still sizes its text decoder."""
+def test_a_hub_id_published_as_a_multimodal_checkpoint_is_served_by_its_language_model(
+    tmp_path: Path,
+) -> None:
+    """google/gemma-3-27b-it's config.json is Gemma3ForConditionalGeneration: the engine serves its language
+    model (text only), and the dry run sizes that decoder where the weights are not (the operator, a laptop)."""
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
-    r = serve("google/gemma-3-27b-it", "--dry-run", "--gpu", "H100", env=env)
-    assert r.returncode == 2
+    r = serve("google/gemma-3-27b-it", "--dry-run", "--gpu", "H100", "--max-model-len", "32768", env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
     assert (
-        r.stderr.strip()
-        .splitlines()[-1]
-        .startswith(
-            "pagoda serve: cannot start the engine: google/gemma-3-27b-it's config.json as published: model_type "
-            "'gemma3' (Gemma3ForConditionalGeneration) is a multimodal checkpoint, which Pagoda does not run; use a "
-            "text-only gemma3 checkpoint (model_type 'gemma3_text', Gemma3ForCausalLM"
-        )
+        report["model"]["shape"]["num_layers"] == 62 and report["model"]["shape"]["architecture"] == "gemma3"
     )
+    assert report["device"]["dtype"] == "bfloat16"
     shape = json.dumps(shape_config(well_known_shape("Gemma-3-27B")))
-    with pytest.raises(DryRunError, match="multimodal checkpoint"):
-        check(["google/gemma-3-27b-it", "--model-shape", shape, "--gpu", "H100"])
-    text = ["/models/gemma-3-27b-text", "--model-shape", shape, "--gpu", "H100", "--max-model-len", "32768"]
-    assert check(text).plan is not None
-    assert check(["google/gemma-2-27b-it", "--gpu", "H100", "--max-model-len", "8192"]).plan is not None
+    assert check(
+        ["google/gemma-3-27b-it", "--model-shape", shape, "--gpu", "H100", "--max-model-len", "32768"]
+    ).plan
+
+
+def test_a_catalogue_hub_id_whose_published_config_the_engine_refuses_is_refused_without_its_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the operator cannot read a hub model's config.json, the catalogue's copy goes through the engine's
+    strict reader: a wrapper the engine does not serve is refused with the engine's own message, no pod."""
+    from pagoda.engine.cli import serve_check
+
+    llava = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+             "text_config": serve_check.well_known_config("Qwen/Qwen3-8B")}  # fmt: skip
+    monkeypatch.setattr(serve_check, "well_known_config", lambda model: llava)
+    shape = json.dumps(shape_config(well_known_shape("Qwen3-8B")))
+    with pytest.raises(DryRunError, match="Qwen/Qwen3-8B's config.json as published: model_type 'llava'"):
+        check(["Qwen/Qwen3-8B", "--model-shape", shape, "--gpu", "H100"])
+    assert check(
+        ["/models/qwen3-8b", "--model-shape", shape, "--gpu", "H100"]
+    ).plan  # a local path reads itself
 
 
 def test_a_head_dim_of_96_runs_on_a_gpu() -> None:

@@ -170,35 +170,34 @@ def test_each_new_family_renders_on_every_gpu_and_passes_the_dry_run(model_id: s
     """The operator plans and renders an InferenceDeployment of each new catalogue model on every catalogue
     GPU the engine runs on, and the engine's dry run accepts the rendered command as the operator checks it
     (the shape passed with --model-shape, the GPU with --gpu). Gemma 3 4B-27B are published as multimodal
-    checkpoints, which the engine refuses: the hub id is refused with the engine's message (no pod), and the
-    text decoder on a volume, its shape given with modelType, renders and passes."""
+    checkpoints, whose language model the engine serves; the same decoder converted onto a volume, its
+    family named by spec.model.shape.modelType, renders and passes too."""
     shape = well_known_shape(model_id)
     multimodal = "text_config" in well_known_config(model_id)
     for gpu in ENGINE_GPUS:
         count = plan(shape, GPUInfo.from_spec(gpu, 64), Hints()).tensor_parallel_size  # the GPUs it needs
         body = {"model": {"source": f"hf://{model_id}"}, "gpu": {"product": gpu.name, "count": count}}
-        args, decision = _rendered(body, gpu, count)
-        assert args[0] == model_id
+        rendered = [_rendered(body, gpu, count)]
+        assert rendered[0][0][0] == model_id
         if multimodal:
-            with pytest.raises(
-                DryRunError, match="is a multimodal checkpoint, which Pagoda does not run; use a "
-            ):
-                check(dry_run_argv(decision, args))
             source = {"source": f"pvc://models/{shape.name}-text", "shape": _crd_shape(model_id)}
-            args, decision = _rendered({**body, "model": source}, gpu, count)
-        report = check(dry_run_argv(decision, args))
-        assert report.plan is not None, (model_id, gpu.name)
-        assert report.config.max_model_len == int(flag(args, "--max-model-len")), gpu.name
-        assert report.config.tensor_parallel_size == decision.plan.tensor_parallel_size == count
-        assert (report.model.num_layers, report.model.num_kv_heads, report.model.head_dim) == (
-            shape.num_layers, shape.num_kv_heads, shape.head_dim,
-        )  # fmt: skip
-        assert report.model.shape.architecture == shape.architecture
-        if not multimodal:  # spec.model.shape has no window: the plan's KV is the full layout either way
-            assert report.model.shape.sliding_window_layers == shape.sliding_window_layers
-        # Gemma overflows float16: bfloat16, or float32 where the GPU has no bfloat16 (T4), sized as such
-        expect = "bfloat16" if gpu.compute_capability >= (8, 0) else "float16" if shape.float16 else "float32"
-        assert report.device["dtype"] == expect, (model_id, gpu.name)
+            rendered.append(_rendered({**body, "model": source}, gpu, count))
+        for args, decision in rendered:
+            report = check(dry_run_argv(decision, args))
+            assert report.plan is not None, (model_id, gpu.name)
+            assert report.config.max_model_len == int(flag(args, "--max-model-len")), gpu.name
+            assert report.config.tensor_parallel_size == decision.plan.tensor_parallel_size == count
+            assert (report.model.num_layers, report.model.num_kv_heads, report.model.head_dim) == (
+                shape.num_layers, shape.num_kv_heads, shape.head_dim,
+            )  # fmt: skip
+            assert report.model.shape.architecture == shape.architecture
+            # Gemma overflows float16: bfloat16, or float32 where the GPU has no bfloat16 (T4), sized as such
+            expect = (
+                "bfloat16" if gpu.compute_capability >= (8, 0) else "float16" if shape.float16 else "float32"
+            )
+            assert report.device["dtype"] == expect, (model_id, gpu.name)
+        # the hub id's shape is the catalogue's, windows included (spec.model.shape gives none)
+        assert rendered[0][1].shape.sliding_window_layers == shape.sliding_window_layers
 
 
 @pytest.mark.parametrize("model_id", ["google/gemma-2-27b-it", "Qwen/Qwen3-8B", "microsoft/phi-4"])
@@ -241,8 +240,6 @@ HF_MODELS = [
     "HuggingFaceTB/SmolLM2-135M-Instruct",
     *NEW_FAMILY_MODELS,
 ]
-# published as multimodal checkpoints, which the engine refuses (above): their text decoders come from a volume
-MULTIMODAL_ON_THE_HUB = [m for m in HF_MODELS if "text_config" in well_known_config(m)]
 GPU_PRODUCTS = ["", "H100", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L4", "A100-80GB", "L40S"]
 SIZES = ["2Gi", "8Gi", "16Gi", "64Gi", "200G", "512Gi"]
 
@@ -267,7 +264,7 @@ def model_specs(draw: st.DrawFn) -> dict[str, Any]:
     if kind == "default":
         return {"source": "default"}
     model_id = draw(st.sampled_from(HF_MODELS))
-    if kind == "pvc" or model_id in MULTIMODAL_ON_THE_HUB:
+    if kind == "pvc":
         return {"source": f"pvc://models/{model_id.split('/')[1]}", "shape": _crd_shape(model_id)}
     out: dict[str, Any] = {"source": f"hf://{model_id}"}
     revision = draw(st.none() | st.sampled_from(["main", "v1.0", "refs/pr/3", "0123abcd" * 5]))

@@ -3,13 +3,14 @@ ones, the hub ids that name them, and a plan for each on every catalogue GPU the
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from pagoda.engine.sizing import (
     ENGINE_MIN_COMPUTE,
     GPU_CATALOGUE,
     GPUInfo,
     Hints,
-    SizingError,
     plan,
     shape_from_config,
     well_known_shape,
@@ -63,12 +64,11 @@ def test_every_catalogue_row_names_a_family_the_engine_runs() -> None:
         assert row.family in SUPPORTED_ARCHITECTURES, row
         assert well_known_family(row.name) == row.family
         config = well_known_config(row.name)
-        if row.published_as is None:  # the engine's strict reader takes the published config.json
-            assert ModelConfig.from_hf_config(config).architecture == row.family
-        else:  # Gemma 3 4B-27B: multimodal on the hub, refused by the engine, sized by their text decoder
-            with pytest.raises(SizingError, match="is a multimodal checkpoint, which Pagoda does not run"):
-                ModelConfig.from_hf_config(config)
-            assert shape_from_config(config).num_layers == row.layers
+        # the engine's strict reader takes the published config.json; Gemma 3 4B-27B are multimodal on the hub,
+        # and the engine serves their language model (text only)
+        mc = ModelConfig.from_hf_config(config)
+        assert (mc.architecture, mc.num_hidden_layers, mc.head_dim) == (row.family, row.layers, row.head_dim)
+        assert mc.multimodal_checkpoint == (row.published_as is not None)
     assert sorted(r.name for r in _WELL_KNOWN.values() if r.published_as) == [
         "Gemma-3-12B", "Gemma-3-27B", "Gemma-3-4B",
     ]  # fmt: skip
@@ -214,6 +214,30 @@ MIXTRAL_8X7B = {
     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
     "torch_dtype": "bfloat16",
 }  # fmt: skip
+
+
+def test_a_multimodal_checkpoint_is_sized_without_its_vision_tower(tmp_path) -> None:
+    """Gemma 3 4B-27B as published: the engine loads the language model only, so the safetensors headers'
+    vision tower and projector are not counted."""
+    import json
+    import struct
+
+    from pagoda.engine.sizing import shape_from_path
+
+    (tmp_path / "config.json").write_text(json.dumps(well_known_config("google/gemma-3-4b-it")))
+    tensors = {"language_model.model.embed_tokens.weight": [1000, 64],
+               "vision_tower.vision_model.embeddings.patch_embedding.weight": [1152, 3, 14, 14],
+               "multi_modal_projector.mm_input_projection_weight": [1152, 2560]}  # fmt: skip
+    header, offset = {}, 0
+    for name, dims in tensors.items():
+        size = 2 * math.prod(dims)
+        header[name] = {"dtype": "BF16", "shape": dims, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+    shape = shape_from_path(tmp_path)
+    assert shape.num_params == 64_000 and shape.weight_bytes == 128_000
+    assert (shape.architecture, shape.num_layers, shape.sliding_window_layers) == ("gemma3", 34, 29)
 
 
 def test_a_mixture_of_experts_is_sized_with_every_expert() -> None:
