@@ -139,7 +139,7 @@ class _Known:
     qkv_bias: bool = False
     softcap: float | None = None  # attn_logit_softcapping
     # The checkpoint's `architectures` where the hub publishes a multimodal wrapper around this decoder (Gemma 3
-    # 4B-27B): sized by its text decoder, refused by the engine (well_known_config).
+    # 4B-27B): the engine serves its language model, text only; the catalogue's shape is that decoder's.
     published_as: str | None = None
 
 
@@ -203,7 +203,7 @@ def well_known_model_ids() -> list[str]:
 
 def well_known_shape(model_id: str) -> ModelShape | None:
     """The published shape of a popular model by name or hub id (meta-llama/Llama-3.1-8B-Instruct,
-    google/gemma-3-27b-it: a multimodal checkpoint's text decoder, which is what the engine sizes)."""
+    google/gemma-3-27b-it: a multimodal checkpoint's text decoder, which is what the engine serves)."""
     row = _WELL_KNOWN.get(_normalise_id(model_id))
     if row is None:
         return None
