@@ -55,6 +55,20 @@ class ModelShape:
     # How many layers slide when sliding_window is set (Gemma: 1 in 2 or 5 in 6); None = every layer.
     sliding_window_layers: int | None = None
     architecture: str = ""  # the architecture table's family ("" = a Llama-shaped decoder of no known family)
+    # Mixture of experts: num_params (memory) counts every expert of the sparse layers; active_params (speed)
+    # only the experts_per_token a token runs through.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with, for speed estimates: num_params less the experts it skips."""
+        skipped = max(self.num_experts - self.experts_per_token, 0)
+        return (
+            self.num_params - self.sparse_layers * skipped * 3 * self.hidden_size * self.moe_intermediate_size
+        )
 
     @property
     def float16(self) -> bool:
@@ -141,6 +155,9 @@ class _Known:
     # The checkpoint's `architectures` where the hub publishes a multimodal wrapper around this decoder (Gemma 3
     # 4B-27B): the engine serves its language model, text only; the catalogue's shape is that decoder's.
     published_as: str | None = None
+    experts: int = 0  # num_experts (num_local_experts): every layer sparse
+    experts_per_tok: int = 0
+    moe_intermediate: int = 0
 
 
 def _gemma3(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
@@ -178,11 +195,16 @@ _WELL_KNOWN = {row.name.lower(): row for row in (
     # Phi-3.5-mini's config.json sets a 262,144-token window, longer than its 131,072 positions
     _Known("Phi-3.5-mini", "phi3", 32, 32, 32, 96, 3072, 8192, 32064, 131072, 262144),
     _Known("Granite-3.3-8B", "granite", 40, 32, 8, 128, 4096, 12800, 49159, 131072, tied=True),
+    _Known("Qwen3-30B-A3B", "qwen3_moe", 48, 32, 4, 128, 2048, 6144, 151936, 40960, experts=128,
+           experts_per_tok=8, moe_intermediate=768),
+    _Known("Mixtral-8x7B", "mixtral", 32, 32, 8, 128, 4096, 14336, 32000, 32768, experts=8, experts_per_tok=2,
+           moe_intermediate=14336),
 )}  # fmt: skip
 _ALIASES = {
     "mistral-7b": "mistral-7b-v0.3",
     "mistral-7b-v0.2": "mistral-7b-v0.3",
     "llama3.1-8b": "llama-3.1-8b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
 }
 
 
@@ -210,12 +232,14 @@ def well_known_shape(model_id: str) -> ModelShape | None:
     n = estimate_num_params(
         num_layers=row.layers, num_attention_heads=row.heads, num_kv_heads=row.kv_heads, head_dim=row.head_dim,
         hidden_size=row.hidden, intermediate_size=row.intermediate, vocab_size=row.vocab,
-        tie_word_embeddings=row.tied, qkv_bias=row.qkv_bias,
+        tie_word_embeddings=row.tied, qkv_bias=row.qkv_bias, num_experts=row.experts,
+        moe_intermediate_size=row.moe_intermediate, sparse_layers=row.layers if row.experts else 0,
     )  # fmt: skip
     return ModelShape(
         row.name, row.layers, row.heads, row.kv_heads, row.head_dim, row.hidden, row.intermediate, row.vocab,
         row.max_positions, row.window, "bfloat16", 2 * n, n, row.tied, row.softcap,
-        row.window_layers if row.window else None, row.family,
+        row.window_layers if row.window else None, row.family, row.experts, row.experts_per_tok,
+        row.moe_intermediate, row.layers if row.experts else 0,
     )  # fmt: skip
 
 
@@ -232,6 +256,9 @@ def well_known_config(model_id: str) -> dict | None:
         "head_dim": row.head_dim, "hidden_size": row.hidden, "intermediate_size": row.intermediate,
         "vocab_size": row.vocab, "max_position_embeddings": row.max_positions, "tie_word_embeddings": row.tied,
     }  # fmt: skip
+    if row.experts:
+        text |= {"num_experts": row.experts, "num_experts_per_tok": row.experts_per_tok,
+                 "moe_intermediate_size": row.moe_intermediate, "norm_topk_prob": True}  # fmt: skip
     if row.published_as is None:
         return text
     return {
@@ -276,7 +303,8 @@ def shape_from_config(
         str(label), mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
         mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.sliding_window,
         dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes, n, mc.tie_word_embeddings,
-        mc.attn_logit_softcapping, sliding_layers, mc.architecture,
+        mc.attn_logit_softcapping, sliding_layers, mc.architecture, mc.num_experts, mc.num_experts_per_tok,
+        mc.moe_intermediate_size, sum(mc.layer_is_sparse(i) for i in range(mc.num_hidden_layers)),
     )  # fmt: skip
 
 
