@@ -143,7 +143,7 @@ def test_the_70b_example_runs_on_two_gpus() -> None:
 NEW_FAMILY_MODELS = [
     "Qwen/Qwen3-8B", "Qwen/Qwen3-32B", "google/gemma-3-4b-it", "google/gemma-3-12b-it", "google/gemma-3-27b-it",
     "google/gemma-2-9b-it", "google/gemma-2-27b-it", "microsoft/phi-4", "microsoft/Phi-3.5-mini-instruct",
-    "ibm-granite/granite-3.3-8b-instruct",
+    "ibm-granite/granite-3.3-8b-instruct", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-Instruct-v0.1",
 ]  # fmt: skip
 ENGINE_GPUS = [s for s in GPU_CATALOGUE if s.compute_capability >= ENGINE_MIN_COMPUTE]
 
