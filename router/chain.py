@@ -41,8 +41,13 @@ def find_tokenizer_dir(source: str | None) -> Path | None:
     cache = envs.cache_root()
     if not cache.is_dir():
         return None
-    # The conversion is found by the GGUF's content, as the engine finds it: the same file installed in
-    # another environment (another venv, another image layer) has another path but the same conversion.
+    # The engine's own conversion of this file by this converter version first; then any conversion of the
+    # same content (the same file installed in another environment has another path).
+    from pagoda.engine.loader.gguf_cache import converted_dir
+
+    current = converted_dir(path, cache)
+    if (current / "tokenizer.json").is_file():
+        return current
     content: str | None = None
     for meta in cache.glob("*/pagoda_source.json"):
         try:

@@ -144,13 +144,34 @@ def unexpected(distributions: set[str]) -> list[str]:
 
 def loaded_distributions() -> set[str]:
     """The distributions whose top-level modules this interpreter has imported (the standard library and
-    our own code excluded)."""
+    our own code excluded). A namespace package several distributions share (`google`: protobuf, and the
+    router's xds-protos) is attributed by its second level, so importing protobuf does not count them all."""
     mapping = importlib.metadata.packages_distributions()
     stdlib = set(sys.stdlib_module_names)
+    shared = {top for top, dists in mapping.items() if len(set(dists)) > 1}
+    by_second = _second_level_owners(shared) if shared else {}
     found: set[str] = set()
     for module in list(sys.modules):
-        top = module.partition(".")[0]
+        top, _, rest = module.partition(".")
         if top in stdlib or top.startswith("_") or top in ("pagoda", "gpu_check", "pagoda_testkit"):
+            continue
+        if top in shared:
+            second = rest.partition(".")[0]
+            found.update(by_second.get((top, second), []) if second else [])
             continue
         found.update(mapping.get(top, []))
     return found
+
+
+def _second_level_owners(tops: set[str]) -> dict[tuple[str, str], list[str]]:
+    """(namespace, sub-package) -> the distributions whose files lie under it."""
+    owners: dict[tuple[str, str], list[str]] = {}
+    for dist in importlib.metadata.distributions():
+        seen: set[tuple[str, str]] = set()
+        for f in dist.files or ():
+            parts = f.parts
+            if len(parts) > 2 and parts[0] in tops and (parts[0], parts[1]) not in seen:
+                key = (parts[0], parts[1].removesuffix(".py"))
+                seen.add(key)
+                owners.setdefault(key, []).append(dist.metadata["Name"])
+    return owners

@@ -9,7 +9,6 @@ template gets the one its turn markers spell (chat_templates).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 from pagoda.engine.loader.chat_templates import template_for_vocabulary
 from pagoda.engine.loader.content_hash import file_sha256
+from pagoda.engine.loader.gguf_cache import CONVERTER_VERSION, converted_dir
 from pagoda.engine.loader.gguf_metadata import (
     ROPE_FACTOR_TENSORS,
     control_tokens,
@@ -33,8 +33,6 @@ from pagoda.engine.loader.gguf_metadata import (
 from pagoda.engine.sizing.architectures import Architecture, from_gguf
 
 log = logging.getLogger(__name__)
-
-CONVERTER_VERSION = 4  # 3: Qwen3, Gemma 2/3, Phi-3, Granite, generation_config.json; 4: windows, 27B scale
 
 # blk.N.<name> -> model.layers.N.<name>, for every family; the entries below it depend on the family.
 _LAYER_NAMES = {
@@ -64,18 +62,6 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def gguf_cache_key(path: Path) -> str:
-    """Short digest of the file's whole content and the converter version: stable across copies and
-    reinstalls, and new for a retrained file of the same size (the content hash is computed once, see
-    content_hash)."""
-    content = file_sha256(path)
-    return hashlib.sha256(f"pagoda-gguf-v{CONVERTER_VERSION}:{content}".encode()).hexdigest()[:12]
-
-
-def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    return cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
 
 
 def _layer_names(family: Architecture) -> dict[str, str]:

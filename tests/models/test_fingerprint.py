@@ -18,7 +18,7 @@ import pytest
 import torch
 from pagoda.engine.loader import model_fingerprint
 from pagoda.engine.loader.content_hash import file_sha256, record_paths
-from pagoda.engine.loader.gguf_convert import gguf_cache_key
+from pagoda.engine.loader.gguf_cache import gguf_cache_key
 from safetensors.torch import save_file
 
 CONFIG = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.loader import load_model, load_tokenizer, resolve_model
-from pagoda.engine.loader.gguf_convert import converted_dir
+from pagoda.engine.loader.gguf_cache import converted_dir
 from pagoda.engine.sizing.model_config import ModelConfig
 from safetensors.torch import load_file
 from transformers import (
