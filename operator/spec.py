@@ -663,8 +663,8 @@ class InferenceSpec:
     image: str | None = prop(
         Str(),
         "image",
-        "The engine image; defaults to the operator's engine image (ghcr.io/pagoda-llm/pagoda-engine:<operator "
-        "version> unless the chart sets another). Whoever may create an InferenceDeployment runs any code they "
+        "The engine image; defaults to the operator's engine image (localhost/pagoda-engine:<operator version>, "
+        "its -cpu tag for a deployment without GPUs, unless the chart sets another). Whoever may create an InferenceDeployment runs any code they "
         "like this way, with the pod's API-key Secret, model volumes and GPUs. Cluster admins restrict it with "
         "the operator's image allow-list (Helm value engine.allowedImages); an image off the list gets "
         "Ready=False with reason ImageNotAllowed and an Event, and no pods.",
