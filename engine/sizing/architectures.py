@@ -50,6 +50,9 @@ class Architecture:
     # the loader splits them into their parts before sharding each.
     fused_checkpoint: bool = False
     weight_formats: tuple[str, ...] = ("float32", "float16", "bfloat16")  # checkpoint formats it loads
+    # tie_word_embeddings where config.json omits it: the family's config class default in transformers (Gemma:
+    # True). transformers 4.x wrote no key whose value equals the base class's (True), so Gemma 2 files lack it.
+    tied_embeddings_default: bool = False
     # False: activations overflow float16 (Gemma 2/3): dtype auto picks bfloat16, an explicit float16 is refused.
     float16: bool = True
     # model_type of the family's multimodal checkpoints (Gemma 3 4B-27B: Gemma3ForConditionalGeneration), whose
@@ -138,6 +141,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding_pattern=2,
         post_norms=True,
         attn_logit_softcap=True,
+        tied_embeddings_default=True,
         float16=False,
     ),
     Architecture(
@@ -152,6 +156,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding_pattern=6,
         qk_norm=True,
         post_norms=True,
+        tied_embeddings_default=True,
         float16=False,
         multimodal_model_types=("gemma3",),
         # transformers' Gemma3TextConfig defaults (4.50 to 5.x): the 4B's published text_config gives only its

@@ -134,7 +134,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family.tied_embeddings_default)),
             sliding_window=sliding_window,
             layer_types=layer_types,
             attention_bias=bool(d.get("attention_bias", family.qkv_bias)),

@@ -43,3 +43,26 @@ def test_the_planner_reads_the_engine_s_sliding_window() -> None:
     assert (
         shape_from_config({**SHAPE, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tied"), [("gemma2", True), ("gemma3_text", True), ("llama", False), ("qwen3", False)]
+)
+def test_a_config_without_tie_word_embeddings_takes_the_familys_default(model_type: str, tied: bool) -> None:
+    """transformers 4.x left tie_word_embeddings out of a Gemma config.json (its value equals the base
+    class's); the published Gemma 2 files load with a tied head, a Llama's stays untied."""
+    config = {
+        "model_type": model_type,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    assert ModelConfig.from_hf_config(config).tie_word_embeddings is tied
+    assert (
+        ModelConfig.from_hf_config({**config, "tie_word_embeddings": not tied}).tie_word_embeddings
+        is not tied
+    )
