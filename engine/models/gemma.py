@@ -22,12 +22,10 @@ import torch
 import torch.nn.functional as F
 from pagoda.engine.attention.base import AttentionBackend, AttentionMetadata, LayerKVCache
 from pagoda.engine.distributed.parallel_state import all_reduce
-from pagoda.engine.models import cpu_linear
 from pagoda.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluMLP,
-    VocabParallelEmbedding,
     rotary_dim,
 )
 from pagoda.engine.models.llama import Attention, LlamaForCausalLM, uses_triton_kernels
@@ -121,6 +119,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     (the Llama head, which applies final_logit_softcapping). Checkpoint names and tensor-parallel shards as
     in the Llama model, plus the feed-forward norms."""
 
+    decoder_layer = GemmaDecoderLayer
+
     def __init__(
         self,
         config: ModelConfig,
@@ -129,40 +129,19 @@ class GemmaForCausalLM(LlamaForCausalLM):
         device: torch.device | str | None = None,
         max_model_len: int | None = None,
     ):
-        nn.Module.__init__(self)  # the Llama constructor would build Llama layers; ours are Gemma's
-        dtype = dtype or torch.get_default_dtype()
-        device = torch.device(device or "cpu")
         if dtype == torch.float16 and not config.family.float16:
             raise ValueError(
                 f"{config.architecture} overflows float16 (it was trained in bfloat16): use --dtype bfloat16 "
                 "or float32"
             )
-        self.config = config
-        self.backend = backend
-        self.dtype = dtype
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.vocab_start, self.vocab_end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
+        super().__init__(config, backend, dtype, device, max_model_len)
         # sqrt(hidden) in the compute dtype, as the reference multiplies (bfloat16: 55.4256 -> 55.5).
-        scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+        scale = torch.tensor(config.hidden_size**0.5, dtype=self.dtype, device=self.norm.weight.device)
         self.register_buffer("embed_scale", scale, persistent=False)
-        cap = config.attn_logit_softcapping if config.family.attn_logit_softcap else None
-        layer_backend = SoftCappedBackend(backend, cap) if cap else backend
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, layer_backend, dtype, device)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype, device, uses_triton_kernels(backend)
-        )
-        if config.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            rows = self.vocab_end - self.vocab_start
-            self.lm_head_weight = nn.Parameter(
-                torch.empty(rows, config.hidden_size, dtype=dtype, device=device), False
-            )
-        self._lm_head_packed = cpu_linear.PackedWeight()
-        self.set_max_model_len(max_model_len, device)
+
+    def layer_backend(self, backend: AttentionBackend) -> AttentionBackend:
+        cap = self.config.attn_logit_softcapping if self.config.family.attn_logit_softcap else None
+        return SoftCappedBackend(backend, cap) if cap else backend
 
     def set_max_model_len(self, max_model_len: int | None, device: torch.device | None = None) -> None:
         """(Re)build the rotary tables: one per distinct (base, scaling) among the layers (Gemma 3: the

@@ -174,6 +174,12 @@ class LlamaForCausalLM(nn.Module):
     ``max_model_len``: the longest sequence the engine will run, where it is known when the model is built
     (it chooses LongRoPE's factor set, see layers.longrope_uses_long; None: the config's length)."""
 
+    decoder_layer: type[nn.Module] = DecoderLayer  # a family of another block shape names its own (Gemma)
+
+    def layer_backend(self, backend: AttentionBackend) -> AttentionBackend:
+        """The backend the layers' attention calls (a family may wrap it, e.g. to soft-cap every call)."""
+        return backend
+
     def __init__(
         self,
         config: ModelConfig,
@@ -190,8 +196,10 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         self.vocab_start, self.vocab_end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
+        layer_backend = self.layer_backend(backend)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, dtype, device) for i in range(config.num_hidden_layers)
+            self.decoder_layer(config, i, layer_backend, dtype, device)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device, uses_triton_kernels(backend)
