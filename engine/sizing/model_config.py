@@ -100,8 +100,9 @@ class ModelConfig:
         if family is None and strict:
             raise SizingError(
                 f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
-                f"Pagoda runs Llama-family decoders: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
+                f"Pagoda runs these architectures: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
             )
+        _refuse_quantized(d, where)
         if strict and d.get("use_bidirectional_attention"):
             raise SizingError(f"{where}: use_bidirectional_attention (an embedding model) is not supported")
         family = family or architectures.GENERIC
@@ -217,6 +218,20 @@ def _language_model_config(d: dict[str, Any], family: architectures.Architecture
     merged.update({k: d[k] for k in _WRAPPER_KEYS if d.get(k) is not None})
     merged["model_type"] = d.get("model_type")
     return merged
+
+
+def _refuse_quantized(d: dict[str, Any], where: str) -> None:
+    """A checkpoint stored quantized (AWQ, GPTQ, FP8, bitsandbytes ...: config.json's quantization_config) is
+    refused by the engine and by sizing alike: its tensors are not the float weights either would count."""
+    quant = d.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    raise SizingError(
+        f"{where}: a {method!r}-quantized checkpoint (quantization_config) is not supported yet; Pagoda loads "
+        "float32, float16 and bfloat16 safetensors and GGUF files (dequantized at load): use the unquantized "
+        "checkpoint or a GGUF file of the model"
+    )
 
 
 def _positive(d: dict[str, Any], key: str, where: str) -> int:

@@ -66,3 +66,31 @@ def test_a_config_without_tie_word_embeddings_takes_the_familys_default(model_ty
         ModelConfig.from_hf_config({**config, "tie_word_embeddings": not tied}).tie_word_embeddings
         is not tied
     )
+
+
+def test_a_quantized_checkpoint_is_refused_by_the_engine_and_by_sizing(tmp_path) -> None:
+    """An AWQ folder's tensors are not float weights: serve would fail at load and plan would size 4-bit
+    packed integers as floats, so both refuse it up front with the same words."""
+    import json
+
+    from pagoda.engine.sizing.errors import SizingError
+    from pagoda.engine.sizing.shapes import shape_from_path
+
+    config = {
+        "model_type": "qwen2",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128},
+    }
+    for strict in (True, False):
+        with pytest.raises(SizingError, match="'awq'-quantized checkpoint .* not supported yet"):
+            ModelConfig.from_hf_config(config, strict=strict)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SizingError, match="'awq'-quantized"):
+        shape_from_path(tmp_path)
+    del config["quantization_config"]
+    assert ModelConfig.from_hf_config(config).architecture == "qwen2"
