@@ -338,7 +338,7 @@ def units_of(args: argparse.Namespace, specs: list[GPUSpec], skipped: list[str] 
             planner_kv = plan(shape, GPUInfo.from_spec(spec, MAX_GPUS), Hints()).kv_cache_dtype
             for kv in dict.fromkeys(("auto", args.kv_cache_dtype or planner_kv)):
                 units.append(plan_unit(spec, name, shape, args, kv_cache_dtype=kv))
-                if planned.tensor_parallel_size == 1:
+                if planned.tensor_parallel_size == 1 and not shape.num_experts:  # LoRA refuses MoE models
                     units.append(
                         plan_unit(spec, name, shape, args, kv_cache_dtype=kv, lora_rank=COMMON_LORA_RANK)
                     )
