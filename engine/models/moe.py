@@ -8,17 +8,7 @@ over the whole step), or where it is missing or refuses the shape (rows must be 
 which a tensor-parallel slice may not be) batched matmuls over the experts the step chose, each one's rows
 padded to the busiest one's count. Neither loops over experts in Python.
 
-Measured on this project's 2-core CPU host (a machine shared with other jobs: medians differ from run to
-run by up to 50 %, so the best of 7-20 runs is quoted; `benchmarks/bench_moe.py` runs it). Small experts
-(E=8 H=256 I=128 top-2, T = 1 / 16 / 128 tokens, float32): grouped_mm 0.14 / 0.48 / 1.1 ms, the per-expert
-loop (`experts_loop`, transformers' way) 0.13 / 0.66 / 1.6 ms. Scaled-down Mixtral (E=8 H=1024 I=3584
-top-2, bfloat16, 2 threads): grouped_mm 27 / 54 ms for 16 / 128 tokens against the loop's 31 / 59;
-scaled-down Qwen3-MoE (E=128 H=1024 I=384 top-8): 2.6 / 34 / 87 ms for 1 / 16 / 128 tokens against
-2.7 / 144 / 111. So grouped_mm is at par with the loop at one token and up to 4x faster once several tokens
-share experts; on one group it is as fast as F.linear (0.24 vs 0.22 ms for a 1024x2048 bfloat16 product).
-The padded-bmm fallback was 2-6x slower than grouped_mm at those sizes (padding, and a copy of the chosen
-experts' weights when not all are chosen); gathering each slot's expert weights for one bmm was 30-170x
-slower and was dropped.
+The CPU paths' timings against the per-expert loop are in docs/models.md (Mixture of experts).
 
 Weights: every expert's gate and up rows are stacked in ``w13`` [E, 2I, H] and its down in ``w2`` [E, H, I];
 the checkpoint's per-expert tensors (Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral
