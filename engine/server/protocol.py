@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
-MAX_LOGPROBS = 20
+# The schema only keeps logprob counts in an int32; the real limit is the server's --max-logprobs (default
+# 20, as vLLM), checked with the request's other sampling values so a server started with more allows more.
+LOGPROBS_BOUND = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
 # Accepted and ignored: hints that do not change what is generated (logged once each, at debug level).
 HINT_FIELDS = (
@@ -117,7 +119,7 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> bias added to its logit."
     )
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_BOUND)
     # Structured outputs: OpenAI's response_format and vLLM's fields (at most one of them per request).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -146,7 +148,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="A string, a list of strings, a list of token ids or a list of token-id lists."
     )
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_BOUND)
     echo: bool = False
     # 0 with echo: prompt scoring (the prompt and its logprobs, nothing generated)
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
@@ -240,7 +242,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_BOUND)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
