@@ -21,9 +21,11 @@ from pagoda.engine.sizing import (
     shape_from_config,
     well_known_shape,
 )
-from pagoda.engine.sizing.errors import UnsupportedOnGPU
+from pagoda.engine.sizing.errors import UnsupportedModelError, UnsupportedOnGPU
 from pagoda.engine.sizing.kv_dtypes import check_kv_cache_dtype
+from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE
+from pagoda.engine.sizing.shapes import well_known_config
 from pagoda.operator import refit as refitting
 from pagoda.operator.discovery import (
     GPUPool,
@@ -36,6 +38,7 @@ from pagoda.operator.discovery import (
 from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import InferenceSpec, SpecError
 
+UNSUPPORTED_MODEL = "UnsupportedModel"  # the condition reason of a model the engine does not run
 KiB = 1 << 10
 GiB = 1 << 30
 CPU_DEFAULT_MEMORY = 4 * GiB  # a CPU pod with no memory limit gets this much (the KV cache lives in it)
@@ -104,8 +107,25 @@ class Decision:
         }
 
 
+def check_model(spec: InferenceSpec) -> None:
+    """Refuse a model the engine does not run before anything is downloaded: the published config.json of a
+    catalogue model (or of a quantized checkpoint named after one: Qwen/Qwen3-8B-AWQ) read by the engine's
+    own strict reader, so the operator, `pagoda serve` and `pagoda plan` refuse the same models."""
+    published = well_known_config(spec.model.model_id)
+    if published is None:
+        return
+    try:
+        ModelConfig.from_hf_config(published, where=f"{spec.model.model_id}'s config.json as published")
+    except UnsupportedModelError as exc:
+        raise SpecError(
+            "model.source", f"the engine does not run this model: {exc}", UNSUPPORTED_MODEL
+        ) from None
+
+
 def model_shape(spec: InferenceSpec) -> ModelShape:
-    """The model's shape: given in the spec, or known by name; otherwise the spec cannot be sized."""
+    """The model's shape: given in the spec, or known by name; otherwise the spec cannot be sized. A model the
+    engine does not run is refused first (check_model, reason UnsupportedModel)."""
+    check_model(spec)
     if spec.model.shape:
         try:
             return shape_from_config(

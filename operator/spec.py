@@ -110,6 +110,7 @@ class ShapeSpec:
         "modelType",
         "config.json's model_type: the family's rules apply (Gemma's sliding layers, no float16); unset: a "
         "Llama-shaped decoder",
+        reason="UnsupportedModel",  # a model_type outside the engine's architecture table
     )
 
     def config(self) -> dict[str, Any]:

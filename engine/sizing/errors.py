@@ -9,6 +9,12 @@ class SizingError(ValueError):
     """The inputs cannot be served as asked; the message says what fits and what to change."""
 
 
+class UnsupportedModelError(SizingError):
+    """The model itself is one the engine does not run (its architecture, a quantized checkpoint, a multimodal
+    checkpoint, an embedding model, a RoPE scaling it lacks): no setting or GPU would change that, so the
+    operator reports it as `UnsupportedModel` rather than as a plan the engine would refuse."""
+
+
 class StartupFitError(SizingError):
     """The KV cache for the configured length does not fit the memory left at start-up.
 

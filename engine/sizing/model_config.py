@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.engine.sizing import architectures
-from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.errors import SizingError, UnsupportedModelError
 
 DEFAULT_MAX_POSITIONS = 2048
 
@@ -81,15 +81,17 @@ class ModelConfig:
     def from_hf_config(
         cls, d: dict[str, Any], *, strict: bool = True, where: str = "config.json"
     ) -> ModelConfig:
-        """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be."""
+        """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be, an
+        UnsupportedModelError where the model is one the engine does not run."""
         model_type = d.get("model_type") or ""
+        _refuse_quantized(d, where)  # a wrapper's quantization_config is not in its text_config
         family = architectures.from_hf_config(d)
         multimodal = family is None and isinstance(d.get("text_config"), dict)
         if multimodal and (wrapper := architectures.multimodal_of(d)) is not None:
             d, family = _language_model_config(d, wrapper), wrapper  # served text only
         elif multimodal and strict:
             served = ", ".join(t for a in architectures.ARCHITECTURES for t in a.multimodal_model_types)
-            raise SizingError(
+            raise UnsupportedModelError(
                 f"{where}: model_type {model_type!r} ({', '.join(d.get('architectures') or [])}) is a multimodal "
                 "checkpoint (its decoder under text_config), which Pagoda does not run; of multimodal "
                 f"checkpoints it serves the language model (text only) of model_type {served}"
@@ -98,13 +100,15 @@ class ModelConfig:
             d = {**d, **d["text_config"]}
             family = architectures.from_hf_config(d)
         if family is None and strict:
-            raise SizingError(
+            raise UnsupportedModelError(
                 f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
                 f"Pagoda runs these architectures: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
             )
         _refuse_quantized(d, where)
         if strict and d.get("use_bidirectional_attention"):
-            raise SizingError(f"{where}: use_bidirectional_attention (an embedding model) is not supported")
+            raise UnsupportedModelError(
+                f"{where}: use_bidirectional_attention (an embedding model) is not supported"
+            )
         family = family or architectures.GENERIC
         layers = _positive(d, "num_hidden_layers", where)
         heads = _positive(d, "num_attention_heads", where)
@@ -227,7 +231,7 @@ def _refuse_quantized(d: dict[str, Any], where: str) -> None:
     if not quant:
         return
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    raise SizingError(
+    raise UnsupportedModelError(
         f"{where}: a {method!r}-quantized checkpoint (quantization_config) is not supported yet; Pagoda loads "
         "float32, float16 and bfloat16 safetensors and GGUF files (dequantized at load): use the unquantized "
         "checkpoint or a GGUF file of the model"
@@ -301,7 +305,7 @@ def _rope(
         if original:
             rope["original_max_position_embeddings"] = int(original)
     if strict and rope_type not in family.rope_scalings:
-        raise SizingError(
+        raise UnsupportedModelError(
             f"{where} rope_scaling type {rope_type!r} is not supported ({', '.join(family.rope_scalings)})"
         )
     return rope_theta, rope

@@ -219,6 +219,22 @@ def _normalise_id(model_id: str) -> str:
     return _ALIASES.get(name, name)
 
 
+# Name suffixes publishers give the quantized checkpoints of a model (Qwen/Qwen3-8B-AWQ, ...-GPTQ-Int4,
+# ...-FP8, unsloth's ...-bnb-4bit), and the config.json quantization_config.quant_method each one implies.
+_QUANTIZED_SUFFIX = re.compile(r"-(awq|gptq|fp8|bnb)(?:-[a-z0-9]+)*$")
+_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "bnb": "bitsandbytes"}
+
+
+def _quantized_variant(model_id: str) -> tuple[_Known, str] | None:
+    """(the catalogue model, its quant_method) for a quantized checkpoint of a catalogue model, by its name."""
+    name = _normalise_id(model_id)
+    found = _QUANTIZED_SUFFIX.search(name)
+    if found is None:
+        return None
+    row = _WELL_KNOWN.get(_normalise_id(name[: found.start()]))
+    return None if row is None else (row, _QUANT_METHODS[found.group(1)])
+
+
 def well_known_model_ids() -> list[str]:
     return sorted(row.name for row in _WELL_KNOWN.values())
 
@@ -245,10 +261,15 @@ def well_known_shape(model_id: str) -> ModelShape | None:
 
 def well_known_config(model_id: str) -> dict | None:
     """The published config.json of a catalogue model as far as the engine's strict reader decides on it (its
-    family, a multimodal wrapper, the shape), for checks where the checkpoint is not at hand; None if unknown."""
-    row = _WELL_KNOWN.get(_normalise_id(model_id))
+    family, a multimodal wrapper, the shape, the quantization_config of a quantized checkpoint named as such:
+    Qwen/Qwen3-8B-AWQ), for checks where the checkpoint is not at hand (the operator, before any download);
+    None if unknown."""
+    row, quant = _WELL_KNOWN.get(_normalise_id(model_id)), None
+    if row is None and (variant := _quantized_variant(model_id)) is not None:
+        row, quant = variant
     if row is None:
         return None
+    quantized = {"quantization_config": {"quant_method": quant}} if quant else {}
     family = architectures.architecture(row.family)
     text = {
         "model_type": family.model_types[0], "architectures": [family.hf_architectures[0]],
@@ -260,11 +281,12 @@ def well_known_config(model_id: str) -> dict | None:
         text |= {"num_experts": row.experts, "num_experts_per_tok": row.experts_per_tok,
                  "moe_intermediate_size": row.moe_intermediate, "norm_topk_prob": True}  # fmt: skip
     if row.published_as is None:
-        return text
+        return text | quantized
     return {
         "model_type": family.multimodal_model_types[0],
         "architectures": [row.published_as],
         "text_config": text,
+        **quantized,
     }
 
 
