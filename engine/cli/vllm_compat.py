@@ -57,6 +57,14 @@ _NO_DOWNLOAD = "Pagoda never downloads at run time: a model is a local path or a
 _NO_COMPILE = "Pagoda compiles no graphs with torch.compile (CUDA graphs: --enforce-eager turns them off)"
 _NO_TRACING = "Pagoda exports Prometheus metrics (/metrics), not OpenTelemetry traces; leave it out"
 _ONLY_GENERATE = ("auto", "generate")
+_NO_LINEAR_ATTN = "Pagoda serves no linear-attention (GDN, KDA) layers"
+_NO_MAMBA = "Pagoda serves no Mamba layers"
+_NO_SLEEP = "sleep mode is not in Pagoda (--enable-sleep-mode is refused)"
+_NO_NUMA = "Pagoda binds to no NUMA node itself: pin the process with numactl or the pod's CPU manager"
+_NO_CP = "context parallelism is not in Pagoda (its size is 1)"
+_NO_WEIGHT_OFFLOAD = "Pagoda keeps model weights on the device (it offloads KV only: --kv-offload-host-bytes)"
+_NO_MOE_LORA = "LoRA on mixture-of-experts models is not supported"
+_OWN_KERNELS = "Pagoda picks its own kernels (pagoda kernels warm compiles them)"
 
 # Flags of vllm_flags.txt that `pagoda serve` does not implement, and what it says instead.
 _ANSWERS: dict[str, Answer] = {
@@ -298,6 +306,178 @@ _ANSWERS: dict[str, Answer] = {
     "--mm-encoder-attn-backend": _ignored(_TEXT_ONLY),
     "--cudagraph-capture-sizes": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes", "+"),
     "--max-cudagraph-capture-size": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes"),
+    # new in the vLLM release tracked now (checked against its parser: benchmarks/peers_vllm_flags.py)
+    # serve subcommand
+    "--fail-on-environ-validation": _ignored(
+        "Pagoda has no vLLM environment validation to make strict", _SWITCH
+    ),
+    "--gdn-prefill-backend": _ignored(_NO_LINEAR_ATTN),
+    "--kda-prefill-backend": _ignored(_NO_LINEAR_ATTN),
+    "--kda-decode-backend": _ignored(_NO_LINEAR_ATTN),
+    # frontend
+    "--trust-request-mm-kwargs": _ignored(_TEXT_ONLY, _SWITCH),
+    "--tool-strict-level": _ignored(
+        "tool calls are read the way Pagoda's tool parsers do (docs/api.md)", only=("auto",)
+    ),
+    "--sse-keep-alive-interval": _ignored(
+        "streams send no keep-alive comments: a proxy's idle timeout must cover the longest gap between tokens"
+    ),
+    "--anthropic-disabled-thinking-effort": _ignored("Pagoda has no Anthropic /v1/messages endpoint"),
+    "--enable-scale-out": _refused(
+        "Pagoda has no /render or /inference/v1/generate endpoints; scale out with replicas behind its router",
+        _SWITCH,
+    ),
+    "--grpc-port": _refused("Pagoda serves the OpenAI API over HTTP only"),
+    # model
+    "--quantization-config": _refused(
+        "Pagoda reads the quantization from the checkpoint's own config.json; edit it in a copy of the folder"
+    ),
+    "--allow-deprecated-quantization": _ignored(
+        "Pagoda reads the quantization from the checkpoint's own config", _SWITCH
+    ),
+    "--enable-return-routed-experts": _refused("responses carry no routed-expert ids", _SWITCH),
+    "--return-sampling-mask": _refused("responses carry no sampling masks", _SWITCH),
+    "--use-fp64-gumbel": _ignored("Pagoda samples with float32 random numbers", _SWITCH),
+    "--enable-trace-replay": _refused(
+        "requests cannot force a decode trace; score a given text with echo and max_tokens 0", _SWITCH
+    ),
+    "--model-class-overrides": _refused(_NO_PLUGINS),
+    "--sleep-mode-offload-cudagraph": _ignored(_NO_SLEEP, _SWITCH),
+    "--sleep-preserve-parameter-names": _ignored(_NO_SLEEP, "+"),
+    "--enable-cumem-allocator": _ignored("Pagoda uses torch's caching allocator", _SWITCH),
+    "--enable-nccl-comm-suspend": _ignored(_NO_SLEEP, _SWITCH),
+    "--renderer-num-workers": _ignored("tokenizing runs on the server's pool of two worker threads"),
+    # load
+    "--safetensors-prefetch-num-threads": _ignored("safetensors files are memory-mapped and read once"),
+    "--safetensors-prefetch-block-size": _ignored("safetensors files are memory-mapped and read once"),
+    # mamba
+    "--mamba-backend": _ignored(_NO_MAMBA),
+    "--mamba-ssu-algorithm": _ignored(_NO_MAMBA),
+    "--enable-mamba-cache-stochastic-rounding": _ignored(_NO_MAMBA, _SWITCH),
+    "--mamba-cache-philox-rounds": _ignored(_NO_MAMBA),
+    "--mamba-cache-mode": _ignored(_NO_MAMBA),
+    "--enable-mamba-shared-prefix-checkpoint": _ignored(_NO_MAMBA, _SWITCH),
+    "--replayssm-buffer-len": _ignored(_NO_MAMBA),
+    "--use-replayssm": _ignored(_NO_MAMBA, _SWITCH),
+    # parallel
+    "--distributed-timeout-seconds": _ignored(
+        "tensor-parallel ranks use torch.distributed's default timeout"
+    ),
+    "--cpu-distributed-timeout-seconds": _ignored(
+        "tensor-parallel ranks use torch.distributed's default timeout"
+    ),
+    "--numa-bind": _ignored(_NO_NUMA, _SWITCH),
+    "--numa-bind-nodes": _ignored(_NO_NUMA, "+"),
+    "--numa-bind-cpus": _ignored(_NO_NUMA, "+"),
+    "--device-ids": _refused("choose the GPUs with CUDA_VISIBLE_DEVICES (the operator sets it per pod)"),
+    "--dcp-comm-backend": _ignored(_NO_CP),
+    "--dcp-q-replicate": _ignored(_NO_CP, _SWITCH),
+    "--dcp-kv-cache-interleave-size": _ignored(_NO_CP),
+    "--cp-kv-cache-interleave-size": _ignored(_NO_CP),
+    "--prefill-context-parallel-size": _refused(
+        "context parallelism is not in Pagoda; use --tensor-parallel-size", only=("1",)
+    ),
+    "--enable-hc-sp": _ignored("Pagoda has no HyperConnection layers", _SWITCH),
+    "--enable-batch-sharded-sampling": _ignored("Pagoda samples the whole batch on the first rank", _SWITCH),
+    "--enable-ep-weight-filter": _ignored(_NO_EP, _SWITCH),
+    "--enable-shm-tensor-arena": _ignored("Pagoda's processes hand tensors over their own way", _SWITCH),
+    "--ubatch-size": _refused("dual-batch overlap is not in Pagoda; leave it out", only=("0",)),
+    "--enable-elastic-ep": _refused(_NO_EP, _SWITCH),
+    "--elastic-ep-max-dp-size": _refused(_NO_EP),
+    "--dp-sync-interval": _ignored(_NO_DP),
+    "--enable-fault-tolerance": _ignored(
+        "a failed engine exits and its pod restarts (the operator); there is no in-process recovery", _SWITCH
+    ),
+    "--fault-tolerance-config": _ignored(
+        "a failed engine exits and its pod restarts (the operator); there is no in-process recovery"
+    ),
+    # cache
+    "--prefix-cache-retention-interval": _ignored("cached blocks stay until the cache needs them (LRU)"),
+    "--kv-cache-dtype-skip-layers": _refused("--kv-cache-dtype applies to every layer", "+"),
+    "--swa-bounded-replay": _ignored(
+        "sliding-window layers keep their window's KV in the prefix cache (docs/models.md)", _SWITCH
+    ),
+    "--prefix-match-unit": _ignored("prefix-cache hits land on whole blocks (--block-size)"),
+    # offload (model weights)
+    "--offload-backend": _ignored(_NO_WEIGHT_OFFLOAD),
+    "--cpu-offload-params": _refused(_NO_WEIGHT_OFFLOAD, "+"),
+    "--offload-group-size": _refused(_NO_WEIGHT_OFFLOAD, only=("0",)),
+    "--offload-num-in-group": _ignored(_NO_WEIGHT_OFFLOAD),
+    "--offload-prefetch-step": _ignored(_NO_WEIGHT_OFFLOAD),
+    "--offload-params": _refused(_NO_WEIGHT_OFFLOAD, "+"),
+    # multimodal
+    "--language-model-only": _ignored("Pagoda serves the language model only anyway", _SWITCH),
+    "--mm-hasher-algorithm": _ignored(_TEXT_ONLY),
+    "--mm-encoder-only": _refused(_TEXT_ONLY, _SWITCH),
+    "--mm-encoder-attn-dtype": _ignored(_TEXT_ONLY),
+    "--mm-encoder-fp8-scale-path": _ignored(_TEXT_ONLY),
+    "--mm-encoder-fp8-scale-save-path": _ignored(_TEXT_ONLY),
+    "--mm-encoder-fp8-scale-save-margin": _ignored(_TEXT_ONLY),
+    "--video-pruning-method": _ignored(_TEXT_ONLY),
+    "--mm-tensor-ipc": _ignored(_TEXT_ONLY),
+    "--mm-processor-device": _ignored(_TEXT_ONLY),
+    "--mm-ipc-gpu-memory-gb": _ignored(_TEXT_ONLY),
+    "--mm-device-do-normalize": _ignored(_TEXT_ONLY, _SWITCH),
+    # LoRA
+    "--enable-tower-connector-lora": _ignored(_TEXT_ONLY, _SWITCH),
+    "--lora-target-modules": _ignored(
+        "each adapter applies to the modules its adapter_config.json names", "+"
+    ),
+    "--specialize-active-lora": _ignored("Pagoda's LoRA kernels are its own", _SWITCH),
+    "--enable-mixed-moe-lora-format": _refused(_NO_MOE_LORA, _SWITCH),
+    "--enable-moe-shared-loras": _refused(_NO_MOE_LORA, _SWITCH),
+    "--max-lora-cls-labels": _ignored("Pagoda has no classification models"),
+    # logging
+    "--logging-config": _ignored("Pagoda logs with Python's default logging set-up"),
+    "--log-level": _ignored("Pagoda logs at INFO; --uvicorn-log-level sets the HTTP server's level"),
+    # observability
+    "--per-request-spec-decode-metrics": _ignored("speculative decoding is not in Pagoda"),
+    "--kv-cache-metrics-sample": _ignored("KV cache metrics are always in /metrics"),
+    "--custom-histogram-buckets": _ignored("/metrics histograms have fixed buckets (vLLM's defaults)"),
+    "--cudagraph-metrics": _ignored("CUDA graph use is not exported as metrics", _SWITCH),
+    "--enable-layerwise-nvtx-tracing": _ignored("Pagoda adds no NVTX ranges", _SWITCH),
+    "--enable-mfu-metrics": _ignored("Pagoda exports no model-FLOPs-utilization metrics", _SWITCH),
+    "--enable-logging-iteration-details": _ignored("the periodic log line is Pagoda's own", _SWITCH),
+    "--jit-monitor-mode": _ignored(_NO_COMPILE),
+    "--jit-monitor-verbose": _ignored(_NO_COMPILE, _SWITCH),
+    # scheduler
+    "--max-num-scheduled-tokens": _ignored(
+        "a step schedules up to --max-num-batched-tokens (no speculative tokens to leave room for)"
+    ),
+    "--max-num-active-seqs": _refused("--max-num-seqs is the number of running sequences"),
+    "--max-num-queued-tokens": _refused("Pagoda bounds the queue by requests: --max-num-queued-reqs"),
+    "--long-prefill-token-threshold-adaptive": _ignored(
+        "chunk sizes follow --max-num-batched-tokens", _SWITCH
+    ),
+    "--scheduler-reserve-full-isl": _ignored(
+        "a request is admitted when its first chunk fits; a later shortage preempts the newest", _SWITCH
+    ),
+    "--watermark": _ignored("Pagoda keeps no free-block watermark", only=("0", "0.0")),
+    "--prefill-schedule-interval": _ignored("prefills are scheduled at every step", only=("1",)),
+    # kernels
+    "--ir-op-priority": _ignored(_OWN_KERNELS),
+    "--enable-flashinfer-autotune": _ignored(_OWN_KERNELS, _SWITCH),
+    "--moe-backend": _ignored(_OWN_KERNELS),
+    "--linear-backend": _ignored(_OWN_KERNELS),
+    "--sparse-indexer-topk-backend": _ignored(_OWN_KERNELS),
+    "--kernel-config": _ignored(_OWN_KERNELS),
+    # vllm
+    "--spec-method": _refused("speculative decoding is not in Pagoda yet; leave it out"),
+    "--spec-model": _refused("speculative decoding is not in Pagoda yet; leave it out"),
+    "--spec-tokens": _refused("speculative decoding is not in Pagoda yet; leave it out"),
+    "--watermark-config": _refused("Pagoda does not watermark its outputs"),
+    "--diffusion-config": _refused("Pagoda runs autoregressive text models only"),
+    "--ec-manager-config": _ignored(_TEXT_ONLY),
+    "--attention-config": _ignored("vLLM's attention backends are not Pagoda's; it picks its own"),
+    "--engram-config": _refused("Pagoda has no n-gram embedding (Engram) layers; leave it out"),
+    "--reasoning-config": _ignored(
+        "reasoning is not split into reasoning_content yet: it arrives in content as the model writes it"
+    ),
+    "--aux-output-config": _refused("responses carry no auxiliary model outputs"),
+    "--profiler-config": _ignored("Pagoda has no profiler endpoints"),
+    "--optimization-level": _ignored(_NO_COMPILE),
+    "--performance-mode": _ignored("Pagoda has one scheduling mode; tune it with --max-num-batched-tokens"),
+    "--weight-transfer-config": _refused("weights are loaded once from the model folder; none are sent in"),
     # earlier releases
     "--override-pooler-config": _refused("Pagoda runs generative models only; leave it out"),
     "--guided-decoding-disable-fallback": _ignored(
@@ -331,7 +511,33 @@ _ANSWERS: dict[str, Answer] = {
 SHORT: dict[str, str] = {
     "-pp": "--pipeline-parallel-size",
     "-dp": "--data-parallel-size",
-    "-O": "--compilation-config",
+    "-dpn": "--data-parallel-rank",
+    "-dpr": "--data-parallel-start-rank",
+    "-dpl": "--data-parallel-size-local",
+    "-dpa": "--data-parallel-address",
+    "-dpp": "--data-parallel-rpc-port",
+    "-dpb": "--data-parallel-backend",
+    "-dph": "--data-parallel-hybrid-lb",
+    "-dpe": "--data-parallel-external-lb",
+    "-dpm": "--data-parallel-multi-port-external-lb",
+    "-ep": "--enable-expert-parallel",
+    "-q": "--quantization",
+    "-n": "--nnodes",
+    "-r": "--node-rank",
+    "-dcp": "--decode-context-parallel-size",
+    "-pcp": "--prefill-context-parallel-size",
+    "-asc": "--api-server-count",
+    "-sc": "--speculative-config",
+    "-dc": "--diffusion-config",
+    "-cc": "--compilation-config",
+    "-ac": "--attention-config",
+    "-O": "--optimization-level",  # -O3, -O 3, -O=3
+}
+
+# vLLM's names for what `pagoda serve` implements under another name: read as Pagoda's flag, no warning.
+ALIASES: dict[str, str] = {
+    "--device-memory-utilization": "--gpu-memory-utilization",  # one flag with two names in vLLM
+    "--shutdown-timeout": "--shutdown-grace-seconds",  # seconds in-flight requests may finish on shutdown
 }
 
 
@@ -348,7 +554,12 @@ def table(implemented: frozenset[str]) -> dict[str, Answer]:
     strings), else the answer above; a flag with neither is missing (KeyError: a test keeps it from happening)."""
     out = {}
     for name in vllm_flags():
-        out[name] = Answer(IMPLEMENTED) if name in implemented else _ANSWERS[name]
+        if name in implemented:
+            out[name] = Answer(IMPLEMENTED)
+        elif ALIASES.get(name) in implemented:
+            out[name] = Answer(IMPLEMENTED, f"read as {ALIASES[name]}")
+        else:
+            out[name] = _ANSWERS[name]
     return out
 
 
@@ -397,9 +608,12 @@ def translate(
             out += [token, *argv[i:]]
             break
         name, has_value, inline = token.partition("=")
-        if re.fullmatch(r"-O\d", name):  # vLLM's -O3: the compilation level, attached
+        if re.fullmatch(r"-O\d", name):  # vLLM's -O3: the optimization level, attached
             name, has_value, inline = "-O", "=", name[2:]
         name = SHORT.get(name, name)
+        if name in ALIASES:
+            name = ALIASES[name]
+            token = name + (f"={inline}" if has_value else "")
         if name in FALLBACKS and choices and name in choices:
             value = inline if has_value else (argv[i] if i < len(argv) else None)
             if value is not None and value not in choices[name]:

