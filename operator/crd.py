@@ -93,6 +93,16 @@ STATUS_SCHEMA: dict[str, Any] = {
             "properties": {"policy": {"type": "string"}, "router": {"type": "string"}},
         },
         "autoscaling": PRESERVE,
+        "gateway": {
+            "type": "object",
+            "description": "spec.gateway: whether the cluster serves inference.networking.k8s.io/v1 "
+            "(apiServed), and the InferencePool and endpoint picker (Deployment and Service) rendered for it.",
+            "properties": {
+                "apiServed": {"type": "boolean"},
+                "inferencePool": {"type": "string"},
+                "picker": {"type": "string"},
+            },
+        },
         "refit": {
             **PRESERVE,
             "description": "Re-plans after an engine ran out of memory (OOMKilled, or exit code 3 at start-up) "

@@ -17,18 +17,19 @@ UNIDENTIFIED = ""  # product_label of a node with GPUs the operator cannot name
 # The API groups the reconciler asks the API server about (Kube.has_api); each turns an optional object on.
 PROMETHEUS_OPERATOR_API = "monitoring.coreos.com/v1"  # a ServiceMonitor per deployment
 KEDA_API = "keda.sh/v1alpha1"  # a KEDA ScaledObject instead of the HorizontalPodAutoscaler
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"  # spec.gateway: an InferencePool and its picker
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What the cluster serves beyond Kubernetes itself, where the operator's objects depend on it: the
-    reconciler discovers it, `pagoda render` (no cluster) is told it with flags. LeaderWorkerSet and the
-    Gateway API are named so a render can be told about them, but nothing the operator creates uses them yet."""
+    reconciler discovers it, `pagoda render` (no cluster) is told it with flags. LeaderWorkerSet is named so
+    a render can be told about it, but nothing the operator creates uses it yet."""
 
     prometheus_operator: bool = False  # PROMETHEUS_OPERATOR_API served
     keda: bool = False  # KEDA_API served
     lws: bool = False  # leaderworkerset.x-k8s.io: no object uses it yet
-    gateway_api: bool = False  # gateway.networking.k8s.io: no object uses it yet
+    gateway_api: bool = False  # INFERENCE_POOL_API served: spec.gateway's InferencePool and picker
 
 
 @dataclass(frozen=True)

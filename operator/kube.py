@@ -24,6 +24,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("apis/apps/v1", "deployments"),
     "HorizontalPodAutoscaler": ("apis/autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("apis/keda.sh/v1alpha1", "scaledobjects"),
+    "InferencePool": ("apis/inference.networking.k8s.io/v1", "inferencepools"),
     "Job": ("apis/batch/v1", "jobs"),
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
 }

@@ -22,7 +22,13 @@ from pagoda.operator import model_cache, render
 from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
 from pagoda.operator.contract import check_engine_args, check_router_args
-from pagoda.operator.discovery import KEDA_API, PROMETHEUS_OPERATOR_API, NodeGPUs, pools
+from pagoda.operator.discovery import (
+    INFERENCE_POOL_API,
+    KEDA_API,
+    PROMETHEUS_OPERATOR_API,
+    NodeGPUs,
+    pools,
+)
 from pagoda.operator.images import check_image
 from pagoda.operator.kube import ApiError, Kube, object_path
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
@@ -30,6 +36,7 @@ from pagoda.operator.planning import decide, decide_on_nodes
 from pagoda.operator.refit import Failure
 from pagoda.operator.spec import SpecError, parse_spec
 from pagoda.operator.status import (
+    GATEWAY_NOT_SERVED,
     condition,
     error_status,
     failed_status,
@@ -161,6 +168,10 @@ class Reconciler:
         """Whether KEDA's CRDs are served (then autoscaling renders a ScaledObject instead of an HPA)."""
         return await self._api_available(KEDA_API)
 
+    async def gateway_available(self) -> bool:
+        """Whether the Gateway API Inference Extension's InferencePool is served (spec.gateway renders then)."""
+        return await self._api_available(INFERENCE_POOL_API)
+
     def own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
         """Whether a StatefulSet event only echoes a write this operator made (nothing to correct)."""
         return resource_version is not None and self._written.get((namespace, name)) == resource_version
@@ -246,6 +257,8 @@ class Reconciler:
             check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
             if spec.routing.policy is not None:
                 check_router_args(render.router_args(body, spec))  # nor a router pod
+            if spec.gateway is not None:
+                check_router_args(render.router_args(body, spec, picker=True))  # nor a picker pod
         except SpecError as err:
             outcome.error = err
             status = error_status(body, err, refit)
@@ -274,22 +287,35 @@ class Reconciler:
 
         monitor = await self.monitoring_available()
         keda = await self.keda_available()  # also when autoscaling is off: its ScaledObject must go
+        # asked only of a deployment with spec.gateway, or one that had it (its pool must go)
+        gateway = (
+            spec.gateway is not None or bool(old_status.get("gateway"))
+        ) and await self.gateway_available()
         sts_live = None
         fresh = not old_status  # never reconciled: its children are most likely absent, create first
-        for child in render.children(body, spec, decision, with_service_monitor=monitor, with_keda=keda):
+        for child in render.children(
+            body, spec, decision, with_service_monitor=monitor, with_keda=keda, with_gateway=gateway
+        ):
             live = await self._apply(child, outcome, fresh=fresh)
             if child["kind"] == "StatefulSet":
                 sts_live = live
         if not fresh:
-            await self._delete_unwanted(body, spec, keda, outcome)
+            await self._delete_unwanted(body, spec, keda, outcome, gateway=gateway)
         # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
         image = (
             plan_image or old_status.get("planImage") or render.engine_image(spec, cpu=decision.gpu is None)
         )
-        status = ready_status(body, spec, decision, sts_live, refit, plan_image=image, model=model)
+        status = ready_status(
+            body, spec, decision, sts_live, refit, plan_image=image, model=model, gateway_served=gateway
+        )
         outcome.status = status
         old_plan = old_status.get("plan")
         await self._write_status(body, status, outcome)
+        degraded = condition(status, "Degraded")
+        if degraded.get("reason") == GATEWAY_NOT_SERVED and condition(old_status, "Degraded").get(
+            "reason"
+        ) != (GATEWAY_NOT_SERVED):
+            await self.event(body, "Warning", GATEWAY_NOT_SERVED, degraded["message"], outcome)
         if (
             old_plan != status["plan"]
             or (old_status.get("gpu") or {}).get("product") != status["gpu"]["product"]
@@ -518,10 +544,12 @@ class Reconciler:
         self.plan_images[(namespace, name)] = image
         return result
 
-    async def _delete_unwanted(self, body: dict[str, Any], spec: Any, keda: bool, outcome: Outcome) -> None:
+    async def _delete_unwanted(
+        self, body: dict[str, Any], spec: Any, keda: bool, outcome: Outcome, *, gateway: bool = False
+    ) -> None:
         """Delete the optional children this spec no longer has (only ones this operator made)."""
         meta = body["metadata"]
-        for kind, child in render.unwanted(body, spec, with_keda=keda):
+        for kind, child in render.unwanted(body, spec, with_keda=keda, with_gateway=gateway):
             path = object_path(kind, meta.get("namespace"), child)
             live = await self.kube.get(path)
             labels = ((live or {}).get("metadata") or {}).get("labels") or {}

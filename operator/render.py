@@ -11,6 +11,7 @@ from typing import Any
 
 from pagoda.engine import envs
 from pagoda.engine.cli.serve_args import to_argv
+from pagoda.operator.discovery import INFERENCE_POOL_API
 from pagoda.operator.objects import (
     API_VERSION as API_VERSION,
 )
@@ -53,14 +54,14 @@ from pagoda.operator.objects import metadata as _metadata
 from pagoda.operator.objects import pod_fields as _pod_fields
 from pagoda.operator.planning import Decision
 from pagoda.operator.quantity import format_quantity
-from pagoda.operator.spec import AdapterSpec, InferenceSpec, SpecError
+from pagoda.operator.spec import DEFAULT_POLICY, ROUTER_HTTP_PORT, AdapterSpec, InferenceSpec, SpecError
 
 ENGINE_PORT = 8000
 KV_DIR = "/var/cache/pagoda/kv"
 MODELS_DIR = "/models"
 PLAN_ANNOTATION = "pagoda.dev/plan-hash"  # on the pod template: which plan a pod was started with
 PRODUCT_LABEL = "nvidia.com/gpu.product"
-ROUTER_PORT = 8000
+ROUTER_PORT = ROUTER_HTTP_PORT
 LABEL_SERVICE = "pagoda.dev/service"
 LABEL_SCRAPE = "pagoda.dev/scrape"  # Services whose endpoints the ServiceMonitor scrapes
 # Drain (docs/operator.md): before SIGTERM the pod waits PRESTOP_SECONDS (endpoints and the router's health
@@ -98,6 +99,15 @@ def router_selector_labels(name: str) -> dict[str, str]:
 
 def router_name(name: str) -> str:
     return f"{name}-router"
+
+
+def picker_name(name: str) -> str:
+    """The endpoint picker's Deployment and Service (spec.gateway)."""
+    return f"{name}-epp"
+
+
+def picker_selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_NAME: "pagoda-epp", LABEL_INSTANCE: name}
 
 
 def headless_name(name: str) -> str:
@@ -454,16 +464,18 @@ def services(body: dict[str, Any], spec: InferenceSpec | None = None) -> list[di
     return [with_hash(client), with_hash(headless)]
 
 
-def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
+def router_args(body: dict[str, Any], spec: InferenceSpec, *, picker: bool = False) -> list[str]:
     """`pagoda router` arguments: the policy, the engines' headless Service as DNS, the served model
-    (tests/contract/test_router_args.py runs them through `pagoda router --dry-run`)."""
+    (tests/contract/test_router_args.py runs them through `pagoda router --dry-run`). The endpoint picker
+    (`picker`, spec.gateway) is the same router with the ext_proc port, spec.routing's policy or tierAware."""
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
-    assert spec.routing.policy is not None
+    policy = spec.routing.policy or (DEFAULT_POLICY if picker else None)
+    assert policy is not None
     args = [
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),
-        "--policy", spec.routing.policy,
+        "--policy", policy,
         "--backend-dns", f"{headless_name(meta['name'])}.{namespace}.svc.cluster.local:{ENGINE_PORT}",
         "--model", spec.model.served_model_name,
     ]  # fmt: skip
@@ -475,23 +487,31 @@ def router_args(body: dict[str, Any], spec: InferenceSpec) -> list[str]:
         # Requests wait for the engine that they wake (bounded: the router's --hold-max-requests and
         # --hold-max-bytes); without scale to zero an outage is a 503 with Retry-After at once.
         args += ["--hold-seconds", str(ROUTER_HOLD_SECONDS)]
+    if picker and spec.gateway is not None:
+        args += ["--ext-proc-port", str(spec.gateway.picker_port)]
     # The API key (apiKeySecretRef) reaches the router as $PAGODA_API_KEY, which `pagoda router` reads.
     return args
 
 
-def router_deployment(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False) -> dict[str, Any]:
+def router_deployment(
+    body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False, picker: bool = False
+) -> dict[str, Any]:
     """The router: one pod from the engine image (`pagoda router`; the engines' flavour, so a deployment
-    needs one image), in front of the engine pods."""
+    needs one image), in front of the engine pods. With `picker`, the Gateway's endpoint picker (spec.gateway):
+    the same router serving ext_proc too, under its own name and labels (the client Service never selects it)."""
     name = body["metadata"]["name"]
     env = _api_key_env(spec)
+    ports = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
+    if picker and spec.gateway is not None:
+        ports.append({"name": "grpc-ext-proc", "containerPort": spec.gateway.picker_port, "protocol": "TCP"})
     container = {
-        "name": "router",
+        "name": "epp" if picker else "router",
         "image": engine_image(spec, cpu=cpu),
         "imagePullPolicy": "IfNotPresent",
         "command": ["pagoda", "router"],
-        "args": router_args(body, spec),
+        "args": router_args(body, spec, picker=picker),
         "env": env,
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         # /livez: the router itself (its /health is 503 while no engine is routable: an engine outage must
         # neither restart the router nor take it out of the Service; it answers 503 + Retry-After meanwhile)
@@ -506,8 +526,9 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = 
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    labels = {**common_labels(name), **router_selector_labels(name)}
-    meta = _metadata(body, router_name(name))
+    selector = picker_selector_labels(name) if picker else router_selector_labels(name)
+    labels = {**common_labels(name), **selector}
+    meta = _metadata(body, picker_name(name) if picker else router_name(name))
     meta["labels"] = dict(labels)
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -530,7 +551,7 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = 
             "metadata": meta,
             "spec": {
                 "replicas": 1,
-                "selector": {"matchLabels": router_selector_labels(name)},
+                "selector": {"matchLabels": selector},
                 "template": {
                     "metadata": {
                         "labels": labels,
@@ -545,6 +566,62 @@ def router_deployment(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = 
             },
         }
     )
+
+
+def picker_service(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """The endpoint picker's Service, which the InferencePool's endpointPickerRef names: the gRPC port the
+    gateway calls (HTTP/2 cleartext, as the extension's own picker Service declares it) and the router's
+    HTTP port (its /metrics)."""
+    name = body["metadata"]["name"]
+    assert spec.gateway is not None
+    port = spec.gateway.picker_port
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(body, picker_name(name)),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": picker_selector_labels(name),
+                "ports": [
+                    {"name": "grpc-ext-proc", "port": port, "targetPort": "grpc-ext-proc", "protocol": "TCP",
+                     "appProtocol": "http2"},
+                    {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"},
+                ],
+            },
+        }
+    )  # fmt: skip
+
+
+def inference_pool(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+    """The InferencePool (inference.networking.k8s.io/v1) a Gateway's HTTPRoute names as its backend: the
+    engine pods (the StatefulSet's selector), their OpenAI port, and our picker's Service."""
+    name = body["metadata"]["name"]
+    assert spec.gateway is not None
+    return with_hash(
+        {
+            "apiVersion": INFERENCE_POOL_API,
+            "kind": "InferencePool",
+            "metadata": _metadata(body, name),
+            "spec": {
+                "selector": {"matchLabels": selector_labels(name)},
+                "targetPorts": [{"number": ENGINE_PORT}],
+                "endpointPickerRef": {
+                    "group": "",
+                    "kind": "Service",
+                    "name": picker_name(name),
+                    "port": {"number": spec.gateway.picker_port},
+                    "failureMode": spec.gateway.failure_mode,
+                },
+            },
+        }
+    )
+
+
+def gateway_objects(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False) -> list[dict[str, Any]]:
+    """spec.gateway's children, in the order they are applied: the picker, then the pool that names it."""
+    return [picker_service(body, spec), router_deployment(body, spec, cpu=cpu, picker=True),
+            inference_pool(body, spec)]  # fmt: skip
 
 
 def quantity(value: float) -> str:
@@ -737,25 +814,35 @@ def children(
     *,
     with_service_monitor: bool,
     with_keda: bool = False,
+    with_gateway: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child, in the order they are applied (the engines' StatefulSet last, after what it depends on:
-    the router is ready to find engines as they come, the autoscaler targets this object, not the pods)."""
+    the router is ready to find engines as they come, the autoscaler targets this object, not the pods).
+    `with_gateway`: the cluster serves inference.networking.k8s.io/v1 (spec.gateway's pool and picker)."""
     out = [*services(body, spec), disruption_budget(body)]
     if with_service_monitor and spec.service_monitor:
         out.append(service_monitor(body, spec))
     if spec.routing.policy is not None:
         out.append(router_deployment(body, spec, cpu=decision.gpu is None))
+    if with_gateway and spec.gateway is not None:
+        out += gateway_objects(body, spec, cpu=decision.gpu is None)
     if spec.autoscaling is not None:
         out.append(scaled_object(body, spec) if with_keda else hpa(body, spec))
     out.append(statefulset(body, spec, decision))
     return out
 
 
-def unwanted(body: dict[str, Any], spec: InferenceSpec, *, with_keda: bool) -> list[tuple[str, str]]:
+def unwanted(
+    body: dict[str, Any], spec: InferenceSpec, *, with_keda: bool, with_gateway: bool = False
+) -> list[tuple[str, str]]:
     """(kind, name) of the optional children this spec does not have: deleted if they exist (a router turned
-    off, autoscaling turned off, or KEDA installed after an HPA was made)."""
+    off, autoscaling turned off, KEDA installed after an HPA was made, spec.gateway removed)."""
     name = body["metadata"]["name"]
     out: list[tuple[str, str]] = []
+    if spec.gateway is None:
+        out += [("Deployment", picker_name(name)), ("Service", picker_name(name))]
+        if with_gateway:
+            out.append(("InferencePool", name))
     if spec.routing.policy is None:
         out.append(("Deployment", router_name(name)))
     if spec.autoscaling is None or with_keda:

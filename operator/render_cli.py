@@ -61,8 +61,15 @@ def render_document(
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
     if spec.routing.policy is not None:
         check_router_args(render.router_args(body, spec))
+    if spec.gateway is not None:
+        check_router_args(render.router_args(body, spec, picker=True))
     children = render.children(
-        body, spec, decision, with_service_monitor=caps.prometheus_operator, with_keda=caps.keda
+        body,
+        spec,
+        decision,
+        with_service_monitor=caps.prometheus_operator,
+        with_keda=caps.keda,
+        with_gateway=caps.gateway_api,
     )
     return decision, render.model_objects(body, spec, decision) + children
 
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument(
         "--gateway-api",
         action="store_true",
-        help="the Gateway API is installed (changes nothing yet: no object uses it)",
+        help="the Gateway API Inference Extension is installed (inference.networking.k8s.io/v1): render "
+        "spec.gateway's InferencePool and its endpoint picker (Deployment and Service)",
     )
     parser.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     args = parser.parse_args(argv)

@@ -562,6 +562,44 @@ class RoutingSpec:
     explicit: bool = False  # resolved by parse_spec: the spec named the policy (else the default applied)
 
 
+DEFAULT_PICKER_PORT = 9002  # the Gateway API Inference Extension's conventional endpoint-picker port
+ROUTER_HTTP_PORT = (
+    8000  # the router's own HTTP port (render.ROUTER_PORT), which the picker port must not take
+)
+
+
+@dataclass
+class GatewaySpec:
+    """Behind a Gateway (the Gateway API Inference Extension): an InferencePool
+    (inference.networking.k8s.io/v1) named as this object, selecting its engine pods, and our router as the
+    pool's endpoint picker (`pagoda router --ext-proc-port`, a Deployment and Service NAME-epp). Rendered where
+    the cluster serves that API; an HTTPRoute whose backendRef is the pool sends a Gateway's traffic to it."""
+
+    picker_port: int = prop(
+        Int(1, 65535),
+        "pickerPort",
+        "The endpoint picker's gRPC (Envoy ext_proc) port, in its Service and the pool's endpointPickerRef.",
+        default=DEFAULT_PICKER_PORT,
+        reason="InvalidGateway",
+        rules=[
+            Rule(
+                f"self != {ROUTER_HTTP_PORT}",
+                f"pickerPort must not be {ROUTER_HTTP_PORT}, the router's HTTP port",
+                lambda v: v != ROUTER_HTTP_PORT,
+                reason="InvalidGateway",
+            )
+        ],
+    )
+    failure_mode: str = prop(
+        Str(enum=("FailClose", "FailOpen")),
+        "failureMode",
+        "What the gateway does while the picker does not answer: FailClose (refuse the request) or FailOpen "
+        "(send it to a pod of its own choosing).",
+        default="FailClose",
+        reason="InvalidGateway",
+    )
+
+
 @dataclass
 class AutoscalingSpec:
     """Scale the engines on KV-bound signals: an autoscaling/v2 HorizontalPodAutoscaler on this object's scale
@@ -689,6 +727,7 @@ class InferenceSpec:
     service_monitor_spec: ServiceMonitorSpec = prop(Obj(ServiceMonitorSpec), "serviceMonitor")
     routing: RoutingSpec = prop(Obj(RoutingSpec), "routing", show_default=False)
     autoscaling: AutoscalingSpec | None = prop(Obj(AutoscalingSpec, optional=True), "autoscaling")
+    gateway: GatewaySpec | None = prop(Obj(GatewaySpec, optional=True), "gateway")
     drain: DrainSpec = prop(Obj(DrainSpec), "drain", show_default=False)
     RULES = (
         Rule(

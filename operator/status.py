@@ -11,6 +11,7 @@ from pagoda.operator.planning import Decision
 from pagoda.operator.spec import InferenceSpec, SpecError
 
 CONDITIONS = ("Ready", "Progressing", "Degraded")
+GATEWAY_NOT_SERVED = "GatewayAPINotServed"  # spec.gateway where the cluster lacks the InferencePool API
 
 
 def _now() -> str:
@@ -63,10 +64,12 @@ def ready_status(
     refit: dict[str, Any] | None = None,
     plan_image: str | None = None,
     model: dict[str, Any] | None = None,
+    gateway_served: bool = False,
 ) -> dict[str, Any]:
     """Status after a successful apply: the plan, the GPU choice, what the StatefulSet reports, the
-    re-fit (status.refit) the plan carries, if any, the image the plan's memory figures are for, and the
-    model download (status.model) when there is one."""
+    re-fit (status.refit) the plan carries, if any, the image the plan's memory figures are for, the
+    model download (status.model) when there is one, and spec.gateway's pool and picker (`gateway_served`:
+    the cluster serves the InferencePool API; without it Degraded says so and nothing of it is rendered)."""
     meta = body["metadata"]
     old = body.get("status") or {}
     generation = meta.get("generation")
@@ -106,6 +109,18 @@ def ready_status(
             f"new image's measured memory): {changes} (status.refit)",
         )
     name, namespace = meta["name"], meta.get("namespace", "default")
+    gateway = None
+    if spec.gateway is not None:
+        gateway = {"apiServed": gateway_served, "inferencePool": name if gateway_served else None,
+                   "picker": render.picker_name(name) if gateway_served else None}  # fmt: skip
+        if not gateway_served and degraded[0] == "False":
+            degraded = (
+                "True",
+                GATEWAY_NOT_SERVED,
+                f"spec.gateway asks for an InferencePool, but the cluster does not serve "
+                f"{render.INFERENCE_POOL_API} (install the Gateway API Inference Extension's CRDs): no pool "
+                "or endpoint picker is rendered; the engines are served as without spec.gateway",
+            )
     status = {
         "observedGeneration": generation,
         "phase": readiness[1],
@@ -128,6 +143,7 @@ def ready_status(
         },
         "autoscaling": _autoscaling_status(spec),
         "model": model,
+        "gateway": gateway,
     }
     if generation is None:
         del status["observedGeneration"]

@@ -227,6 +227,8 @@ OWNED = [("apps", "statefulsets"), ("", "services"), ("policy", "poddisruptionbu
 OWNED += [("monitoring.coreos.com", "servicemonitors")]
 # issue 14: the router Deployment, the HPA or KEDA ScaledObject of spec.autoscaling
 OWNED += [("apps", "deployments"), ("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")]
+# issue 42: spec.gateway's InferencePool (the picker is a Deployment and a Service, above)
+OWNED += [("inference.networking.k8s.io", "inferencepools")]
 
 
 def _assert_namespaced_rules(rules: dict) -> None:

@@ -204,7 +204,8 @@ def test_render_cli_is_told_what_the_cluster_has(capsys: pytest.CaptureFixture[s
     assert kinds("--prometheus-operator") == kinds("--service-monitor")
     monitored = kinds("--prometheus-operator", "--keda")
     assert monitored.count("ServiceMonitor") == 1 and [k for k in monitored if k != "ServiceMonitor"] == keda
-    assert kinds("--lws", "--gateway-api") == plain  # accepted: no object of the operator uses them yet
+    # --lws: no object of the operator uses it yet; --gateway-api: only spec.gateway's (test_gateway.py)
+    assert kinds("--lws", "--gateway-api") == plain
     assert render_main([path, "--keda", "-o", "json"]) == 0
     [result] = json.loads(capsys.readouterr().out)
     [scaled] = [c for c in result["children"] if c["kind"] == "ScaledObject"]

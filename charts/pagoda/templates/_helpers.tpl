@@ -119,6 +119,11 @@ seccompProfile:
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# spec.gateway: the InferencePool (the Gateway API Inference Extension's CRDs are installed by whoever runs the
+# gateway, never by this chart)
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
