@@ -288,9 +288,8 @@ class Reconciler:
         monitor = await self.monitoring_available()
         keda = await self.keda_available()  # also when autoscaling is off: its ScaledObject must go
         # asked only of a deployment with spec.gateway, or one that had it (its pool must go)
-        gateway = (
-            spec.gateway is not None or bool(old_status.get("gateway"))
-        ) and await self.gateway_available()
+        had_gateway = bool(old_status.get("gateway"))
+        gateway = (spec.gateway is not None or had_gateway) and await self.gateway_available()
         sts_live = None
         fresh = not old_status  # never reconciled: its children are most likely absent, create first
         for child in render.children(
@@ -300,7 +299,7 @@ class Reconciler:
             if child["kind"] == "StatefulSet":
                 sts_live = live
         if not fresh:
-            await self._delete_unwanted(body, spec, keda, outcome, gateway=gateway)
+            await self._delete_unwanted(body, spec, keda, outcome, gateway=gateway, had_gateway=had_gateway)
         # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
         image = (
             plan_image or old_status.get("planImage") or render.engine_image(spec, cpu=decision.gpu is None)
@@ -545,11 +544,19 @@ class Reconciler:
         return result
 
     async def _delete_unwanted(
-        self, body: dict[str, Any], spec: Any, keda: bool, outcome: Outcome, *, gateway: bool = False
+        self,
+        body: dict[str, Any],
+        spec: Any,
+        keda: bool,
+        outcome: Outcome,
+        *,
+        gateway: bool = False,
+        had_gateway: bool = False,
     ) -> None:
         """Delete the optional children this spec no longer has (only ones this operator made)."""
         meta = body["metadata"]
-        for kind, child in render.unwanted(body, spec, with_keda=keda, with_gateway=gateway):
+        unwanted = render.unwanted(body, spec, with_keda=keda, with_gateway=gateway, had_gateway=had_gateway)
+        for kind, child in unwanted:
             path = object_path(kind, meta.get("namespace"), child)
             live = await self.kube.get(path)
             labels = ((live or {}).get("metadata") or {}).get("labels") or {}

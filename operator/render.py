@@ -833,13 +833,20 @@ def children(
 
 
 def unwanted(
-    body: dict[str, Any], spec: InferenceSpec, *, with_keda: bool, with_gateway: bool = False
+    body: dict[str, Any],
+    spec: InferenceSpec,
+    *,
+    with_keda: bool,
+    with_gateway: bool = False,
+    had_gateway: bool = False,
 ) -> list[tuple[str, str]]:
     """(kind, name) of the optional children this spec does not have: deleted if they exist (a router turned
-    off, autoscaling turned off, KEDA installed after an HPA was made, spec.gateway removed)."""
+    off, autoscaling turned off, KEDA installed after an HPA was made, spec.gateway removed or its API gone).
+    spec.gateway's are looked for only where the deployment `had_gateway` (its status says so), the pool only
+    where its API is served (`with_gateway`)."""
     name = body["metadata"]["name"]
     out: list[tuple[str, str]] = []
-    if spec.gateway is None:
+    if had_gateway and not (with_gateway and spec.gateway is not None):
         out += [("Deployment", picker_name(name)), ("Service", picker_name(name))]
         if with_gateway:
             out.append(("InferencePool", name))

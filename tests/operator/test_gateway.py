@@ -228,3 +228,21 @@ async def test_without_the_api_spec_gateway_is_a_condition_and_an_event(cluster:
         assert (
             len([e for e in cluster.events(NAME) if e["reason"] == "GatewayAPINotServed"]) == 1
         )  # not repeated
+
+
+def test_only_a_deployment_that_had_a_gateway_looks_for_its_pool_and_picker() -> None:
+    body = {**deployment(), "metadata": {"namespace": "default", "name": NAME}}
+    with_gateway, without = parse_spec(body["spec"]), parse_spec({**body["spec"], "gateway": None})
+    gone = [("Deployment", f"{NAME}-epp"), ("Service", f"{NAME}-epp")]
+
+    def found(spec: Any, **flags: bool) -> list[tuple[str, str]]:
+        return [
+            u
+            for u in render.unwanted(body, spec, with_keda=False, **flags)
+            if u in [*gone, ("InferencePool", NAME)]
+        ]
+
+    assert found(without, with_gateway=True) == []  # never had one: no lookups per reconcile
+    assert found(without, with_gateway=True, had_gateway=True) == [*gone, ("InferencePool", NAME)]
+    assert found(with_gateway, with_gateway=False, had_gateway=True) == gone  # the API went away
+    assert found(with_gateway, with_gateway=True, had_gateway=True) == []
