@@ -24,6 +24,7 @@ from pagoda.engine.cli.serve_check import (
     DryRunReport,
     ModelFacts,
     check_args,
+    check_published,
     configure,
     facts,
     given_shape,
@@ -79,7 +80,9 @@ def model_facts(config: EngineConfig, model_shape: str | None, warnings: list[st
         path = locate_model(config.model, config.revision)
     except ModelNotFoundError as exc:
         # Checking a pod's command before deploying, where the weights are not: a model Pagoda knows by its
-        # hub id is sized from its published shape, as the operator sizes it.
+        # hub id is sized from its published shape, as the operator sizes it; one the engine does not run
+        # (a quantized checkpoint named after a catalogue model) is refused as the operator refuses it.
+        check_published(config.model)
         known = well_known_shape(config.model) if config.model and is_hub_id(config.model) else None
         if known is None:
             raise DryRunError(

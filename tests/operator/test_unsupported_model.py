@@ -8,6 +8,8 @@ import argparse
 
 import pytest
 import yaml
+from pagoda.engine.cli.dry_run import DryRunError
+from pagoda.engine.cli.dry_run import check as dry_run_check
 from pagoda.engine.sizing.errors import SizingError, UnsupportedModelError
 from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.sizing.shapes import well_known_config
@@ -114,3 +116,12 @@ def test_a_flag_the_engine_refuses_keeps_reason_engine_would_refuse() -> None:
     with pytest.raises(SpecError) as refused:
         check_engine_args(decision, [*render.engine_args(spec, decision), "--gpu-memory-utilization", "0.05"])
     assert refused.value.reason == REASON == "EngineWouldRefuse"
+
+
+def test_the_engines_dry_run_refuses_the_quantized_hub_id_without_its_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: the weights are not here
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(DryRunError, match="Qwen/Qwen3-8B-AWQ's config.json as published: a 'awq'-quantized"):
+        dry_run_check(["Qwen/Qwen3-8B-AWQ", "--gpu", "H100"])
+    report = dry_run_check(["Qwen/Qwen3-8B", "--gpu", "H100"])  # the same model unquantized: sized
+    assert report.plan is not None and report.model.shape_from == "catalogue of known models"
