@@ -66,7 +66,9 @@ def apply_defaults(node: dict[str, Any], value: Any) -> Any:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")) + ["{}"])
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in EXAMPLES.glob("*.yaml")) + ["gateway/inferencedeployment.yaml", "{}"]
+)
 def test_the_api_servers_defaults_are_the_operators(name: str) -> None:
     raw = {} if name == "{}" else example(name)["spec"]
     defaulted = apply_defaults(_spec_schema(), raw)
@@ -131,6 +133,9 @@ SAMPLES: list[dict[str, Any]] = [
     {"engine": {"maxModelLen": 8}},
     {"engine": {"maxModelLen": "auto", "blockSize": 24}},
     {"engine": {"maxModelLen": 4096, "blockSize": 32}},
+    {"gateway": {}},
+    {"gateway": {"pickerPort": 8000}},
+    {"gateway": {"pickerPort": 9002, "failureMode": "FailOpen"}},
 ]
 
 
