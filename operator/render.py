@@ -571,15 +571,19 @@ def router_deployment(
 def picker_service(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     """The endpoint picker's Service, which the InferencePool's endpointPickerRef names: the gRPC port the
     gateway calls (HTTP/2 cleartext, as the extension's own picker Service declares it) and the router's
-    HTTP port (its /metrics)."""
+    HTTP port (its /metrics, scraped through this Service)."""
     name = body["metadata"]["name"]
     assert spec.gateway is not None
     port = spec.gateway.picker_port
+    meta = _metadata(body, picker_name(name))
+    # scraped like the router's (the ServiceMonitor's "http" port): its held requests wake a scaled-to-zero
+    # deployment as the router's do (held_requests_query sums every pod of the instance)
+    meta["labels"][LABEL_SCRAPE] = "true"
     return with_hash(
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": _metadata(body, picker_name(name)),
+            "metadata": meta,
             "spec": {
                 "type": "ClusterIP",
                 "selector": picker_selector_labels(name),

@@ -90,6 +90,7 @@ def test_the_pool_selects_the_engines_and_names_the_picker() -> None:
     assert grpc == {"name": "grpc-ext-proc", "port": 9002, "targetPort": "grpc-ext-proc", "protocol": "TCP",
                     "appProtocol": "http2"}  # fmt: skip
     assert service["spec"]["selector"] == picker["spec"]["selector"]["matchLabels"]
+    assert service["metadata"]["labels"][render.LABEL_SCRAPE] == "true"  # the ServiceMonitor's "http" port
     assert {"name": "grpc-ext-proc", "containerPort": 9002, "protocol": "TCP"} in container["ports"]
     # another port and FailOpen follow the spec; the router's own HTTP port is refused
     body["spec"]["gateway"] = {"pickerPort": 9100, "failureMode": "FailOpen"}
