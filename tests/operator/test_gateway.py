@@ -76,6 +76,9 @@ def test_the_pool_selects_the_engines_and_names_the_picker() -> None:
     )
     [sts] = [o for o in objects if o["kind"] == "StatefulSet"]
     assert sts["spec"]["selector"]["matchLabels"] == pool["spec"]["selector"]["matchLabels"]
+    # the picker's replicas (the headless Service's DNS) are the pool's pods
+    [headless] = [o for o in objects if o["metadata"]["name"] == f"{NAME}-headless"]
+    assert headless["spec"]["selector"] == pool["spec"]["selector"]["matchLabels"]
     assert picker["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "pagoda-epp"
     # the picker: our router with the ext_proc port, found by the pool through its Service's gRPC port
     [container] = picker["spec"]["template"]["spec"]["containers"]
