@@ -165,6 +165,12 @@ class EngineConfig:
         "never record CUDA graphs: run every decode step eagerly (graphs are recorded on CUDA with the triton "
         "attention backend, on every tensor-parallel rank)",
     )
+    async_scheduling: bool = _opt(
+        False,
+        "plan step N+1 while step N runs (its device side on a thread of its own); the same tokens as "
+        "without; steps whose tokens decide the next (grammars, n > 1 forks, prompt logprobs, attention "
+        "sinks) are planned after them; not with tensor parallelism or LoRA",
+    )
     profile_on_cpu: bool = _opt(
         False,
         "run the start-up profiling forward on CPU too (every rank, as on CUDA); nothing is measured there "

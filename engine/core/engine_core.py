@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.async_steps import InFlight, StepThread
 from pagoda.engine.core.info import EngineInfo, LoRAAdapterInfo
 from pagoda.engine.core.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, SeqDelta
 from pagoda.engine.core.scheduler import CacheConfig, Scheduler, SchedulerConfig, SeqUpdate
@@ -221,6 +222,8 @@ class EngineCore:
             for name, adapter_path in config.lora_module_paths.items():
                 self.lora_registry.load(name, adapter_path)
         self.kv_dtype = kv_dtype
+        self._steps = self._step_thread(config)
+        self._in_flight: InFlight | None = None
         self._aborted_outputs: list[CoreOutput] = []
         self._pending_finished: list[FinishedRequestStats] = []
         self.serving_front_end = False  # set when a server's front end shares this process's cores
@@ -230,6 +233,19 @@ class EngineCore:
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
             self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
+
+    def _step_thread(self, config: EngineConfig) -> StepThread | None:
+        """With --async-scheduling: the thread steps' device sides run on (engine/core/async_steps.py).
+        Not with tensor parallelism or LoRA (the ranks' step messages and the adapter slots are not yet
+        safe to drive from a second thread): those engines step synchronously, with a warning."""
+        if not config.async_scheduling:
+            return None
+        why = "tensor parallelism" if self.workers is not None else "LoRA" if self.lora is not None else ""
+        if why:
+            log.warning("--async-scheduling is not supported with %s yet; steps run synchronously", why)
+            return None
+        log.info("async scheduling: the next step is planned while this one runs")
+        return StepThread(self.runner, self.device)
 
     def _structured_outputs(self, tokenizer: Any):
         """The grammar engine over this model's vocabulary (None without a tokenizer); it compiles on a
@@ -468,6 +484,7 @@ class EngineCore:
         kv, offload = self.scheduler.kv, self.scheduler.offload
         if offload is None:
             raise ValueError(f"no {tier} tier is configured")
+        self._wait_in_flight()
         if kv.num_used_blocks > 0:
             return 0
         everything = [SaveBlock(b.block_id, h) for h, b in kv.block_pool.cached.items()]
@@ -482,6 +499,9 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        if self._steps is not None:
+            self._wait_in_flight()
+            self._steps.close()
         if self.workers is not None:
             self.workers.shutdown()
             destroy_tensor_parallel()
@@ -519,15 +539,76 @@ class EngineCore:
     def step(self, stats: bool = True) -> EngineCoreOutputs:
         """Plan, execute, update: one output per request that progressed or ended, and the step's stats
         (``stats=False``: none, for a caller that reports none)."""
+        if self._steps is not None:
+            return self._step_async(stats)
         started = time.perf_counter()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         self._cpu_threads_for(sched)
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result)
+        self._grammar_failed(sched, outputs)
+        return self._step_outputs(outputs, sched, updates, stats, started)
+
+    def _step_async(self, stats: bool) -> EngineCoreOutputs:
+        """Async scheduling: the outputs of the step in flight (one is submitted first if none is), with the
+        next step already running when this returns. While the step in flight computes, the next one is
+        planned, unless its tokens decide what comes next (`Scheduler.can_advance`): then it is planned
+        after them. Sequences that the step ended (stop, EOS, max_tokens) leave the next step before it runs;
+        ones ended while it ran (aborts, stop strings) get no token."""
+        started = time.perf_counter()
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduler = self.scheduler
+        if self._in_flight is None:
+            sched = scheduler.schedule()
+            self._grammar_failed(sched, outputs)
+            if sched.empty:  # nothing to compute: the ops (if any) and the stats, as a synchronous step
+                updates = scheduler.update_from_output(sched, self.runner.execute(sched))
+                return self._step_outputs(outputs, sched, updates, stats, started)
+            self._submit(sched)
+        current, nxt = self._in_flight, None
+        if scheduler.can_advance(current.sched):
+            scheduler.advance_in_flight(current.sched)
+            current.advanced = True
+            nxt = scheduler.schedule()
+        self._in_flight = None
+        result = current.future.result()
+        updates = scheduler.update_from_output(current.sched, result, advanced=current.advanced)
+        if nxt is None:
+            nxt = scheduler.schedule()
+        else:
+            scheduler.drop_finished(nxt)
+        self._grammar_failed(nxt, outputs)
+        if nxt.empty:  # its ops (if any) run now; its counts join this step's stats
+            scheduler.update_from_output(nxt, self.runner.execute(nxt))
+            _add_counts(current.sched, nxt)
+        else:
+            self._submit(nxt)
+        return self._step_outputs(outputs, current.sched, updates, stats, started)
+
+    def _submit(self, sched: SchedulerOutput) -> None:
+        self._cpu_threads_for(sched)
+        self._in_flight = self._steps.submit(sched)
+
+    def _wait_in_flight(self) -> None:
+        """Let the step in flight finish on the device (its outputs stay for the next `step`)."""
+        if self._in_flight is not None:
+            self._in_flight.future.exception()
+
+    def _grammar_failed(self, sched: SchedulerOutput, outputs: list[CoreOutput]) -> None:
         for req in sched.grammar_failed:
             self._record_finished(req)
             outputs.append(self._make_output(req, list(req.seqs), {}, {}))
+        sched.grammar_failed = []
+
+    def _step_outputs(
+        self,
+        outputs: list[CoreOutput],
+        sched: SchedulerOutput,
+        updates: list[SeqUpdate],
+        stats: bool,
+        started: float,
+    ) -> EngineCoreOutputs:
         outputs.extend(self._outputs(updates))  # records this step's finished requests for the stats
         if not stats:
             self._pending_finished.clear()
@@ -654,3 +735,11 @@ class EngineCore:
     def kv_waste(self) -> float:
         """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""
         return self.scheduler.kv_waste()
+
+
+def _add_counts(into: SchedulerOutput, other: SchedulerOutput) -> None:
+    """Fold the planning counts of a step that computed nothing into another step's (for its stats)."""
+    into.num_preemptions += other.num_preemptions
+    into.prefix_queries += other.prefix_queries
+    into.prefix_hits += other.prefix_hits
+    into.new_request_prompt_lens.extend(other.new_request_prompt_lens)

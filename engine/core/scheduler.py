@@ -36,6 +36,10 @@ log = logging.getLogger("pagoda.engine.core.scheduler")
 # ([tokens, vocab] float32) are what the step holds for it (49,152 x 256 x 4 B = 48 MiB for the default model).
 PROMPT_LOGPROBS_CHUNK = 256
 
+# Async scheduling: the token a sequence in a running step stands on for the step planned after it; never a
+# real id (no vocabulary has it), replaced by the sampled token before the planned step runs.
+PLACEHOLDER = -1
+
 
 @dataclass
 class SchedulerConfig:
@@ -372,9 +376,13 @@ class Scheduler:
         return refund
 
     # ---- after the forward ------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
+    def update_from_output(
+        self, out: SchedulerOutput, result: RunnerOutput, advanced: bool = False
+    ) -> list[SeqUpdate]:
         """The scheduled tokens now sit in the cache: register full blocks, append the sampled tokens, apply
-        stops, free what finished. Returns one update per sampled sequence, in batch order."""
+        stops, free what finished. Returns one update per sampled sequence, in batch order. A sequence that
+        ended while the step ran (an abort, a stop string) gets nothing. ``advanced``: `advance_in_flight`
+        already moved the step's counts on and left placeholders, which the sampled tokens replace."""
         if result.saved and self.offload is not None:
             self.offload.store(result.saved, result.save_seconds)
         for sched in out.scheduled:
@@ -383,11 +391,8 @@ class Scheduler:
                 req.metrics.first_scheduled_time = req.first_scheduled_time
                 if req.num_cached_tokens == 0:
                     req.num_cached_tokens = sched.start
-            seq.num_computed_tokens = sched.start + sched.num_new_tokens
-            tokens = seq.token_ids if seq.kv_dropped == 0 else seq.cache_tokens(0, seq.num_cache_tokens)
-            self.kv.cache_blocks(seq.seq_id, tokens, seq.num_computed_tokens)
-            for child in sched.sample_seqs[1:]:
-                child.num_computed_tokens = seq.num_computed_tokens
+            if not advanced and not seq.finished:
+                self._computed(sched)
         for sched in out.scheduled:
             req = sched.request
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs:
@@ -405,12 +410,59 @@ class Scheduler:
                 top = result.top_logprobs[i] if result.top_logprobs else None
                 lp = result.logprobs[i] if result.logprobs else 0.0
                 i += 1
+                if advanced and seq.token_ids[-1] == PLACEHOLDER:
+                    seq.token_ids.pop()
+                if seq.finished:
+                    continue
                 updates.append(self._append(sched.request, seq, tok, lp, top, t_now))
         finished = {id(u.request): u.request for u in updates if u.request.finished}
         for req in finished.values():
             if req.request_id in self.requests:
                 self._finish_request(req)
         return updates
+
+    def _computed(self, sched: ScheduledSeq) -> None:
+        """The chunk's tokens are (or, in flight, will be) in the cache: count them, register full blocks."""
+        seq = sched.seq
+        seq.num_computed_tokens = sched.start + sched.num_new_tokens
+        tokens = seq.token_ids if seq.kv_dropped == 0 else seq.cache_tokens(0, seq.num_cache_tokens)
+        self.kv.cache_blocks(seq.seq_id, tokens, seq.num_computed_tokens)
+        for child in sched.sample_seqs[1:]:
+            child.num_computed_tokens = seq.num_computed_tokens
+
+    # ---- async scheduling: the next step planned while this one runs ----------------------------------
+    def can_advance(self, out: SchedulerOutput) -> bool:
+        """Whether the step after ``out`` can be planned before ``out``'s tokens are known: only what the
+        tokens themselves decide stops it. A grammar (its next mask needs the token), a fork of n > 1
+        sequences, prompt logprobs still being computed, or attention-sink eviction in ``out`` means no."""
+        for sched in out.scheduled:
+            req, seq = sched.request, sched.seq
+            if seq.finished:
+                continue
+            if req.kv_streaming is not None or req.needs_prompt_logprobs:
+                return False
+            if sched.samples and (len(sched.sample_seqs) != 1 or seq.grammar is not None):
+                return False
+        return True
+
+    def advance_in_flight(self, out: SchedulerOutput) -> None:
+        """Move ``out``'s sequences on as if it had finished: computed counts and full blocks (what its
+        tokens do not decide), and one placeholder token per sampling sequence, so `schedule` plans each a
+        one-token decode next. `update_from_output(out, result, advanced=True)` swaps in the real tokens."""
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.finished:
+                continue
+            self._computed(sched)
+            if sched.samples:
+                seq.token_ids.append(PLACEHOLDER)
+
+    def drop_finished(self, out: SchedulerOutput) -> None:
+        """Take the sequences that ended since ``out`` was planned (their blocks are freed) out of it."""
+        kept = [s for s in out.scheduled if not s.seq.finished]
+        if len(kept) != len(out.scheduled):
+            out.scheduled = kept
+            out.num_batched_tokens = sum(s.num_new_tokens for s in kept)
 
     def _append(
         self,

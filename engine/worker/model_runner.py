@@ -43,6 +43,16 @@ def kv_torch_dtype(kv_cache_dtype_flag: str, model_dtype: torch.dtype) -> torch.
 
 
 @dataclass(frozen=True)
+class PreparedStep:
+    """A step's host side, built from request state before the device side runs (`ModelRunner.prepare`)."""
+
+    step: StepInput | None  # None: nothing to compute (ops only)
+    prompt_rows: list[tuple[int, list[int]]]  # prompt-logprob rows (prompt_logprob_rows)
+    rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
+    row_index: list[int]  # each sampling row's row among the step's logits
+
+
+@dataclass(frozen=True)
 class KVBudget:
     """The KV bytes every rank may allocate (the least any rank measured) and this rank's measurements."""
 
@@ -399,10 +409,43 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Ops first (in order), then the forward and one sampled token per sampling sequence."""
-        result = RunnerOutput()
+        return self.run_prepared(out, self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The host side of a step: its batch arrays and sampling rows, copied out of request state, so the
+        device side (`run_prepared`) may run on another thread while the scheduler moves on."""
         order, slots = self._batch_order(out.scheduled)
         step = None if out.empty else prepare_step(out.scheduled, order, slots)
         prompt_rows = prompt_logprob_rows(out.scheduled, step, order) if step is not None else []
+        rows: list[SamplingRow] = []
+        row_index: list[int] = []
+        if step is not None:
+            # each sampling sequence's logits row: the step's rows follow `order`
+            sampling = [i for i in (order or range(len(out.scheduled))) if out.scheduled[i].samples]
+            logits_row = {i: r for r, i in enumerate(sampling)}
+            for i, sched in enumerate(out.scheduled):
+                if not sched.samples:
+                    continue
+                req = sched.request
+                stop_ids = ([] if req.params.ignore_eos else self.eos_token_ids) + req.params.stop_token_ids
+                for seq in sched.sample_seqs:
+                    rows.append(
+                        SamplingRow(
+                            params=req.params,
+                            prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=seq.output_token_ids,
+                            generator=seq.generator,
+                            stop_ids=stop_ids,
+                        )
+                    )
+                    row_index.append(logits_row[i])
+        return PreparedStep(step, prompt_rows, rows, row_index)
+
+    def run_prepared(self, out: SchedulerOutput, prep: PreparedStep) -> RunnerOutput:
+        """The device side of a step `prepare` planned: ops, forward, sampling. Reads no request state but
+        the (unchanging) prompts of prompt-logprob rows and the sampling rows' generators."""
+        result = RunnerOutput()
+        step = prep.step
         if self.peers is not None and (out.kv_ops or step is not None):
             self.peers.send(Step(out.kv_ops, step))
         if out.kv_ops:
@@ -412,30 +455,13 @@ class ModelRunner:
         if step is None:
             return result
         logits = self.run(step)
-        if prompt_rows:
+        if prep.prompt_rows:
             num_sample = len(step.sample_idx)
-            result.prompt_logprobs = self._prompt_logprobs(logits[num_sample:], out.scheduled, prompt_rows)
+            result.prompt_logprobs = self._prompt_logprobs(
+                logits[num_sample:], out.scheduled, prep.prompt_rows
+            )
             logits = logits[:num_sample]
-        rows, row_index = [], []
-        # each sampling sequence's logits row: the step's rows follow `order`
-        sampling = [i for i in (order or range(len(out.scheduled))) if out.scheduled[i].samples]
-        logits_row = {i: r for r, i in enumerate(sampling)}
-        for i, sched in enumerate(out.scheduled):
-            if not sched.samples:
-                continue
-            req = sched.request
-            stop_ids = ([] if req.params.ignore_eos else self.eos_token_ids) + req.params.stop_token_ids
-            for seq in sched.sample_seqs:
-                rows.append(
-                    SamplingRow(
-                        params=req.params,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids,
-                        generator=seq.generator,
-                        stop_ids=stop_ids,
-                    )
-                )
-                row_index.append(logits_row[i])
+        rows, row_index = prep.rows, prep.row_index
         if rows:
             if row_index != list(range(logits.shape[0])):
                 logits = logits[upload([np.asarray(row_index, dtype=np.int64)], logits.device)[0]]

@@ -1,0 +1,187 @@
+"""Async scheduling (--async-scheduling): the same tokens as synchronous steps, and step N+1 really is
+planned while step N runs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pagoda.engine import SamplingParams
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.frontend.llm_engine import LLMEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def quicksort(xs):\n    ",
+    "The capital of France is Paris, and the capital of Germany is",
+    "List three fruits:",
+    "Once upon a time, in a small village by the sea, there lived a young girl named",
+]
+BYTES_PER_BLOCK16 = 46080 * 16  # SmolLM2-135M in fp32
+
+
+def engine(async_scheduling: bool, **kwargs) -> LLMEngine:
+    base = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=48 << 20)
+    return LLMEngine(EngineConfig(**{**base, **kwargs}, async_scheduling=async_scheduling))
+
+
+def mixed_params(stop_token: int) -> list[SamplingParams]:
+    """Different lengths, an EOS-free stop token, penalties (they read the tokens so far), a seeded n=2
+    fork, prompt logprobs: what a step's tokens decide and what they do not."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    return [
+        SamplingParams(max_tokens=20, **greedy),
+        SamplingParams(max_tokens=5, **greedy),
+        SamplingParams(max_tokens=20, stop_token_ids=[stop_token], **greedy),
+        SamplingParams(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.5, **greedy),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=11, prompt_logprobs=1, **greedy),
+    ]
+
+
+def run(eng: LLMEngine, params: list[SamplingParams], abort_at: int, every: int) -> dict:
+    """A request arrives every ``every`` steps; request 0 is aborted after step ``abort_at``. Returns each
+    request's tokens per sequence, and its finish reasons."""
+    done: dict[str, dict[int, list[int]]] = {}
+    reasons: dict[str, dict[int, str]] = {}
+    pending = list(enumerate(zip(PROMPTS, params, strict=True)))
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and step % every == 0:
+            i, (prompt, p) = pending.pop(0)
+            eng.add_request(str(i), prompt, p)
+            if every > 1:
+                break
+        for delta in eng.step():
+            for c in delta.outputs:
+                done.setdefault(delta.request_id, {}).setdefault(c.index, []).extend(c.token_ids)
+                if c.finish_reason is not None:
+                    reasons.setdefault(delta.request_id, {})[c.index] = c.finish_reason
+        step += 1
+        if step == abort_at:
+            eng.abort_request("0")
+    assert eng.kv.num_free_blocks == eng.core.num_blocks  # every block free or cached
+    eng.scheduler.check_invariants()
+    return {"tokens": done, "reasons": reasons}
+
+
+@pytest.fixture(scope="module")
+def stop_token() -> int:
+    """A token the third prompt's greedy continuation produces at its 6th step, to stop it there."""
+    eng = engine(False)
+    eng.add_request("x", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    tokens: list[int] = []
+    while eng.has_unfinished_requests():
+        for delta in eng.step():
+            tokens.extend(delta.outputs[0].token_ids)
+    assert tokens[5] not in tokens[:5]
+    return tokens[5]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "every"),
+    [
+        ({}, 2),  # arriving over the first steps
+        # all at once into a pool of seven blocks: preemptions, recomputed
+        ({"kv_cache_memory_bytes": 7 * BYTES_PER_BLOCK16, "max_model_len": 96}, 1),
+    ],
+    ids=["arriving", "preempting"],
+)
+def test_same_tokens_as_synchronous_steps(stop_token, kwargs, every):
+    params = mixed_params(stop_token)
+    outs, preemptions = {}, {}
+    for mode in (False, True):
+        eng = engine(mode, **kwargs)
+        outs[mode] = run(eng, params, abort_at=7, every=every)
+        preemptions[mode] = eng.scheduler.total_preemptions
+        eng.core.close()
+    assert outs[True] == outs[False]
+    got = outs[True]
+    assert got["reasons"]["0"] == {0: "abort"} and 0 < len(got["tokens"]["0"][0]) < 20
+    assert got["reasons"]["2"] == {0: "stop"} and got["tokens"]["2"][0][-1] == stop_token
+    assert [len(got["tokens"]["1"][0]), len(got["tokens"]["3"][0])] == [5, 14]
+    assert got["reasons"]["4"] == {0: "length", 1: "length"}
+    assert all(len(t) == 9 for t in got["tokens"]["4"].values())
+    if kwargs:
+        assert preemptions[False] > 0 and preemptions[True] > 0
+
+
+class StepEvents:
+    """Records, in order, when the core starts planning a step, submits one and when a step's device side
+    ends. A step's device side waits (up to ``wait_s``) for the core to start planning again after its
+    submission, so a core that plans ahead always shows a plan between the two, whatever the timing; one
+    that does not shows its plan after the end."""
+
+    def __init__(self, eng: LLMEngine, wait_s: float) -> None:
+        self.events: list[str] = []
+        self.plans = 0
+        self.plans_at_submit: dict[int, int] = {}
+        self.cond = threading.Condition()
+        self.wait_s = wait_s
+        scheduler, schedule = eng.scheduler, eng.scheduler.schedule
+        steps = eng.core._steps
+        submit = steps.submit
+
+        def planned():
+            with self.cond:
+                self.plans += 1
+                self.events.append("plan")
+                self.cond.notify_all()
+            return schedule()
+
+        def submitted(sched):
+            with self.cond:
+                self.events.append("submit")
+                self.plans_at_submit[id(sched)] = self.plans
+            return submit(sched)
+
+        scheduler.schedule, steps.submit = planned, submitted
+        steps.on_start, steps.on_end = self.start, self.end
+
+    def start(self, sched) -> None:
+        with self.cond:
+            plans = self.plans_at_submit[id(sched)]
+            self.cond.wait_for(lambda: self.plans > plans, timeout=self.wait_s)
+
+    def end(self, sched) -> None:
+        with self.cond:
+            self.events.append("end")
+
+    def planned_during(self) -> list[bool]:
+        """Per step, in order: whether a plan started between its submission and the end of its run."""
+        out, inside = [], None
+        for kind in self.events:
+            if kind == "submit":
+                inside = False
+            elif kind == "plan" and inside is not None:
+                inside = True
+            elif kind == "end":
+                out.append(bool(inside))
+                inside = None
+        return out
+
+
+def test_the_next_step_is_planned_while_the_step_runs():
+    eng = engine(True)
+    events = StepEvents(eng, wait_s=10.0)
+    for i, n in enumerate((6, 3, 8)):
+        eng.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    during = events.planned_during()
+    assert len(during) == 8  # a prefill step, then one per token until the longest request ends
+    assert all(during), events.events
+    eng.core.close()
+
+
+def test_steps_whose_tokens_decide_the_next_plan_after_them():
+    """The step whose prompt forks into n=2 sequences is not planned past (the fork's first tokens are
+    drawn in it); the decodes after it are."""
+    eng = engine(True)
+    events = StepEvents(eng, wait_s=0.3)
+    eng.add_request("f", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, n=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert events.planned_during() == [False, True, True]
+    eng.core.close()
