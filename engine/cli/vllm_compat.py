@@ -287,7 +287,6 @@ _ANSWERS: dict[str, Answer] = {
     "--disable-chunked-mm-input": _ignored(_TEXT_ONLY, _SWITCH),
     "--scheduler-cls": _refused(_NO_PLUGINS),
     "--disable-hybrid-kv-cache-manager": _ignored("Pagoda has one KV cache manager for all layers", _SWITCH),
-    "--async-scheduling": _ignored("Pagoda schedules each step after the last one's outputs", _SWITCH),
     "--stream-interval": _ignored("streams send every step's tokens", only=("1",)),
     # vllm
     "--speculative-config": _refused("speculative decoding is not in Pagoda yet; leave it out"),
