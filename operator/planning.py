@@ -23,9 +23,8 @@ from pagoda.engine.sizing import (
 )
 from pagoda.engine.sizing.errors import UnsupportedModelError, UnsupportedOnGPU
 from pagoda.engine.sizing.kv_dtypes import check_kv_cache_dtype
-from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE
-from pagoda.engine.sizing.shapes import well_known_config
+from pagoda.engine.sizing.shapes import check_published_config
 from pagoda.operator import refit as refitting
 from pagoda.operator.discovery import (
     GPUPool,
@@ -111,11 +110,8 @@ def check_model(spec: InferenceSpec) -> None:
     """Refuse a model the engine does not run before anything is downloaded: the published config.json of a
     catalogue model (or of a quantized checkpoint named after one: Qwen/Qwen3-8B-AWQ) read by the engine's
     own strict reader, so the operator, `pagoda serve` and `pagoda plan` refuse the same models."""
-    published = well_known_config(spec.model.model_id)
-    if published is None:
-        return
     try:
-        ModelConfig.from_hf_config(published, where=f"{spec.model.model_id}'s config.json as published")
+        check_published_config(spec.model.model_id)
     except UnsupportedModelError as exc:
         raise SpecError(
             "model.source", f"the engine does not run this model: {exc}", UNSUPPORTED_MODEL

@@ -26,6 +26,7 @@ from pagoda.engine.sizing import (
     well_known_model_ids,
     well_known_shape,
 )
+from pagoda.engine.sizing.shapes import check_published_config
 
 # Settings in the order a reader wants them, and which of them are byte counts.
 ROWS = (
@@ -101,6 +102,7 @@ def resolve_shape(model: str | None) -> ModelShape:
             return shape_from_path(WELL_KNOWN_MODELS[model]())
         except ModelNotFoundError as exc:
             raise SizingError(str(exc)) from None
+    check_published_config(model)  # a quantized or multimodal-only checkpoint: the engine's own refusal
     shape = well_known_shape(model)
     if shape is None:
         raise SizingError(

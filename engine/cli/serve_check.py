@@ -33,9 +33,8 @@ from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
-from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
-from pagoda.engine.sizing.shapes import dtype_bytes, well_known_config
+from pagoda.engine.sizing.shapes import check_published_config, dtype_bytes
 
 
 class DryRunError(Exception):
@@ -190,12 +189,10 @@ def check_published(model: str | None) -> None:
     weights); a local path is read for itself."""
     if not model or model.count("/") != 1 or Path(model).expanduser().exists():
         return
-    published = well_known_config(model)
-    if published is not None:
-        try:
-            ModelConfig.from_hf_config(published, where=f"{model}'s config.json as published")
-        except SizingError as exc:
-            raise DryRunError(f"cannot start the engine: {exc}") from None
+    try:
+        check_published_config(model)
+    except SizingError as exc:
+        raise DryRunError(f"cannot start the engine: {exc}") from None
 
 
 def check_args(

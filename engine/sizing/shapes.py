@@ -290,6 +290,15 @@ def well_known_config(model_id: str) -> dict | None:
     }
 
 
+def check_published_config(model_id: str) -> None:
+    """Raise UnsupportedModelError, in the engine's own words, for a catalogue model (or a quantized checkpoint
+    named after one) whose published checkpoint the engine refuses; the one check for every place that decides
+    before the weights are at hand (serve's dry run, `pagoda plan`, the operator). Unknown ids pass."""
+    published = well_known_config(model_id)
+    if published is not None:
+        ModelConfig.from_hf_config(published, where=f"{model_id}'s config.json as published")
+
+
 def well_known_family(model_id: str) -> str | None:
     """The architecture-table family of a catalogue model (None if it is not in the catalogue)."""
     row = _WELL_KNOWN.get(_normalise_id(model_id))

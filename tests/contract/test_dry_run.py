@@ -163,11 +163,11 @@ def test_a_catalogue_hub_id_whose_published_config_the_engine_refuses_is_refused
 ) -> None:
     """Where the operator cannot read a hub model's config.json, the catalogue's copy goes through the engine's
     strict reader: a wrapper the engine does not serve is refused with the engine's own message, no pod."""
-    from pagoda.engine.cli import serve_check
+    from pagoda.engine.sizing import shapes
 
     llava = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
-             "text_config": serve_check.well_known_config("Qwen/Qwen3-8B")}  # fmt: skip
-    monkeypatch.setattr(serve_check, "well_known_config", lambda model: llava)
+             "text_config": shapes.well_known_config("Qwen/Qwen3-8B")}  # fmt: skip
+    monkeypatch.setattr(shapes, "well_known_config", lambda model: llava)
     shape = json.dumps(shape_config(well_known_shape("Qwen3-8B")))
     with pytest.raises(DryRunError, match="Qwen/Qwen3-8B's config.json as published: model_type 'llava'"):
         check(["Qwen/Qwen3-8B", "--model-shape", shape, "--gpu", "H100"])

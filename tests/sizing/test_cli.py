@@ -55,6 +55,10 @@ def test_errors_go_to_stderr_with_exit_2(run):
     assert "tensor_parallel_size=2" in out.stderr
     out = run("--model", "no/such-model", "--gpu", "H100")
     assert out.returncode == 2 and "neither a local path nor a well-known model" in out.stderr
+    out = run(
+        "--model", "Qwen/Qwen3-8B-AWQ", "--gpu", "H100"
+    )  # the engine's refusal, as serve and the operator say it
+    assert out.returncode == 2 and "'awq'-quantized checkpoint" in out.stderr, out.stderr
     out = run("--model", "Llama-3.1-8B", "--gpu", "Z9000")
     assert out.returncode == 2 and "unknown GPU" in out.stderr
     out = run("--model", "Llama-3.1-8B", "--gpu", "H100", "--memory-limit", "lots")
