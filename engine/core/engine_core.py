@@ -484,9 +484,9 @@ class EngineCore:
         kv, offload = self.scheduler.kv, self.scheduler.offload
         if offload is None:
             raise ValueError(f"no {tier} tier is configured")
-        self._wait_in_flight()
         if kv.num_used_blocks > 0:
             return 0
+        self._settle_in_flight()  # a step of aborted requests only: its saves land first
         everything = [SaveBlock(b.block_id, h) for h, b in kv.block_pool.cached.items()]
         saved = self.runner.apply_kv_ops([*kv.take_ops(), *everything])
         offload.store_to(tier, saved)
@@ -500,7 +500,7 @@ class EngineCore:
             return
         self._closed = True
         if self._steps is not None:
-            self._wait_in_flight()
+            self._settle_in_flight()
             self._steps.close()
         if self.workers is not None:
             self.workers.shutdown()
@@ -590,10 +590,12 @@ class EngineCore:
         self._cpu_threads_for(sched)
         self._in_flight = self._steps.submit(sched)
 
-    def _wait_in_flight(self) -> None:
-        """Let the step in flight finish on the device (its outputs stay for the next `step`)."""
-        if self._in_flight is not None:
-            self._in_flight.future.exception()
+    def _settle_in_flight(self) -> None:
+        """Finish the step in flight and take in its results (blocks saved for the tiers included); its
+        outputs are dropped: only for a core that stops, or whose requests have all ended."""
+        current, self._in_flight = self._in_flight, None
+        if current is not None and current.future.exception() is None:
+            self.scheduler.update_from_output(current.sched, current.future.result(), current.advanced)
 
     def _grammar_failed(self, sched: SchedulerOutput, outputs: list[CoreOutput]) -> None:
         for req in sched.grammar_failed:

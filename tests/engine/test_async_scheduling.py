@@ -31,12 +31,12 @@ def mixed_params(stop_token: int) -> list[SamplingParams]:
     fork, prompt logprobs: what a step's tokens decide and what they do not."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     return [
-        SamplingParams(max_tokens=20, **greedy),
-        SamplingParams(max_tokens=5, **greedy),
-        SamplingParams(max_tokens=20, stop_token_ids=[stop_token], **greedy),
-        SamplingParams(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.5, **greedy),
-        SamplingParams(max_tokens=9, temperature=0.8, seed=7, n=2, ignore_eos=True),
-        SamplingParams(max_tokens=11, prompt_logprobs=1, **greedy),
+        SamplingParams(max_tokens=12, **greedy),
+        SamplingParams(max_tokens=4, **greedy),
+        SamplingParams(max_tokens=12, stop_token_ids=[stop_token], **greedy),
+        SamplingParams(max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5, **greedy),
+        SamplingParams(max_tokens=7, temperature=0.8, seed=7, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, prompt_logprobs=1, **greedy),
     ]
 
 
@@ -83,8 +83,8 @@ def stop_token() -> int:
     ("kwargs", "every"),
     [
         ({}, 2),  # arriving over the first steps
-        # all at once into a pool of seven blocks: preemptions, recomputed
-        ({"kv_cache_memory_bytes": 7 * BYTES_PER_BLOCK16, "max_model_len": 96}, 1),
+        # all at once into a pool of six blocks: preemptions, recomputed
+        ({"kv_cache_memory_bytes": 6 * BYTES_PER_BLOCK16, "max_model_len": 96}, 1),
     ],
     ids=["arriving", "preempting"],
 )
@@ -93,16 +93,16 @@ def test_same_tokens_as_synchronous_steps(stop_token, kwargs, every):
     outs, preemptions = {}, {}
     for mode in (False, True):
         eng = engine(mode, **kwargs)
-        outs[mode] = run(eng, params, abort_at=7, every=every)
+        outs[mode] = run(eng, params, abort_at=5, every=every)
         preemptions[mode] = eng.scheduler.total_preemptions
         eng.core.close()
     assert outs[True] == outs[False]
     got = outs[True]
-    assert got["reasons"]["0"] == {0: "abort"} and 0 < len(got["tokens"]["0"][0]) < 20
+    assert got["reasons"]["0"] == {0: "abort"} and 0 < len(got["tokens"]["0"][0]) < 12
     assert got["reasons"]["2"] == {0: "stop"} and got["tokens"]["2"][0][-1] == stop_token
-    assert [len(got["tokens"]["1"][0]), len(got["tokens"]["3"][0])] == [5, 14]
+    assert [len(got["tokens"]["1"][0]), len(got["tokens"]["3"][0])] == [4, 10]
     assert got["reasons"]["4"] == {0: "length", 1: "length"}
-    assert all(len(t) == 9 for t in got["tokens"]["4"].values())
+    assert all(len(t) == 7 for t in got["tokens"]["4"].values())
     if kwargs:
         assert preemptions[False] > 0 and preemptions[True] > 0
 
@@ -185,3 +185,32 @@ def test_steps_whose_tokens_decide_the_next_plan_after_them():
         eng.step()
     assert events.planned_during() == [False, True, True]
     eng.core.close()
+
+
+def test_a_grammar_in_the_batch_gives_the_same_tokens():
+    """A sequence with a grammar needs its token before its next mask: steps that sample it are planned
+    after their tokens, the others ahead; every output is the synchronous one."""
+    import re
+
+    from pagoda.engine.structured_output import GrammarSpec
+
+    spec = GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}")
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=1, structured_outputs=spec),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=2, ignore_eos=True),
+    ]
+    outs = {}
+    for mode in (False, True):
+        eng = engine(mode)
+        for i, p in enumerate(params):
+            eng.add_request(str(i), PROMPTS[i], p)
+        tokens: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for delta in eng.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        outs[mode] = tokens
+        text = eng.tokenizer.decode(tokens["0"], skip_special_tokens=True)
+        eng.core.close()
+    assert outs[True] == outs[False]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and len(outs[True]["2"]) == 10
