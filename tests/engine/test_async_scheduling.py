@@ -214,3 +214,53 @@ def test_a_grammar_in_the_batch_gives_the_same_tokens():
         eng.core.close()
     assert outs[True] == outs[False]
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and len(outs[True]["2"]) == 10
+
+
+def serve_script(async_scheduling: bool) -> dict[str, list[int]]:
+    """Runs the server's loop (engine/core/loop.py) over a core: requests a and b, b aborted while a step
+    runs, then c added once the core is idle (an async core may still have b's last step in flight)."""
+    import time
+
+    from pagoda.engine.core.loop import CoreLoop
+    from pagoda.engine.core.messages import Abort, AddRequests, EngineCoreRequest, Shutdown
+
+    ids = {"a": [1, 504, 3116, 282, 4649, 314], "b": [1, 7042, 30, 2306], "c": [1, 216, 33, 32]}
+
+    def request(rid: str, max_tokens: int) -> EngineCoreRequest:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return EngineCoreRequest(rid, ids[rid], params, max_tokens, time.monotonic())
+
+    core = engine(async_scheduling).core
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    script = [[AddRequests([request("a", 6), request("b", 40)])], [], [], [Abort(["b"])]]
+    calls = 0
+
+    def emit(out) -> None:
+        assert not out.failed and out.dead is None
+        for o in out.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.seqs[0].token_ids)
+            if o.finished:
+                finished[o.request_id] = o.seqs[0].finish_reason
+
+    def receive(timeout: float) -> list:
+        nonlocal calls
+        calls += 1
+        if script:
+            return script.pop(0)
+        if set(finished) == {"a", "b"} and "c" not in tokens:
+            tokens["c"] = []
+            return [AddRequests([request("c", 5)])]
+        return [Shutdown()] if len(finished) == 3 or calls > 200 else []
+
+    CoreLoop(core, emit).run(receive)
+    assert finished == {"a": "length", "b": "abort", "c": "length"}
+    core.scheduler.check_invariants()
+    core.close()
+    return tokens
+
+
+def test_the_core_loop_serves_aborts_and_idles_with_a_step_in_flight():
+    sync, asynchronous = serve_script(False), serve_script(True)
+    assert asynchronous == sync
+    assert [len(sync[r]) for r in "ac"] == [6, 5] and 0 < len(sync["b"]) < 40
