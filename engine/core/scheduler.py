@@ -291,12 +291,16 @@ class Scheduler:
                             child.grammar = self.structured.fork(sched.seq.grammar)
                         sched.sample_seqs.append(child)
         out.kv_ops = self.kv.take_ops()
+        self._bitmask(out)
+        return out
+
+    def _bitmask(self, out: SchedulerOutput) -> None:
+        """The token masks of the sampling rows that have a grammar, by row (None: no such row)."""
         if self.structured is not None:
             rows = [s for sched in out.scheduled for s in sched.sample_seqs]
             out.token_bitmask = self.structured.bitmask(
                 [(i, s.grammar) for i, s in enumerate(rows) if s.grammar is not None]
             )
-        return out
 
     def _lora_fits(self, req: Request) -> bool:
         """Whether admitting ``req`` keeps the running requests within max_loras distinct adapters."""
@@ -463,6 +467,8 @@ class Scheduler:
         if len(kept) != len(out.scheduled):
             out.scheduled = kept
             out.num_batched_tokens = sum(s.num_new_tokens for s in kept)
+            if out.token_bitmask is not None:  # the masks go by row: the rows moved
+                self._bitmask(out)
 
     def _append(
         self,

@@ -264,3 +264,31 @@ def test_the_core_loop_serves_aborts_and_idles_with_a_step_in_flight():
     sync, asynchronous = serve_script(False), serve_script(True)
     assert asynchronous == sync
     assert [len(sync[r]) for r in "ac"] == [6, 5] and 0 < len(sync["b"]) < 40
+
+
+def test_a_grammar_row_planned_ahead_keeps_its_mask_when_rows_before_it_leave():
+    """The step planned ahead holds [p's decode, g's prefill]; p ends in the step running, so g's row moves
+    up before the planned step runs: its mask must move with it, or g samples unmasked."""
+    import re
+
+    from pagoda.engine.structured_output import GrammarSpec
+
+    eng = engine(True)
+    eng.add_request("p", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    first = eng.step()  # p's prefill ran; p's decode is in flight
+    spec = GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}")
+    eng.add_request(
+        "g", PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.0, seed=5, structured_outputs=spec)
+    )
+    eng.scheduler.compiling[0].grammar.result(timeout=120)  # compiled before the next plan
+    outs = {o.request_id: o for o in first}
+    while eng.has_unfinished_requests():
+        for delta in eng.step():
+            if delta.request_id in outs:
+                outs[delta.request_id].add(delta)
+            else:
+                outs[delta.request_id] = delta
+    text = eng.tokenizer.decode(outs["g"].outputs[0].token_ids, skip_special_tokens=True)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and outs["g"].outputs[0].finish_reason == "stop"
+    assert len(outs["p"].outputs[0].token_ids) == 2
+    eng.core.close()
