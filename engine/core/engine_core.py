@@ -572,7 +572,12 @@ class EngineCore:
             current.advanced = True
             nxt = scheduler.schedule()
         self._in_flight = None
-        result = current.future.result()
+        try:
+            result = current.future.result()
+        except Exception:
+            if nxt is not None:
+                self._run_ops_of(nxt)
+            raise
         updates = scheduler.update_from_output(current.sched, result, advanced=current.advanced)
         if nxt is None:
             nxt = scheduler.schedule()
@@ -589,6 +594,15 @@ class EngineCore:
     def _submit(self, sched: SchedulerOutput) -> None:
         self._cpu_threads_for(sched)
         self._in_flight = self._steps.submit(sched)
+
+    def _run_ops_of(self, planned: SchedulerOutput) -> None:
+        """A step that failed leaves the step planned after it unrun: its cache writes (loads and copies the
+        prefix index already counts on, saves) still run, so the index never names blocks never written."""
+        try:
+            ops_only = SchedulerOutput(kv_ops=planned.kv_ops)
+            self.scheduler.update_from_output(ops_only, self.runner.execute(ops_only))
+        except Exception:  # noqa: BLE001 - the step's own failure is the one to report
+            log.exception("the cache writes planned after a failed step failed too")
 
     def _settle_in_flight(self) -> None:
         """Finish the step in flight and take in its results (blocks saved for the tiers included); its

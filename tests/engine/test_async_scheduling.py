@@ -292,3 +292,39 @@ def test_a_grammar_row_planned_ahead_keeps_its_mask_when_rows_before_it_leave():
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and outs["g"].outputs[0].finish_reason == "stop"
     assert len(outs["p"].outputs[0].token_ids) == 2
     eng.core.close()
+
+
+def test_a_failed_step_raises_and_the_engine_serves_on():
+    """A step whose device side raises: the error reaches the caller (the core loop then fails its
+    requests), nothing stays in flight, and the next request gets the tokens the first one was getting."""
+    eng = engine(True)
+    runner, real = eng.core.runner, eng.core.runner.run_prepared
+    calls = 0
+
+    def flaky(out, prep):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("device fault")
+        return real(out, prep)
+
+    runner.run_prepared = flaky
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", PROMPTS[1], params)
+    got = []
+    with pytest.raises(RuntimeError, match="device fault"):
+        for _ in range(4):
+            for delta in eng.step():
+                got.extend(delta.outputs[0].token_ids)
+    assert eng.core._in_flight is None and len(got) == 2
+    eng.abort_request("a")
+    eng.step()
+    assert not eng.has_unfinished_requests()
+    eng.scheduler.check_invariants()
+    eng.add_request("b", PROMPTS[1], params)
+    again = []
+    while eng.has_unfinished_requests():
+        for delta in eng.step():
+            again.extend(delta.outputs[0].token_ids)
+    assert again[:2] == got and len(again) == 8
+    eng.core.close()
