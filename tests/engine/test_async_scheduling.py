@@ -85,8 +85,18 @@ def stop_token() -> int:
         ({}, 2),  # arriving over the first steps
         # all at once into a pool of six blocks: preemptions, recomputed
         ({"kv_cache_memory_bytes": 6 * BYTES_PER_BLOCK16, "max_model_len": 96}, 1),
+        # the same, preempted sequences swapped out to a host tier that also serves prefix hits
+        (
+            {
+                "kv_cache_memory_bytes": 6 * BYTES_PER_BLOCK16,
+                "max_model_len": 96,
+                "preemption_mode": "swap",
+                "kv_offload_host_bytes": 64 << 20,
+            },
+            1,
+        ),
     ],
-    ids=["arriving", "preempting"],
+    ids=["arriving", "preempting", "swapping"],
 )
 def test_same_tokens_as_synchronous_steps(stop_token, kwargs, every):
     params = mixed_params(stop_token)
