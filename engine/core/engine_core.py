@@ -151,8 +151,6 @@ class EngineCore:
         sliding, self.window_cache_reason = engine_sliding_layout(
             config, [mc.layer_sliding_window(i) for i in range(mc.num_hidden_layers)]
         )
-        # The decode graphs record one table per step: a cache with a window group runs its decodes eagerly.
-        recordable = recordable and sliding is None
         graph_sizes = tuple(capture_sizes(config.max_num_seqs)) if recordable else ()
         kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype, graph_sizes)
         # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.

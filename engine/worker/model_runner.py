@@ -290,12 +290,14 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.device,
             capture=capture,
+            window=bool(self.window_layers),
         )
 
     def _check_decode_graphs(self, graphs: DecodeGraphs) -> str | None:
         """One padded decode batch over random KV in free blocks (start-up: every block is free), replayed
         and run eagerly; None when every row's logits agree."""
-        num_blocks = self.kv_caches[0].kv.shape[1]
+        # the smallest pool's blocks (a window group's may be smaller)
+        num_blocks = min(cache.kv.shape[1] for cache in self.kv_caches)
         n = min(3, graphs.sizes[-1], num_blocks)
         per_seq = max(1, min(num_blocks // n, graphs.max_blocks, 4))
         blocks = torch.arange(n * per_seq, device=self.device)
@@ -318,11 +320,17 @@ class ModelRunner:
             block_tables=np.arange(n * per_seq, dtype=np.int32).reshape(n, per_seq),
             sample_idx=np.arange(n, dtype=np.int64),
         )
+        if graphs.window:  # the same blocks in the sliding layers' pool
+            step.window_block_tables = step.block_tables.copy()
         self.decode_graphs = None
         eager = self.run(step)
         self.decode_graphs = graphs
         replayed = self.run(step)
         self.decode_graphs = None
+        for layer in self.window_layers:  # the window pool's null block: zero again (finite under the mask)
+            self.kv_caches[layer].kv[:, 0] = 0
+            if self.kv_caches[layer].scales is not None:
+                self.kv_caches[layer].scales[:, 0] = 0
         cosine = torch.nn.functional.cosine_similarity(eager.float(), replayed.float(), dim=-1)
         if not bool(torch.isfinite(replayed).all()) or float(cosine.min()) < GRAPH_CHECK_MIN_COSINE:
             return f"a replayed decode disagrees with the eager forward (cosine {float(cosine.min()):.4f})"
