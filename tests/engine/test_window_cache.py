@@ -13,14 +13,23 @@ from pagoda_testkit import tiny_gemma
 _BUILT: dict = {}
 
 
-@pytest.fixture(scope="module", params=tiny_gemma.FAMILIES)
-def family(request, tmp_path_factory):
-    name = request.param
+def _build(name: str, tmp_path_factory):
     if name not in _BUILT:
         path = tmp_path_factory.mktemp(name)
         hf, ids, _ = tiny_gemma.build(name, path)
         _BUILT[name] = name, path, hf, ids
     return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=tiny_gemma.FAMILIES)
+def family(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3 alone (4 sliding and 2 global layers), for the tests past token parity."""
+    return _build("gemma3", tmp_path_factory)
 
 
 def _llm(path, mode: str, **kw) -> LLM:
@@ -107,8 +116,8 @@ def test_a_tight_cache_preempts_and_resumes_with_the_same_tokens(family):
         llm.engine.close()
 
 
-def test_forks_share_then_copy_window_blocks(family):
-    _, path, _, ids = family
+def test_forks_share_then_copy_window_blocks(gemma3):
+    _, path, _, ids = gemma3
     prompts = [ids[0, :20].tolist(), ids[1, :13].tolist()]
     params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=24, ignore_eos=True)
     results = {}
@@ -124,8 +133,8 @@ def test_forks_share_then_copy_window_blocks(family):
     assert all(len({tuple(c) for c in out}) > 1 for out in results["auto"])  # the samples differ
 
 
-def test_streaming_requests_are_refused_with_a_window_group(family):
-    _, path, _, ids = family
+def test_streaming_requests_are_refused_with_a_window_group(gemma3):
+    _, path, _, ids = gemma3
     llm = _llm(path, "auto")
     try:
         params = SamplingParams(temperature=0, max_tokens=4, kv_eviction="streaming")
@@ -135,8 +144,8 @@ def test_streaming_requests_are_refused_with_a_window_group(family):
         llm.engine.close()
 
 
-def test_offload_tiers_keep_the_full_layout(family, tmp_path):
-    _, path, _, _ = family
+def test_offload_tiers_keep_the_full_layout(gemma3):
+    _, path, _, _ = gemma3
     llm = _llm(path, "auto", kv_offload_host_bytes=1 << 20)
     try:
         core = llm.engine.core
@@ -146,10 +155,10 @@ def test_offload_tiers_keep_the_full_layout(family, tmp_path):
         llm.engine.close()
 
 
-def test_null_block_is_never_written(family):
+def test_null_block_is_never_written(gemma3):
     """Block 0 of the sliding layers' caches stays zero: out-of-window table entries read it under the mask,
     which must see finite values."""
-    _, path, _, ids = family
+    _, path, _, ids = gemma3
     llm = _llm(path, "auto")
     try:
         core = llm.engine.core
@@ -158,5 +167,25 @@ def test_null_block_is_never_written(family):
         for i in core.plan.window_layers:
             assert torch.count_nonzero(core.runner.kv_caches[i].kv[:, 0]) == 0
             assert torch.count_nonzero(core.runner.kv_caches[i].kv[:, 1]) > 0
+    finally:
+        llm.engine.close()
+
+
+def test_published_block_events_claim_only_what_both_pools_hold(gemma3):
+    from pagoda.engine.kv_cache.publisher import KVEventPublisher
+
+    _, path, _, ids = gemma3
+    llm = _llm(path, "auto", kv_cache_memory_bytes=1 << 18, max_model_len=64)  # a window pool of ~15 blocks
+    try:
+        core = llm.engine.core
+        publisher = KVEventPublisher(core.scheduler)
+        prompts = [ids[0].tolist(), ids[1].tolist()]
+        llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+        kv = core.scheduler.kv
+        both = set(kv.block_pool.cached) & set(kv.window_pool.cached)
+        claimed = {bytes.fromhex(h) for h in publisher.snapshot()["tiers"].get("device", [])}
+        assert claimed == both
+        either = set(kv.block_pool.cached) | set(kv.window_pool.cached)
+        assert 0 < len(both) < len(either)  # one pool let blocks go that the other still holds
     finally:
         llm.engine.close()
