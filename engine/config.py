@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
+from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
@@ -161,7 +162,7 @@ class EngineConfig:
         "sliding layers, only the blocks still in their window (a second KV pool, sized for the window: more "
         "sequences fit), unless KV offload tiers, swap preemption or --kv-eviction streaming are asked for; "
         "off: every layer keeps every block",
-        choices=("auto", "off"),
+        choices=WINDOW_CACHE_MODES,
     )
     enable_partial_prefix_reuse: bool = _opt(
         True,
@@ -256,8 +257,8 @@ class EngineConfig:
             bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "must be a positive integer")
-        if self.sliding_window_cache not in ("auto", "off"):
-            bad("sliding_window_cache", "must be 'auto' or 'off'")
+        if self.sliding_window_cache not in WINDOW_CACHE_MODES:
+            bad("sliding_window_cache", f"must be one of {', '.join(WINDOW_CACHE_MODES)}")
         if self.kv_eviction not in KV_EVICTION:
             bad("kv_eviction", f"must be one of {', '.join(KV_EVICTION)}")
         if not isinstance(self.kv_eviction_max_tokens, int) or self.kv_eviction_max_tokens < 1:

@@ -37,7 +37,7 @@ def sliding_layout(windows: Sequence[int | None]) -> SlidingLayout | None:
     return SlidingLayout(max(w for w in windows if w), sliding, len(windows))
 
 
-WINDOW_CACHE_MODES = ("auto", "off")
+WINDOW_CACHE_MODES = ("auto", "off")  # --sliding-window-cache
 
 
 def engine_sliding_layout(config: Any, windows: Sequence[int | None]) -> tuple[SlidingLayout | None, str]:
@@ -51,8 +51,8 @@ def engine_sliding_layout(config: Any, windows: Sequence[int | None]) -> tuple[S
     if getattr(config, "sliding_window_cache", "auto") == "off":
         return None, "no window group: --sliding-window-cache off"
     explicit_tier = (
-        config.kv_offload_host_bytes is not None
-        or config.swap_space is not None
+        (config.kv_offload_host_bytes or 0) > 0
+        or (config.swap_space or 0) > 0
         or bool(config.kv_offload_disk_dir)
         or config.preemption_mode == "swap"
     )
