@@ -73,8 +73,8 @@ class WindowCapacity:
 
     context: int
     kv_cache_bytes: int
-    full_attention_sequences: int  # what the engine's cache holds (every layer keeps every block)
-    window_aware_sequences: int  # what a cache freeing out-of-window blocks would hold
+    full_attention_sequences: int  # every layer keeps every block (no window group)
+    window_aware_sequences: int  # sliding layers keep their window only (before the window pool's reserve)
 
     @property
     def ratio(self) -> float:
