@@ -239,7 +239,8 @@ def _offload(
             "off: the sliding layers' window group (more sequences in the device cache) runs without offload "
             "tiers, whose blocks hold every layer"
         )
-        return 0, 0, ""
+        reasons["pvc_size"] = "the smallest volume: no disk tier runs beside the window group"
+        return 0, 0, f"{DISK_MIN_GIB}Gi"
     if cpu:
         host = 0
         reasons["kv_offload_host_bytes"] = (

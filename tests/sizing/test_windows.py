@@ -69,7 +69,7 @@ def test_the_plan_admits_what_the_window_group_holds() -> None:
     assert split.sequences / (p.kv_cache_bytes // (CONTEXT * p.kv_bytes_per_token)) >= 4
     assert "12 sequences of 32768 tokens fit at once" in p.reasons["max_num_seqs"]
     # the window group runs without offload tiers: the plan renders none
-    assert (p.kv_offload_host_bytes, p.kv_offload_disk_bytes, p.pvc_size) == (0, 0, "")
+    assert (p.kv_offload_host_bytes, p.kv_offload_disk_bytes) == (0, 0)
     # bfloat16 KV (quality first): 5 against 1
     q = plan(GEMMA_3_27B, gpu_info("H100", 1), Hints(target_context=CONTEXT, quality_first=True))
     assert (q.kv_cache_dtype, q.window_sequences) == ("auto", 5)
