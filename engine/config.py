@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
+from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
@@ -155,6 +156,14 @@ class EngineConfig:
         "most recent tokens kept under streaming eviction (blocks between sinks and window are freed); "
         "default: max-model-len minus twice the sink blocks (the sinks are kept as written and as rotated)",
     )
+    sliding_window_cache: str = _opt(
+        "auto",
+        "auto: a model with sliding-window layers beside full-attention ones (Gemma 2/3) keeps, for its "
+        "sliding layers, only the blocks still in their window (a second KV pool, sized for the window: more "
+        "sequences fit), unless KV offload tiers, swap preemption or --kv-eviction streaming are asked for; "
+        "off: every layer keeps every block",
+        choices=WINDOW_CACHE_MODES,
+    )
     enable_partial_prefix_reuse: bool = _opt(
         True,
         "on a prefix hit, also reuse the matching first tokens of a cached block after the last whole-block "
@@ -254,6 +263,8 @@ class EngineConfig:
             bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "must be a positive integer")
+        if self.sliding_window_cache not in WINDOW_CACHE_MODES:
+            bad("sliding_window_cache", f"must be one of {', '.join(WINDOW_CACHE_MODES)}")
         if self.kv_eviction not in KV_EVICTION:
             bad("kv_eviction", f"must be one of {', '.join(KV_EVICTION)}")
         if not isinstance(self.kv_eviction_max_tokens, int) or self.kv_eviction_max_tokens < 1:

@@ -26,6 +26,8 @@ class ScheduledSeq:
     # Filled at the end of schedule(): the block table the forward uses, and the sequences that draw a token
     # from this row's logits (the sequence itself, plus its fork children when an n > 1 prompt completes).
     block_table: list[int] = field(default_factory=list)
+    # The sliding layers' table (a cache with a window group), aligned with block_table; None without one.
+    window_block_table: list[int] | None = None
     sample_seqs: list[Sequence] = field(default_factory=list)
     # Attention sinks: tokens evicted from the cache since it was built; rotary positions add it.
     position_offset: int = 0

@@ -13,7 +13,7 @@ move with the block (copies, offload saves and loads), so a cached or offloaded 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -38,6 +38,27 @@ class AttentionMetadata:
     # The largest rotary position of the step (host side); None: below max_seq_len. Above it only after
     # attention-sink evictions, whose positions go on counting past the evicted tokens.
     max_position: int | None = None
+    # A cache with a window group (engine/kv_cache/manager.py): the sliding layers' tables and slots, whose
+    # blocks index those layers' smaller caches; entries out of the window are the null block 0 (never
+    # written, read only under the window mask). None: every layer uses block_tables / slot_mapping.
+    window_block_tables: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
+    _window_view: AttentionMetadata | None = field(default=None, repr=False)
+
+    def for_layer(self, sliding_window: int | None) -> AttentionMetadata:
+        """The metadata a layer attends with: a sliding layer of a cache with a window group gets the same
+        batch over the window tables (one view per step, so backends plan it once)."""
+        if sliding_window is None or self.window_block_tables is None:
+            return self
+        if self._window_view is None:
+            self._window_view = replace(
+                self,
+                block_tables=self.window_block_tables,
+                slot_mapping=self.window_slot_mapping,
+                window_block_tables=None,
+                window_slot_mapping=None,
+            )
+        return self._window_view
 
 
 @dataclass

@@ -150,8 +150,7 @@ class TorchAttentionBackend:
         """native: use the native CPU decode kernel where it applies (None = when it builds on this machine;
         False = always the gathered reference formulation)."""
         self.native = native
-        self._meta: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        self._plans: list[tuple[AttentionMetadata, _Plan]] = []
 
     # ---- cache writes --------------------------------------------------------------------------------
 
@@ -244,11 +243,14 @@ class TorchAttentionBackend:
         ).reshape(sd, num_heads, head_dim)
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
-        # One plan per step: the runner builds a fresh AttentionMetadata every step.
-        if self._meta is not meta or self._plan is None:
-            self._plan = _plan(meta, block_size)
-            self._meta = meta
-        return self._plan
+        # One plan per step: the runner builds a fresh AttentionMetadata every step; the sliding layers of a
+        # cache with a window group attend with its window view (AttentionMetadata.for_layer), the second slot.
+        for seen, plan in self._plans:
+            if seen is meta:
+                return plan
+        plan = _plan(meta, block_size)
+        self._plans = [(meta, plan), *self._plans[:1]]
+        return plan
 
     def forward(
         self,

@@ -65,15 +65,17 @@ class TritonAttentionBackend:
         self._write = reshape_and_cache
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
-        self._meta: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        self._plans: list[tuple[AttentionMetadata, _Plan]] = []
 
     def _get_plan(self, meta: AttentionMetadata) -> _Plan:
-        # The runner builds a fresh AttentionMetadata every step; every layer of the step shares it.
-        if self._meta is not meta or self._plan is None:
-            self._plan = _plan(meta)
-            self._meta = meta
-        return self._plan
+        # The runner builds a fresh AttentionMetadata every step; every layer of the step shares it, or its
+        # window view (sliding layers of a cache with a window group: AttentionMetadata.for_layer).
+        for seen, plan in self._plans:
+            if seen is meta:
+                return plan
+        plan = _plan(meta)
+        self._plans = [(meta, plan), *self._plans[:1]]
+        return plan
 
     def forward(
         self,

@@ -33,8 +33,10 @@ from pagoda.engine.sizing.errors import UnsupportedOnGPU
 from pagoda.engine.sizing.gpus import check_dtypes
 from pagoda.engine.sizing.host_memory import cpu_kv_cache_bytes
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
+from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
 from pagoda.engine.sizing.shapes import check_published_config, dtype_bytes
+from pagoda.engine.sizing.windows import shape_windows
 
 
 class DryRunError(Exception):
@@ -295,8 +297,10 @@ def check_args(
         )
     else:
         try:
+            sliding, info["window_cache"] = engine_sliding_layout(config, shape_windows(model.shape))
             plan = engine_plan(
                 config,
+                sliding=sliding,
                 model_max_len=model.max_position_embeddings,
                 kv_bytes_per_token=kv_bpt,
                 kv_memory_bytes=kv_memory,

@@ -49,6 +49,7 @@ from pagoda.engine.sizing.engine_plan import (
     profile_tokens,
 )
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
+from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.step import SchedulerOutput
 from pagoda.engine.worker.decode_graphs import capture_sizes
@@ -147,6 +148,10 @@ class EngineCore:
             and not config.enforce_eager
             and self.lora is None  # a step's LoRA segments are not part of a recording
         )
+        # The sliding layers' window group (engine/sizing/kv_split.py), decided as the dry run decides it.
+        sliding, self.window_cache_reason = engine_sliding_layout(
+            config, [mc.layer_sliding_window(i) for i in range(mc.num_hidden_layers)]
+        )
         graph_sizes = tuple(capture_sizes(config.max_num_seqs)) if recordable else ()
         kv_memory, activation_bytes, device_memory = self._kv_memory_bytes(kv_dtype, graph_sizes)
         # The start-up arithmetic `pagoda serve --dry-run` shares: same lengths, blocks and refusals.
@@ -158,21 +163,23 @@ class EngineCore:
             weights_bytes=weights_bytes,
             activation_bytes=activation_bytes,
             device=self.device.type,
+            sliding=sliding,
             **device_memory,
         )
         self.max_model_len = config.max_model_len = self.plan.max_model_len
         self.num_blocks = self.plan.num_blocks
         self.max_model_len_fitted = self.plan.max_model_len_fitted
         config.max_num_batched_tokens = self.plan.max_num_batched_tokens
-        self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype)
+        window_blocks, window_layers = self.plan.num_window_blocks, self.plan.window_layers
+        self.runner.allocate_kv_cache(self.num_blocks, block_size, kv_dtype, window_blocks, window_layers)
         if self.workers is not None:
-            self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype))
+            self.workers.send(Allocate(self.num_blocks, block_size, kv_dtype, window_blocks, window_layers))
         if graph_sizes:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         identity = cache_identity(self.fingerprint, self.dtype, kv_dtype, block_size)
         offload = (
             None
-            if self.workers is not None
+            if self.workers is not None or window_blocks  # a window group: no tier (engine_sliding_layout)
             else build_offload(
                 config,
                 self.runner.block_shape,
@@ -195,8 +202,11 @@ class EngineCore:
                 num_blocks=self.num_blocks,
                 block_size=block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
-                enable_partial_prefix_reuse=config.enable_partial_prefix_reuse,
+                # sub-block reuse copies one pool's block; a window group runs without it
+                enable_partial_prefix_reuse=config.enable_partial_prefix_reuse and not window_blocks,
                 extra_keys=identity,
+                window=self.plan.window,
+                num_window_blocks=window_blocks,
             ),
             offload,
             self._structured_outputs(tokenizer),
@@ -207,6 +217,9 @@ class EngineCore:
             config.kv_window_tokens,
             config.kv_eviction_per_request,
             config.kv_eviction_max_tokens,
+            refused="the sliding layers' KV cache keeps only their window (--sliding-window-cache off allows it)"
+            if window_blocks
+            else "",
         )
         # Server-wide sink sizes that no request could use are refused at start, not on every request.
         resolve_streaming(None, self.streaming_defaults, self.max_model_len, block_size, 0)
@@ -233,6 +246,12 @@ class EngineCore:
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
             self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
+        if window_blocks:
+            log.info(
+                "KV window group: %d blocks for %d sliding layers (window %d), %d sequences of %d tokens fit",
+                window_blocks, len(window_layers), self.plan.window, self.plan.sequences_at_max_len,
+                self.max_model_len,
+            )  # fmt: skip
 
     def _step_thread(self, config: EngineConfig) -> StepThread | None:
         """With --async-scheduling: the thread steps' device sides run on (engine/core/async_steps.py).

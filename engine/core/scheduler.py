@@ -59,6 +59,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     enable_partial_prefix_reuse: bool = True
     extra_keys: tuple[str, ...] = ()
+    # A window group for the sliding layers (KVCacheManager): their window and pool; None: one pool.
+    window: int | None = None
+    num_window_blocks: int = 0
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Scheduler:
             enable_partial_prefix_reuse=cache.enable_partial_prefix_reuse,
             extra_keys=cache.extra_keys,
             should_save=offload.should_save if offload is not None else None,
+            window=cache.window,
+            num_window_blocks=cache.num_window_blocks,
         )
         self.waiting = waiting_queue(config.policy)
         self.structured = structured
@@ -278,6 +283,7 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         for sched in out.scheduled:
             sched.block_table = self.kv.get_block_table(sched.seq.seq_id)
+            sched.window_block_table = self.kv.get_window_block_table(sched.seq.seq_id)
             sched.position_offset = self.kv.get_position_offset(sched.seq.seq_id)
             if sched.samples:
                 sched.sample_seqs = [sched.seq]

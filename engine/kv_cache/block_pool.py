@@ -219,10 +219,11 @@ class BlockPool:
         self.events.stored("device", block_hash)
         return block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix. Refused (False, no change) while any block is referenced, because a
-        running sequence's blocks would silently lose their cache entries."""
-        if self.num_used_blocks > 0:
+    def reset_prefix_cache(self, reserved: int = 0) -> bool:
+        """Forget every cached prefix. Refused (False, no change) while any block is referenced (beyond the
+        ``reserved`` ones its owner holds for good), because a running sequence's blocks would silently
+        lose their cache entries."""
+        if self.num_used_blocks > reserved:
             return False
         while len(self.evictable_queue):
             block = self.evictable_queue.popleft()

@@ -8,6 +8,13 @@ The scheduler drives it in this order for a sequence:
 3. after each step ``cache_blocks(seq, token_ids, num_computed_tokens)`` registers the blocks that became full;
 4. ``fork`` for extra samples (n > 1), ``free`` when the sequence finishes, is aborted or preempted.
 
+A model with sliding-window layers beside full-attention ones (Gemma 2/3) may give the manager a second pool,
+the window group (``window``, ``num_window_blocks``): every sequence then has a second table aligned with the
+first (logical block i in both), the one the sliding layers read. Its entries for blocks no query of the
+sequence can see any more (more than ``window`` positions behind the next token to write) go back to the
+window pool and read as the null block 0, which the pool reserves and the kernels mask out. A prefix hit
+needs the full group's blocks and the window group's last blocks before the hit's end (``window_hit_ok``).
+
 Every device-cache write that is not a forward (copy-on-write copies, saves of evicted blocks down a tier,
 loads from a tier) is recorded in one ordered log, ``take_ops`` hands it to the model runner with the step.
 """
@@ -42,6 +49,9 @@ class _SeqState:
     cache_limit: int | None = None
     sink_sources: list[Block] = field(default_factory=list)
     position_offset: int = 0
+    # The window group's table, aligned with ``blocks``: None for a block that left the window (or was never
+    # needed there: before a prefix hit's window). Empty when the manager has no window group.
+    win: list[Block | None] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -56,11 +66,26 @@ class KVCacheManager:
         enable_partial_prefix_reuse: bool = False,
         on_evict: EvictHook | None = None,
         should_save: Callable[[BlockHash], bool] | None = None,
+        window: int | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
         """``on_evict`` observes every eviction; ``should_save(hash)`` says whether an evicted block's KV
-        goes down a tier (a SaveBlock op, ordered before anything that reuses the block)."""
+        goes down a tier (a SaveBlock op, ordered before anything that reuses the block). ``window``: the
+        sliding layers' window in tokens, with a pool of ``num_window_blocks`` blocks for them (block 0 of
+        it reserved as the null block); None keeps one pool for every layer."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if window is not None:
+            if window < 1 or num_window_blocks < 2:
+                raise ValueError(
+                    f"a window group needs a window of at least 1 token and at least 2 blocks, got "
+                    f"window={window!r}, num_window_blocks={num_window_blocks!r}"
+                )
+            if should_save is not None or enable_partial_prefix_reuse:
+                raise ValueError(
+                    "the sliding-window cache runs without offload tiers and partial prefix reuse"
+                )
+        self.window = window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -70,6 +95,13 @@ class KVCacheManager:
         self._observer = on_evict
         self._should_save = should_save
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, self._on_evict)
+        self.window_pool: BlockPool | None = None
+        self.num_window_blocks = 0
+        if window is not None:
+            self.window_pool = BlockPool(num_window_blocks, enable_prefix_caching)
+            self.num_window_blocks = num_window_blocks
+            (self._null,) = self.window_pool.get_new_blocks(1)  # block 0, never handed to a table
+            assert self._null.block_id == 0
         self._seqs: dict[str, _SeqState] = {}
         self.partial_index = PartialBlockIndex()
         self._ops = KVOpLog()
@@ -112,6 +144,29 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return [] if state is None else [b.block_id for b in state.blocks]
 
+    def get_window_block_table(self, seq_id: str) -> list[int] | None:
+        """The sliding layers' table of ``seq_id`` (0 for blocks out of the window); None without a window
+        group."""
+        if self.window_pool is None:
+            return None
+        state = self._seqs.get(seq_id)
+        return [] if state is None else [0 if b is None else b.block_id for b in state.win]
+
+    @property
+    def num_free_window_blocks(self) -> int:
+        """Window-pool blocks obtainable now (0 without a window group)."""
+        return 0 if self.window_pool is None else self.window_pool.num_free_blocks
+
+    def set_event_log(self, events) -> None:
+        """Publish device block events to ``events``: a hash is announced once every group holds it and
+        withdrawn when one group lets it go, so the router never counts a block the engine cannot serve."""
+        if self.window_pool is None:
+            self.block_pool.events = events
+            return
+        both = _BothGroups(events)
+        self.block_pool.events = both.group(0)
+        self.window_pool.events = both.group(1)
+
     def get_num_tokens(self, seq_id: str) -> int:
         """Tokens of ``seq_id`` that have slots (prefix hits plus everything allocated since)."""
         state = self._seqs.get(seq_id)
@@ -145,17 +200,45 @@ class KVCacheManager:
         # Leave at least one token to compute: its logits are what the step is for.
         return max(0, (num_tokens - 1) // self.block_size)
 
+    def _window_start(self, pos: int) -> int:
+        """The first logical block a query at position ``pos`` reads in a sliding layer (0 without a window
+        group): keys ``pos - window + 1 .. pos`` are in its window."""
+        if self.window is None:
+            return 0
+        return max(0, pos - self.window + 1) // self.block_size
+
+    def _hit_blocks(self, token_ids: Sequence[int], root: BlockHash | None) -> tuple[list[BlockHash], int]:
+        """(the chained hashes looked up, the blocks of the longest usable hit): the full group's blocks
+        0..n-1 must be cached, and with a window group also its blocks from ``_window_start(n * bs)`` to n-1,
+        the ones the first computed token reads; a hit the window group cannot serve is shortened."""
+        bs = self.block_size
+        parent = root
+        hashes: list[BlockHash] = []
+        for i in range(self._max_hit_blocks(len(token_ids))):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
+            hashes.append(parent)
+            if self.block_pool.get_cached_block(parent) is None:
+                return hashes, self._window_hit(hashes, i)
+        return hashes, self._window_hit(hashes, len(hashes))
+
+    def _window_hit(self, hashes: list[BlockHash], n: int) -> int:
+        """The longest hit of at most ``n`` blocks the window group can serve (``n`` without one)."""
+        if self.window_pool is None:
+            return n
+        run = 0  # window-cached blocks ending at the block before the candidate's end
+        runs = []
+        for i in range(n):
+            run = run + 1 if self.window_pool.get_cached_block(hashes[i]) is not None else 0
+            runs.append(run)
+        while n > 0 and runs[n - 1] < n - self._window_start(n * self.block_size):
+            n -= 1
+        return n
+
     def find_cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
         """How many tokens ``get_computed_tokens`` would return now; no references, no counters."""
         if not self.enable_prefix_caching:
             return 0
-        parent = root
-        bs = self.block_size
-        for i in range(self._max_hit_blocks(len(token_ids))):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
-            if self.block_pool.get_cached_block(parent) is None:
-                return i * bs
-        return self._max_hit_blocks(len(token_ids)) * bs
+        return self._hit_blocks(token_ids, root)[1] * self.block_size
 
     def get_computed_tokens(
         self, seq_id: str, token_ids: Sequence[int], root: BlockHash | None = None
@@ -171,20 +254,18 @@ class KVCacheManager:
         self._seqs[seq_id] = state
         if not self.enable_prefix_caching:
             return 0
-        bs = self.block_size
-        parent = root
-        hits: list[Block] = []
-        for i in range(self._max_hit_blocks(len(token_ids))):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._extra)
-            state.hashes.append(parent)
-            block = self.block_pool.get_cached_block(parent)
-            if block is None:
-                break
-            hits.append(block)
+        hashes, n = self._hit_blocks(token_ids, root)
+        state.hashes = hashes
+        hits = [self.block_pool.get_cached_block(h) for h in hashes[:n]]
         self.block_pool.touch(hits)
         state.blocks = hits
-        state.num_cached = len(hits)
-        state.num_tokens = len(hits) * bs
+        if self.window_pool is not None:
+            lo = self._window_start(n * self.block_size)
+            win = [self.window_pool.get_cached_block(h) for h in hashes[lo:n]]
+            self.window_pool.touch(win)
+            state.win = [None] * lo + win
+        state.num_cached = n
+        state.num_tokens = n * self.block_size
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += state.num_tokens
         return state.num_tokens
@@ -193,6 +274,8 @@ class KVCacheManager:
         """Extend ``seq_id``'s prefix hit with blocks loaded from an offload tier (each already cached under
         its hash, one reference held for the sequence); ``hashes`` continue the chain of the hit."""
         state = self._state(seq_id)
+        if self.window_pool is not None:
+            raise ValueError("blocks loaded from an offload tier have no window-group blocks")
         if len(blocks) != len(hashes):
             raise ValueError(
                 f"blocks and hashes must have the same length, got {len(blocks)} and {len(hashes)}"
@@ -238,12 +321,18 @@ class KVCacheManager:
             if self.block_pool.cache_block(block, state.hashes[i]) and self.enable_partial_prefix_reuse:
                 parent = state.hashes[i - 1] if i else state.root
                 self.partial_index.add(block.block_id, parent, token_ids[i * bs : (i + 1) * bs])
+            if state.win and state.win[i] is not None:
+                self.window_pool.cache_block(state.win[i], state.hashes[i])
         state.num_cached = num_full
 
     def reset_prefix_cache(self) -> bool:
         """Drop the cache index; False (and no change) while any block is referenced."""
+        if self.window_pool is not None and self.window_pool.num_used_blocks > 1:
+            return False
         if not self.block_pool.reset_prefix_cache():
             return False
+        if self.window_pool is not None:
+            self.window_pool.reset_prefix_cache(reserved=1)
         self.partial_index.clear()
         return True
 
@@ -298,21 +387,56 @@ class KVCacheManager:
                     cow.append(i)
         return num_new, cow
 
+    def _plan_window(self, state: _SeqState | None, num_tokens: int) -> tuple[int, list[int], list[int]]:
+        """The window group's part of covering ``num_tokens``: (table indices whose blocks leave the window,
+        indices that get a fresh block, indices to copy on write). The step's first query sits at the
+        table's token count, so nothing before its window start is read by it or any later step."""
+        start = 0 if state is None else state.num_tokens
+        needed = _cdiv(num_tokens, self.block_size)
+        lo = self._window_start(start)
+        win = [] if state is None else state.win
+        leave = [i for i in range(min(lo, len(win))) if win[i] is not None]
+        fresh = [i for i in range(lo, needed) if i >= len(win) or win[i] is None]
+        cow: list[int] = []
+        if num_tokens > start:
+            for i in range(max(lo, start // self.block_size), min(needed, len(win))):
+                block = win[i]
+                if block is not None and block.ref_cnt > 1:
+                    cow.append(i)
+        return leave, fresh, cow
+
     def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
         """Blocks ``allocate_slots(seq_id, num_tokens)`` would take from the pool (copies included)."""
         num_new, cow = self._plan(seq_id, num_tokens)
         return num_new + len(cow)
 
+    def num_window_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        """Window-pool blocks ``allocate_slots(seq_id, num_tokens)`` would take, net of the blocks the
+        sequence gives back first (0 without a window group)."""
+        if self.window_pool is None:
+            return 0
+        leave, fresh, cow = self._plan_window(self._seqs.get(seq_id), num_tokens)
+        state = self._seqs.get(seq_id)
+        gained = sum(1 for i in leave if state.win[i].ref_cnt == 1)
+        return len(fresh) + len(cow) - gained
+
     def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        return self.num_blocks_needed(seq_id, num_tokens) <= self.block_pool.num_free_blocks
+        return self.num_blocks_needed(seq_id, num_tokens) <= self.block_pool.num_free_blocks and (
+            self.num_window_blocks_needed(seq_id, num_tokens) <= self.num_free_window_blocks
+        )
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         """Make ``seq_id``'s table cover ``num_tokens`` tokens in total, copying a shared block the new
-        tokens will be written into. False, with nothing changed, when the pool is short."""
+        tokens will be written into; with a window group, first give back the window blocks the step's
+        queries can no longer see. False, with nothing changed, when a pool is short."""
         num_new, cow = self._plan(seq_id, num_tokens)
         if num_new + len(cow) > self.block_pool.num_free_blocks:
             return False
+        if self.num_window_blocks_needed(seq_id, num_tokens) > self.num_free_window_blocks:
+            return False
         state = self._seqs.setdefault(seq_id, _SeqState())
+        if self.window_pool is not None:
+            self._allocate_window(state, num_tokens)
         fresh = self.block_pool.get_new_blocks(num_new + len(cow))
         for i, dst in zip(cow, fresh, strict=False):
             src = state.blocks[i]
@@ -322,6 +446,27 @@ class KVCacheManager:
         state.blocks.extend(fresh[len(cow) :])
         state.num_tokens = max(state.num_tokens, num_tokens)
         return True
+
+    def _allocate_window(self, state: _SeqState, num_tokens: int) -> None:
+        """The window group's side of ``allocate_slots`` (room already checked)."""
+        pool = self.window_pool
+        leave, fresh, cow = self._plan_window(state, num_tokens)
+        # Tail first among those leaving, like `free`: the chain's tail is evicted before its head.
+        pool.free_blocks(state.win[i] for i in reversed(leave))
+        self._ops.drop_copies_into({state.win[i].block_id for i in leave if state.win[i].ref_cnt == 0}, True)
+        for i in leave:
+            state.win[i] = None
+        new = pool.get_new_blocks(len(fresh) + len(cow))
+        for i, dst in zip(cow, new, strict=False):
+            src = state.win[i]
+            self._ops.append(CopyBlock(src.block_id, dst.block_id, window=True))
+            state.win[i] = dst
+            pool.free_blocks([src])
+        needed = _cdiv(num_tokens, self.block_size)
+        if len(state.win) < needed:
+            state.win.extend([None] * (needed - len(state.win)))
+        for i, block in zip(fresh, new[len(cow) :], strict=True):
+            state.win[i] = block
 
     def drop_blocks(self, seq_id: str, first: int, count: int) -> bool:
         """Attention sinks: free table entries ``first .. first + count`` (whole blocks of computed tokens
@@ -334,6 +479,8 @@ class KVCacheManager:
         key is rotated twice. From then on nothing more of the table is cached. False, with nothing
         changed, when the pool has no room for the copies."""
         state = self._state(seq_id)
+        if self.window_pool is not None:
+            raise ValueError("attention sinks need the full-attention cache layout (no window group)")
         if count < 1 or first < 0 or first + count > len(state.blocks):
             raise ValueError(
                 f"cannot drop blocks {first}..{first + count} of a {len(state.blocks)}-block table"
@@ -413,6 +560,8 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} already has blocks")
         self.block_pool.touch(parent.blocks)
         self.block_pool.touch(parent.sink_sources)
+        if self.window_pool is not None:
+            self.window_pool.touch(b for b in parent.win if b is not None)
         self._seqs[child_id] = _SeqState(
             blocks=list(parent.blocks),
             num_tokens=parent.num_tokens,
@@ -422,6 +571,7 @@ class KVCacheManager:
             root=parent.root,
             sink_sources=list(parent.sink_sources),
             position_offset=parent.position_offset,
+            win=list(parent.win),
         )
 
     def free(self, seq_id: str) -> None:
@@ -432,6 +582,10 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(state.blocks))
             self.block_pool.free_blocks(state.sink_sources)  # a shared prefix's head: evicted last
             self._ops.drop_copies_into({b.block_id for b in state.blocks if b.ref_cnt == 0})
+            if self.window_pool is not None:
+                win = [b for b in state.win if b is not None]
+                self.window_pool.free_blocks(reversed(win))
+                self._ops.drop_copies_into({b.block_id for b in win if b.ref_cnt == 0}, window=True)
 
     def _state(self, seq_id: str) -> _SeqState:
         state = self._seqs.get(seq_id)
@@ -462,6 +616,8 @@ class KVCacheManager:
                 f"{block}: ref count {block.ref_cnt} but {refs[block.block_id]} tables hold it"
             )
         assert self.block_pool.num_used_blocks == sum(1 for r in refs if r > 0), "used-block count is off"
+        if self.window_pool is not None:
+            self._check_window_invariants()
         for block_id, _parent, tokens in self.partial_index.items():
             block = self.block_pool.blocks[block_id]
             assert block.block_hash is not None, f"{block} is in the partial index but not cached"
@@ -470,3 +626,76 @@ class KVCacheManager:
             assert hash_block_tokens(parent, tokens, self._extra) == block.block_hash, (
                 f"{block} is indexed under tokens or a parent that do not give its hash"
             )
+
+    def _check_window_invariants(self) -> None:
+        """The window group: aligned tables, nothing kept before a table's window, ref counts add up."""
+        pool = self.window_pool
+        pool.check_invariants()
+        refs = [0] * self.num_window_blocks
+        refs[0] = 1  # the null block
+        for seq_id, state in self._seqs.items():
+            assert len(state.win) == len(state.blocks), f"{seq_id}: window table not aligned"
+            # The next write starts at num_tokens; a table may keep one block more than the step needs.
+            lo = self._window_start(state.num_tokens)
+            needed = _cdiv(state.num_tokens, self.block_size)
+            for i, block in enumerate(state.win):
+                if block is None:
+                    assert i < lo or i >= needed, f"{seq_id}: window block {i} missing"
+                    continue
+                assert block.block_id != 0, f"{seq_id}: the null block is in a table"
+                refs[block.block_id] += 1
+                if block.block_hash is not None and i < len(state.hashes):
+                    assert block.block_hash == state.hashes[i], f"{seq_id}: window block {i} misfiled"
+        for block in pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"window {block}: ref count {block.ref_cnt} but {refs[block.block_id]} tables hold it"
+            )
+
+
+class _BothGroups:
+    """Device block events of a two-group cache: a hash is stored once both groups cache it and removed
+    when either drops it (a prefix hit needs both)."""
+
+    def __init__(self, events) -> None:
+        self._events = events
+        self._held: dict[BlockHash, int] = {}  # bit 0: the full group holds it, bit 1: the window group
+
+    def group(self, index: int) -> _GroupEvents:
+        return _GroupEvents(self, 1 << index)
+
+    def stored(self, bit: int, block_hash: BlockHash) -> None:
+        held = self._held.get(block_hash, 0) | bit
+        self._held[block_hash] = held
+        if held == 3:
+            self._events.stored("device", block_hash)
+
+    def removed(self, bit: int, block_hash: BlockHash) -> None:
+        held = self._held.get(block_hash, 0)
+        if held == 3:
+            self._events.removed("device", block_hash)
+        held &= ~bit
+        if held:
+            self._held[block_hash] = held
+        else:
+            self._held.pop(block_hash, None)
+
+    def cleared(self, bit: int) -> None:
+        for block_hash in [h for h, held in self._held.items() if held & bit]:
+            self.removed(bit, block_hash)
+
+
+class _GroupEvents:
+    """One group's view of `_BothGroups`, with the block pool's event interface."""
+
+    def __init__(self, both: _BothGroups, bit: int) -> None:
+        self._both = both
+        self._bit = bit
+
+    def stored(self, tier: str, block_hash: BlockHash) -> None:
+        self._both.stored(self._bit, block_hash)
+
+    def removed(self, tier: str, block_hash: BlockHash) -> None:
+        self._both.removed(self._bit, block_hash)
+
+    def cleared(self, tier: str) -> None:
+        self._both.cleared(self._bit)

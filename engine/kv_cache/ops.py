@@ -16,10 +16,12 @@ from pagoda.engine.kv_cache.hashing import BlockHash
 
 @dataclass(frozen=True)
 class CopyBlock:
-    """Copy-on-write: block ``dst`` gets the KV of block ``src`` (every layer, K and V)."""
+    """Copy-on-write: block ``dst`` gets the KV of block ``src`` (K and V of every layer of its group: the
+    sliding layers' pool when ``window``, else the other layers')."""
 
     src: int
     dst: int
+    window: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,16 @@ class KVOpLog:
     def append(self, op: KVOp) -> None:
         self.ops.append(op)
 
-    def drop_copies_into(self, block_ids: set[int]) -> None:
-        """A freed block's pending copy-on-write (or sink rotation) is moot: nothing will read its result."""
+    def drop_copies_into(self, block_ids: set[int], window: bool = False) -> None:
+        """A freed block's pending copy-on-write (or sink rotation) is moot: nothing will read its result.
+        ``window``: the ids are the window group's blocks (only its copies are dropped)."""
         if block_ids and self.ops:
             self.ops = [
                 op
                 for op in self.ops
                 if not (
-                    (isinstance(op, CopyBlock) and op.dst in block_ids)
-                    or (isinstance(op, RotateBlock) and op.dst in block_ids)
+                    (isinstance(op, CopyBlock) and op.window == window and op.dst in block_ids)
+                    or (not window and isinstance(op, RotateBlock) and op.dst in block_ids)
                 )
             ]
 

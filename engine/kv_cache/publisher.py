@@ -22,7 +22,7 @@ class KVEventPublisher:
         self.log = KVEventLog()
         self._sync_lock = threading.Lock()
         self._synced_at = 0.0
-        scheduler.kv.block_pool.events = self.log
+        scheduler.kv.set_event_log(self.log)
         self.offload = scheduler.offload
         self.sync_tiers(force=True)  # a warm restart's disk tier is published from the start
 

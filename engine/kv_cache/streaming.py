@@ -24,6 +24,9 @@ class StreamingDefaults:
     max_tokens: int = (
         DEFAULT_STREAMING_MAX_TOKENS  # of a streaming request (never below what the context leaves)
     )
+    # Why no request may stream on this engine whatever the flags say ("": none): a KV cache with a window
+    # group (sliding layers) keeps no sinks.
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ def resolve_streaming(
     and on sizes that cannot work (window under two blocks, sinks + window past max_model_len, a prompt that
     does not fit the budget)."""
     asked = getattr(params, "kv_eviction", None)
+    if asked == "streaming" and defaults.refused:
+        raise ValueError(f'kv_eviction "streaming" is not allowed on this server: {defaults.refused}')
     if asked == "streaming" and defaults.kv_eviction != "streaming" and not defaults.per_request:
         raise ValueError(
             'kv_eviction "streaming" is not allowed on this server (it runs with --no-kv-eviction-per-request): '

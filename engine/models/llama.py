@@ -114,6 +114,7 @@ class Attention(nn.Module):
             q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
             k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        meta = meta.for_layer(self.sliding_window)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
         return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 

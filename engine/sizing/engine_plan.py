@@ -16,6 +16,7 @@ from typing import Any
 from pagoda.engine.sizing.errors import StartupFitError
 from pagoda.engine.sizing.fit import fit_max_model_len
 from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE, DTYPE_ALIASES
+from pagoda.engine.sizing.kv_split import SlidingLayout, split_kv_blocks
 
 DEFAULT_BATCHED_TOKENS = 2048  # vLLM's server default with chunked prefill
 
@@ -57,6 +58,11 @@ class EnginePlan:
     kv_bytes_per_token: int  # per rank
     max_num_batched_tokens: int
     profile: MemoryProfile
+    # A window group (windows.split_kv_blocks): the sliding layers' pool and window; 0 / None / (): one pool.
+    num_window_blocks: int = 0
+    window: int | None = None
+    window_layers: tuple[int, ...] = ()
+    sequences_at_max_len: int = 0  # sequences of max_model_len tokens both pools hold at once
 
     @property
     def max_model_len_fitted(self) -> int:
@@ -238,10 +244,12 @@ def engine_plan(
     source: str = "",
     rank_kv_cache_bytes: list[int] | None = None,
     cuda_graph_bytes: int = 0,
+    sliding: SlidingLayout | None = None,
 ) -> EnginePlan:
     """max_model_len, KV blocks and the token budget for `config` (an EngineConfig, read only) in
     `kv_memory_bytes` of KV cache; raises StartupFitError (a SizingError) saying what fits otherwise,
-    SizingError or ValueError for a configuration no memory would fix."""
+    SizingError or ValueError for a configuration no memory would fix. ``sliding``: the window group
+    (windows.engine_sliding_layout), whose pool takes its share of the blocks (windows.split_kv_blocks)."""
     global _last_profile
     block_size = config.block_size
     profile = MemoryProfile(
@@ -274,7 +282,6 @@ def engine_plan(
         )
     except StartupFitError as exc:
         raise StartupFitError(str(exc), profile) from None
-    num_blocks = int(max(kv_memory_bytes // (kv_bytes_per_token * block_size), 1))
     batched = config.max_num_batched_tokens
     if batched is None:
         batched = (
@@ -287,6 +294,21 @@ def engine_plan(
             f"max_num_batched_tokens ({batched}) must be at least max_model_len "
             f"({max_model_len}) when chunked prefill is off"
         )
-    profile = replace(profile, kv_allocated_bytes=num_blocks * block_size * kv_bytes_per_token)
+    split = split_kv_blocks(
+        kv_memory_bytes, kv_bytes_per_token, block_size, max_model_len, config.max_num_seqs, batched, sliding
+    )
+    profile = replace(profile, kv_allocated_bytes=split.allocated_bytes)
     _last_profile = profile
-    return EnginePlan(max_model_len, num_blocks, block_size, kv_bytes_per_token, batched, profile)
+    window = sliding if split.num_window_blocks else None
+    return EnginePlan(
+        max_model_len,
+        split.num_blocks,
+        block_size,
+        kv_bytes_per_token,
+        batched,
+        profile,
+        num_window_blocks=split.num_window_blocks,
+        window=window.window if window else None,
+        window_layers=window.sliding if window else (),
+        sequences_at_max_len=split.sequences,
+    )

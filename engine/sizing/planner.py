@@ -27,9 +27,10 @@ from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
 from pagoda.engine.sizing.errors import SizingError
 from pagoda.engine.sizing.gpus import GPUInfo, check_engine_runs_on
 from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE
+from pagoda.engine.sizing.kv_split import KVSplit, split_kv_blocks
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
-from pagoda.engine.sizing.windows import sliding_layers, window_capacity
+from pagoda.engine.sizing.windows import shape_layout, sliding_layers, window_capacity
 
 BLOCK_SIZE = 16  # vLLM's default; the vLLM paper measured under 4% waste at this size
 UTILIZATION_CAP = 0.95  # keep 5% for allocator fragmentation and estimate error, whatever the reserve says
@@ -112,6 +113,10 @@ class Plan:
     kv_bytes_per_token: int = 0  # whole model, all ranks
     weights_bytes_per_gpu: int = 0
     reserve_bytes: int = 0  # CUDA context + activations (per GPU), or the runtime + activations on CPU
+    # A sliding-window model: the engine's window group (engine/sizing/kv_split.py) of this many blocks for
+    # its sliding layers, and the sequences of max_model_len tokens it admits at once (0: one pool)
+    num_window_blocks: int = 0
+    window_sequences: int = 0
     reasons: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -226,7 +231,16 @@ def _seq_tokens(h: Hints) -> tuple[int | None, str]:
     return None, ""
 
 
-def _offload(plan_kv_total: int, h: Hints, reasons: dict, *, cpu: bool) -> tuple[int, int, str]:
+def _offload(
+    plan_kv_total: int, h: Hints, reasons: dict, *, cpu: bool, window: bool = False
+) -> tuple[int, int, str]:
+    if window:
+        reasons["kv_offload_host_bytes"] = reasons["kv_offload_disk_bytes"] = (
+            "off: the sliding layers' window group (more sequences in the device cache) runs without offload "
+            "tiers, whose blocks hold every layer"
+        )
+        reasons["pvc_size"] = "the smallest volume: no disk tier runs beside the window group"
+        return 0, 0, f"{DISK_MIN_GIB}Gi"
     if cpu:
         host = 0
         reasons["kv_offload_host_bytes"] = (
@@ -405,11 +419,15 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''} in {FIT_SLACK:.0%} of the blocks"
     )
     reasons["max_model_len"] = "min of " + ", ".join(parts)
+    split = _window_split(shape, kv_bytes, block_bytes, block_size, max_len, tokens)
     if shape.sliding_window and max_len > shape.sliding_window:
-        warnings.append(sliding_window_note(shape, kv_bytes, max_len, block_size, kv_dtype, tp))
+        warnings.append(sliding_window_note(shape, kv_bytes, max_len, block_size, kv_dtype, tp, split))
 
-    max_seqs, seq_reason = _max_num_seqs(capacity, tokens, conc, h, blocks)
-    reasons["max_num_seqs"] = seq_reason
+    seq_capacity, seq_blocks = (
+        (capacity, blocks) if split is None else (split.num_blocks * block_size, split.num_blocks)
+    )
+    max_seqs, seq_reason = _max_num_seqs(seq_capacity, tokens, conc, h, seq_blocks)
+    reasons["max_num_seqs"] = seq_reason + (_window_reason(split, max_len) if split else "")
     reasons["max_num_batched_tokens"] = (
         f"largest power of two (up to {MAX_BATCHED_TOKENS}) whose activations fit a {human_bytes(act)} reserve"
         + (
@@ -418,27 +436,60 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
             else ""
         )
     )
-    host, disk, pvc = _offload(kv_bytes * tp, h, reasons, cpu=False)
+    host, disk, pvc = _offload(kv_bytes * tp, h, reasons, cpu=False, window=split is not None)
     return Plan(
         gpu_memory_utilization=util, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=tp, num_gpu_blocks=blocks,
         kv_cache_bytes=kv_bytes, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=pvc,
         device="cuda", model=shape.name, gpu=gpu.name, kv_bytes_per_token=kv_token, weights_bytes_per_gpu=weights,
         reserve_bytes=ctx + act, reasons=reasons, warnings=warnings,
+        num_window_blocks=split.num_window_blocks if split else 0, window_sequences=split.sequences if split else 0,
     )  # fmt: skip
 
 
+def _window_split(
+    shape: ModelShape, kv_bytes: int, block_bytes: int, block_size: int, max_len: int, tokens: int
+) -> KVSplit | None:
+    """The engine's split of ``kv_bytes`` (one GPU's KV budget) for a sliding-window model at ``max_len``, as
+    `engine_plan` makes it (max_num_seqs not yet known: at most MAX_NUM_SEQS), or None for one pool."""
+    layout = shape_layout(shape)
+    split = split_kv_blocks(
+        kv_bytes, block_bytes // block_size, block_size, max_len, MAX_NUM_SEQS, tokens, layout
+    )
+    return split if split.num_window_blocks else None
+
+
+def _window_reason(split: KVSplit, max_len: int) -> str:
+    return (
+        f"; the sliding layers keep only their window (the engine's window group: {split.num_window_blocks} "
+        f"blocks of theirs, {split.num_blocks} of the other layers), so {split.sequences} sequences of "
+        f"{max_len} tokens fit at once"
+    )
+
+
 def sliding_window_note(
-    shape: ModelShape, kv_bytes: int, max_len: int, block_size: int, kv_dtype: str, tp: int
+    shape: ModelShape,
+    kv_bytes: int,
+    max_len: int,
+    block_size: int,
+    kv_dtype: str,
+    tp: int,
+    split: KVSplit | None = None,
 ) -> str:
-    """The warning a sliding-window model's plan carries: the engine's cache keeps every layer's blocks, and
-    what a cache that frees out-of-window blocks would hold instead (an estimate, labelled as one)."""
+    """The note a sliding-window model's plan carries: how many sequences the engine's window group admits
+    (``split``) against a full-attention layout of the same memory."""
     cap = window_capacity(shape, kv_bytes, max_len, block_size, kv_dtype=kv_dtype, tp=tp)
+    held = split.sequences if split is not None else cap.full_attention_sequences
     return (
         f"{shape.name} uses a {shape.sliding_window}-token sliding window on {sliding_layers(shape)} of "
-        f"{shape.num_layers} layers; the plan still reserves KV for every token of a sequence in every layer: "
-        f"{cap.full_attention_sequences} sequences of {max_len} tokens fit at once (a KV cache that freed "
-        f"out-of-window blocks, which the engine does not yet, would hold {cap.window_aware_sequences})"
+        f"{shape.num_layers} layers; the engine's KV cache keeps only the window's blocks for those layers: "
+        f"{held} sequences of {max_len} tokens fit at once, against {cap.full_attention_sequences} in a "
+        f"full-attention layout of the same memory (KV offload tiers would turn the window group off: the "
+        f"plan leaves them out)"
+        if split is not None
+        else f"{shape.name} uses a {shape.sliding_window}-token sliding window on {sliding_layers(shape)} of "
+        f"{shape.num_layers} layers; every layer keeps every block (no window group for this model): "
+        f"{held} sequences of {max_len} tokens fit at once"
     )
 
 
@@ -529,17 +580,24 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     parts = [f"model limit {limit}"] + ([f"target context {target}"] if target else [])
     parts.append(f"{fit_len} fits {conc} concurrent sequence{'s' if conc > 1 else ''}")
     reasons["max_model_len"] = "min of " + ", ".join(parts)
+    split = _window_split(cpu_shape, kv_bytes, block_bytes, block_size, max_len, tokens)
     if cpu_shape.sliding_window and max_len > cpu_shape.sliding_window:
-        warnings.append(sliding_window_note(cpu_shape, kv_bytes, max_len, block_size, kv_dtype, 1))
-    max_seqs, reasons["max_num_seqs"] = _max_num_seqs(capacity, tokens, conc, h, blocks)
+        warnings.append(sliding_window_note(cpu_shape, kv_bytes, max_len, block_size, kv_dtype, 1, split))
+    seq_capacity, seq_blocks = (
+        (capacity, blocks) if split is None else (split.num_blocks * block_size, split.num_blocks)
+    )
+    max_seqs, reasons["max_num_seqs"] = _max_num_seqs(seq_capacity, tokens, conc, h, seq_blocks)
+    if split is not None:
+        reasons["max_num_seqs"] += _window_reason(split, max_len)
     reasons["max_num_batched_tokens"] = f"{tokens} tokens per step, vLLM's CPU server default" + (
         f" raised to the p99 prompt ({h.p99_prompt_tokens})" if tokens > MIN_BATCHED_TOKENS else ""
     )
-    host, disk, pvc = _offload(kv_bytes, h, reasons, cpu=True)
+    host, disk, pvc = _offload(kv_bytes, h, reasons, cpu=True, window=split is not None)
     return Plan(
         gpu_memory_utilization=None, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=1, num_gpu_blocks=blocks,
         kv_cache_bytes=kv_bytes, kv_offload_host_bytes=host, kv_offload_disk_bytes=disk, pvc_size=pvc,
         kv_cache_memory_bytes=kv_mem, device="cpu", model=shape.name, gpu=None, kv_bytes_per_token=kv_token,
         weights_bytes_per_gpu=weights, reserve_bytes=CPU_RUNTIME_BYTES + act, reasons=reasons, warnings=warnings,
+        num_window_blocks=split.num_window_blocks if split else 0, window_sequences=split.sequences if split else 0,
     )  # fmt: skip

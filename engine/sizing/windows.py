@@ -1,17 +1,17 @@
-"""What a KV cache that knows sliding windows would hold, next to what the engine's cache holds today.
+"""What a KV cache that knows sliding windows holds, next to a full-attention layout of the same memory.
 
-The engine keeps every layer's blocks for every token of a sequence (full-attention layout), so the planner
-sizes with `ModelShape.kv_bytes_per_token`. A hybrid cache (vLLM's hybrid KV-cache manager) frees, for a
-sliding layer, the blocks that have left its window: such a layer holds at most `window + one block` tokens
-of a sequence. This module computes both layouts per sequence, so the planner can say what the hybrid cache
-would admit (a labelled estimate, not what the engine allocates) and the issue's capacity target can be
-checked (tests/sizing/test_windows.py).
+A full-attention layout keeps every layer's blocks for every token of a sequence (`ModelShape.kv_bytes_per_token`).
+The engine's window group (engine/kv_cache/manager.py, split by kv_split.py) frees, for a sliding layer, the
+blocks that have left its window: such a layer holds at most `window + one block` tokens of a sequence. This
+module computes both layouts per sequence from a model shape, for the planner's note and the issue's capacity
+target (tests/sizing/test_windows.py); `shape_layout` gives the planner the engine's split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.engine.sizing.kv_split import SlidingLayout, sliding_layout
 from pagoda.engine.sizing.shapes import ModelShape
 
 
@@ -24,6 +24,18 @@ def sliding_layers(shape: ModelShape) -> int:
     if not shape.sliding_window:
         return 0
     return shape.num_layers if shape.sliding_window_layers is None else shape.sliding_window_layers
+
+
+def shape_windows(shape: ModelShape) -> list[int | None]:
+    """Per-layer windows of a model shape, as `ModelConfig.layer_sliding_window` gives them (which layers
+    slide does not change any size, only how many: the first ones stand for them)."""
+    n = sliding_layers(shape)
+    return [shape.sliding_window if i < n else None for i in range(shape.num_layers)]
+
+
+def shape_layout(shape: ModelShape) -> SlidingLayout | None:
+    """The engine's window group for a model shape, whatever the flags (engine_sliding_layout adds them)."""
+    return sliding_layout(shape_windows(shape))
 
 
 def layer_tokens_held(shape: ModelShape, context: int, block_size: int, *, sliding: bool) -> int:
@@ -61,8 +73,8 @@ class WindowCapacity:
 
     context: int
     kv_cache_bytes: int
-    full_attention_sequences: int  # what the engine's cache holds (every layer keeps every block)
-    window_aware_sequences: int  # what a cache freeing out-of-window blocks would hold
+    full_attention_sequences: int  # every layer keeps every block (no window group)
+    window_aware_sequences: int  # sliding layers keep their window only (before the window pool's reserve)
 
     @property
     def ratio(self) -> float:

@@ -95,21 +95,26 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         capture: Capture,
+        window: bool = False,
     ) -> None:
+        """``window``: the cache has a window group, whose tables and slots the recordings read too."""
         self.model = model
+        self.window = window
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         top = self.sizes[-1]
-        self.staging = StagingBuffer(top, self.max_blocks, device)
+        self.staging = StagingBuffer(top, self.max_blocks, device, window)
         self.input_ids, self.positions, self.slot_mapping = (self.staging.device[k] for k in _INT64_INPUTS)
         self.seq_lens, self.context_lens = (
             self.staging.device["seq_lens"],
             self.staging.device["context_lens"],
         )
         self.block_tables = self.staging.device["block_tables"]
+        self.window_block_tables = self.staging.device.get("window_block_tables")
+        self.window_slot_mapping = self.staging.device.get("window_slot_mapping")
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros((top, hidden_size), dtype=dtype, device=device)
         self._replays: dict[int, Replay] = {}
@@ -135,6 +140,8 @@ class DecodeGraphs:
             query_lens_list=[1] * size,
             seq_lens_list=[self.max_model_len] * size,
             is_decode_only=True,
+            window_block_tables=self.window_block_tables[:size] if self.window else None,
+            window_slot_mapping=self.window_slot_mapping[:size] if self.window else None,
         )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> None:
@@ -151,6 +158,7 @@ class DecodeGraphs:
             and step.block_tables.shape[1] <= self.max_blocks
             and int(step.context_lens.max()) < self.max_model_len
             and int(step.positions.max()) < self.max_model_len  # attention sinks go past what was recorded
+            and (step.window_block_tables is not None) == self.window
         )
 
     @torch.inference_mode()
@@ -170,11 +178,20 @@ class DecodeGraphs:
         host["seq_lens"][:n] = context_lens + 1
         host["context_lens"][:n] = context_lens
         host["block_tables"][:n, : tables.shape[1]] = tables
+        if self.window:
+            window = step.window_block_tables
+            host["window_slot_mapping"][:n] = (
+                window[np.arange(n), context_lens // bs].astype(np.int64) * bs + context_lens % bs
+            )
+            host["window_block_tables"][:n, : window.shape[1]] = window
         if size > n:  # padding rows: no KV write, one token of block 0
             for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1),
                                 ("context_lens", 0)):  # fmt: skip
                 host[name][n:size] = value
             host["block_tables"][n:size, 0] = 0
+            if self.window:
+                host["window_slot_mapping"][n:size] = -1
+                host["window_block_tables"][n:size, 0] = 0
         self.staging.upload(size)
         self._replays[size]()
         return self.hidden[:n]
@@ -190,6 +207,13 @@ _LAYOUT = (  # name, dtype, columns (None: one value per row); the block tables 
     ("context_lens", torch.int32, None),
     ("block_tables", torch.int32, "max_blocks"),
 )
+# A cache with a window group: the sliding layers' slots among the small inputs, their tables after the others.
+_WINDOW_LAYOUT = (
+    *_LAYOUT[:-1],
+    ("window_slot_mapping", torch.int64, None),
+    _LAYOUT[-1],
+    ("window_block_tables", torch.int32, "max_blocks"),
+)
 _ALIGN = 256  # each input starts where the CUDA allocator would put a tensor of its own
 
 
@@ -200,14 +224,15 @@ class StagingBuffer:
     copy has finished (an event), since the engine does not wait for the device between steps on every
     rank."""
 
-    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, rows: int, max_blocks: int, device: torch.device, window: bool = False) -> None:
         self.cuda = device.type == "cuda"
         offsets, end = {}, 0
-        for name, dtype, columns in _LAYOUT:
+        for name, dtype, columns in _WINDOW_LAYOUT if window else _LAYOUT:
             shape = (rows, max_blocks) if columns else (rows,)
             offsets[name] = (end, dtype, shape)
             end += -(-(int(np.prod(shape)) * dtype.itemsize) // _ALIGN) * _ALIGN
-        self.table_offset = offsets["block_tables"][0]
+        # the last table: a step copies its first rows and everything before it
+        self.table_offset = offsets["window_block_tables" if window else "block_tables"][0]
         self.row_bytes = max_blocks * torch.int32.itemsize
         self.host_bytes = torch.zeros(end, dtype=torch.uint8, pin_memory=self.cuda)
         self.device_bytes = torch.zeros(end, dtype=torch.uint8, device=device)
@@ -215,8 +240,9 @@ class StagingBuffer:
         self.host = {k: _view(self.host_bytes, *spec).numpy() for k, spec in offsets.items()}
         self.device["seq_lens"].fill_(1)  # rows never written read one token of block 0, like padding rows
         self.host["seq_lens"][:] = 1
-        self.device["slot_mapping"].fill_(-1)
-        self.host["slot_mapping"][:] = -1
+        for slots in ("slot_mapping", "window_slot_mapping") if window else ("slot_mapping",):
+            self.device[slots].fill_(-1)
+            self.host[slots][:] = -1
         self._copied = torch.cuda.Event() if self.cuda else None
 
     def writable(self) -> dict[str, np.ndarray]:

@@ -83,6 +83,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids or [])
         self.kv_caches: list[LayerKVCache] = []
         self.block_size = 0
+        self.window_layers: frozenset[int] = frozenset()  # layers whose cache is the window group's pool
         # Tensor parallelism: the other ranks (pagoda.engine.worker.tp_workers.TPWorkers), which get every
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
@@ -97,17 +98,31 @@ class ModelRunner:
         lora = self.lora.device_bytes if self.lora is not None else 0
         return lora + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        num_window_blocks: int = 0,
+        window_layers: tuple[int, ...] = (),
+    ) -> None:
+        """One cache tensor per layer of ``num_blocks`` blocks; with a window group, the ``window_layers``
+        (the sliding ones) get ``num_window_blocks`` instead. Zeroed: block 0 of a window pool is the null
+        block out-of-window table entries read under the mask, so it must hold finite values."""
         self.block_size = block_size
-        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.window_layers = frozenset(window_layers) if num_window_blocks else frozenset()
         int8 = kv_dtype == torch.int8
 
-        def layer() -> LayerKVCache:
+        def layer(blocks: int) -> LayerKVCache:
+            shape = (2, blocks, block_size, self.num_kv_heads, self.head_dim)
             kv = torch.zeros(shape, dtype=kv_dtype, device=self.device)
             scales = torch.zeros(shape[:4], dtype=SCALE_DTYPE, device=self.device) if int8 else None
             return LayerKVCache(kv, scales=scales)
 
-        self.kv_caches = [layer() for _ in range(self.num_layers)]
+        self.kv_caches = [
+            layer(num_window_blocks if i in self.window_layers else num_blocks)
+            for i in range(self.num_layers)
+        ]
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -285,12 +300,14 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.device,
             capture=capture,
+            window=bool(self.window_layers),
         )
 
     def _check_decode_graphs(self, graphs: DecodeGraphs) -> str | None:
         """One padded decode batch over random KV in free blocks (start-up: every block is free), replayed
         and run eagerly; None when every row's logits agree."""
-        num_blocks = self.kv_caches[0].kv.shape[1]
+        # the smallest pool's blocks (a window group's may be smaller)
+        num_blocks = min(cache.kv.shape[1] for cache in self.kv_caches)
         n = min(3, graphs.sizes[-1], num_blocks)
         per_seq = max(1, min(num_blocks // n, graphs.max_blocks, 4))
         blocks = torch.arange(n * per_seq, device=self.device)
@@ -313,11 +330,17 @@ class ModelRunner:
             block_tables=np.arange(n * per_seq, dtype=np.int32).reshape(n, per_seq),
             sample_idx=np.arange(n, dtype=np.int64),
         )
+        if graphs.window:  # the same blocks in the sliding layers' pool
+            step.window_block_tables = step.block_tables.copy()
         self.decode_graphs = None
         eager = self.run(step)
         self.decode_graphs = graphs
         replayed = self.run(step)
         self.decode_graphs = None
+        for layer in self.window_layers:  # the window pool's null block: zero again (finite under the mask)
+            self.kv_caches[layer].kv[:, 0] = 0
+            if self.kv_caches[layer].scales is not None:
+                self.kv_caches[layer].scales[:, 0] = 0
         cosine = torch.nn.functional.cosine_similarity(eager.float(), replayed.float(), dim=-1)
         if not bool(torch.isfinite(replayed).all()) or float(cosine.min()) < GRAPH_CHECK_MIN_COSINE:
             return f"a replayed decode disagrees with the eager forward (cosine {float(cosine.min()):.4f})"
@@ -334,14 +357,17 @@ class ModelRunner:
             run: list[KVOp] = []
             touched: set[int] = set()
             while i < len(ops) and type(ops[i]) is kind:
-                ids = _blocks_of(ops[i])
+                ids = _blocks_of(ops[i])  # (group, block id): the two groups' ids are distinct blocks
                 if touched & ids:
                     break
                 touched |= ids
                 run.append(ops[i])
                 i += 1
             if kind is CopyBlock:
-                self._copy([op.src for op in run], [op.dst for op in run])
+                for window in (False, True):
+                    group = [op for op in run if op.window == window]
+                    if group:
+                        self._copy([op.src for op in group], [op.dst for op in group], window)
             elif kind is SaveBlock:
                 data = self.gather_blocks([op.block_id for op in run])
                 saved.extend((op.block_hash, data[j]) for j, op in enumerate(run))
@@ -351,10 +377,13 @@ class ModelRunner:
                 self._scatter([op.block_id for op in run], [op.data for op in run])
         return saved
 
-    def _copy(self, src: list[int], dst: list[int]) -> None:
+    def _copy(self, src: list[int], dst: list[int], window: bool = False) -> None:
+        """Copy blocks in every layer of one group: the window group's layers, or the others."""
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for cache in self.kv_caches:
+        for layer, cache in enumerate(self.kv_caches):
+            if (layer in self.window_layers) != window:
+                continue
             cache.kv[:, d] = cache.kv[:, s]
             if cache.scales is not None:  # INT8: a block's scales go with it
                 cache.scales[:, d] = cache.scales[:, s]
@@ -536,10 +565,15 @@ class ModelRunner:
         np.cumsum(qlens, out=qsl[1:])
         cache_pos = step.context_lens[row] + np.arange(len(row)) - qsl[row]  # where each new token goes
         slots = tables[row, cache_pos // bs].astype(np.int64) * bs + cache_pos % bs
+        window_tables = step.window_block_tables
+        extra = []
+        if window_tables is not None:
+            window_slots = window_tables[row, cache_pos // bs].astype(np.int64) * bs + cache_pos % bs
+            extra = [window_tables, window_slots]
         seq_lens = step.context_lens + qlens
         qlist, slist = qlens.tolist(), seq_lens.tolist()
         # one asynchronous copy from pinned memory on CUDA (engine/worker/uploads.py), no copy on the CPU
-        input_ids, positions, qsl_d, seq_lens_d, context_lens_d, tables_d, slots_d = upload(
+        input_ids, positions, qsl_d, seq_lens_d, context_lens_d, tables_d, slots_d, *window = upload(
             [
                 step.input_ids,
                 pos,
@@ -548,6 +582,7 @@ class ModelRunner:
                 step.context_lens.astype(np.int32),
                 tables,
                 slots,
+                *extra,
             ],
             self.device,
         )
@@ -565,13 +600,18 @@ class ModelRunner:
             seq_lens_list=slist,
             is_decode_only=all(q == 1 for q in qlist),
             max_position=int(pos.max()) if len(pos) else 0,
+            window_block_tables=window[0] if window else None,
+            window_slot_mapping=window[1] if window else None,
         )
         return input_ids, positions, meta
 
 
-def _blocks_of(op: KVOp) -> set[int]:
-    if isinstance(op, CopyBlock | RotateBlock):
-        return {op.src, op.dst}
+def _blocks_of(op: KVOp) -> set[tuple[bool, int]]:
+    """The (window group?, block id) pairs an op touches."""
+    if isinstance(op, CopyBlock):
+        return {(op.window, op.src), (op.window, op.dst)}
+    if isinstance(op, RotateBlock):
+        return {(False, op.src), (False, op.dst)}
     if isinstance(op, SaveBlock | LoadBlock):
-        return {op.block_id}
+        return {(False, op.block_id)}
     raise TypeError(f"unknown KV op {op!r}")

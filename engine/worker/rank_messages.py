@@ -36,6 +36,8 @@ class Allocate:
     num_blocks: int
     block_size: int
     kv_dtype: Any  # torch.dtype
+    num_window_blocks: int = 0  # a window group: the sliding layers' pool (ModelRunner.allocate_kv_cache)
+    window_layers: tuple[int, ...] = ()
 
 
 @dataclass

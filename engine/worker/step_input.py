@@ -23,6 +23,8 @@ class StepInput:
     lora_rows: np.ndarray | None = None  # [T] int64, each token's LoRA slot (-1: base model); None: no LoRA
     # [L] int64, flat index of each token whose next-token logprobs the prompt's logprobs need
     logprob_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [S, max_blocks] int32, the sliding layers' tables (0 = the null block); None without a window group
+    window_block_tables: np.ndarray | None = None
 
 
 def prepare_step(
@@ -49,6 +51,11 @@ def prepare_step(
     tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
     for i, sched in enumerate(scheduled):
         tables[i, : len(sched.block_table)] = sched.block_table
+    window_tables = None
+    if scheduled and scheduled[0].window_block_table is not None:
+        window_tables = np.zeros_like(tables)
+        for i, sched in enumerate(scheduled):
+            window_tables[i, : len(sched.window_block_table)] = sched.window_block_table
     return StepInput(
         input_ids=np.asarray(tokens, dtype=np.int64),
         positions=np.concatenate(positions),
@@ -57,6 +64,7 @@ def prepare_step(
         block_tables=tables,
         sample_idx=np.asarray(sample_idx, dtype=np.int64),
         lora_rows=None if lora_slots is None else np.repeat(lora_slots, qlens),
+        window_block_tables=window_tables,
     )
 
 

@@ -127,7 +127,9 @@ def worker_main(
             if isinstance(msg, Profile):
                 runner.measure_kv_budget(msg)
             elif isinstance(msg, Allocate):
-                runner.allocate_kv_cache(msg.num_blocks, msg.block_size, msg.kv_dtype)
+                runner.allocate_kv_cache(
+                    msg.num_blocks, msg.block_size, msg.kv_dtype, msg.num_window_blocks, msg.window_layers
+                )
             elif isinstance(msg, CaptureGraphs):
                 runner.capture_decode_graphs(msg.max_num_seqs, msg.max_model_len, msg.capture)
             elif isinstance(msg, Step):

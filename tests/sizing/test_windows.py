@@ -1,15 +1,23 @@
 """Sliding-window capacity: what the engine's full-attention KV layout holds next to a window-aware one.
 
 The issue's target (item 2): on a Gemma-3-27B shape at 32k context the window-aware cache admits at least 4x
-the concurrent sequences of the full-attention layout of the same memory. The engine does not free
-out-of-window blocks yet (issue 35's contract item 6), so the planner sizes the full layout and only reports
-the other; these tests pin the arithmetic both use.
+the concurrent sequences of the full-attention layout of the same memory. The engine's window group
+(engine/kv_cache/manager.py) frees out-of-window blocks; the planner, the engine's start-up plan and the dry
+run split the KV budget between its two pools with one function (engine/sizing/kv_split.py); these tests pin
+that arithmetic and the numbers it gives.
 """
 
 from __future__ import annotations
 
 from pagoda.engine.sizing import Hints, gpu_info, plan, well_known_shape
-from pagoda.engine.sizing.windows import layer_tokens_held, sequence_kv_bytes, sliding_layers, window_capacity
+from pagoda.engine.sizing.kv_split import engine_sliding_layout, split_kv_blocks, window_blocks_per_sequence
+from pagoda.engine.sizing.windows import (
+    layer_tokens_held,
+    sequence_kv_bytes,
+    shape_layout,
+    sliding_layers,
+    window_capacity,
+)
 
 GEMMA_3_27B = well_known_shape("google/gemma-3-27b-it")
 CONTEXT = 32768
@@ -43,16 +51,63 @@ def test_gemma_3_27b_at_32k_on_an_h100_admits_over_4x_with_a_window_aware_cache(
     assert (cap.full_attention_sequences, cap.window_aware_sequences) == (1, 6)
 
 
-def test_the_plan_says_what_a_window_aware_cache_would_hold_and_that_it_is_not_allocated() -> None:
+def test_the_plan_admits_what_the_window_group_holds() -> None:
+    """The same H100 budget split as the engine splits it: 1,049 window blocks (12 sequences x 66 + the null
+    block + a 4,096-token chunk's 256) for the 52 sliding layers, 25,483 blocks for the 10 global ones
+    (12 x 2,048 for 32k sequences, the rest spare): 12 sequences of 32k at once against 2, 6x."""
     p = plan(GEMMA_3_27B, gpu_info("H100", 1), Hints(target_context=CONTEXT))
     (note,) = [w for w in p.warnings if "sliding window" in w]
     assert "1024-token sliding window on 52 of 62 layers" in note
-    assert (
-        "2 sequences of 32768 tokens fit at once" in note
-        and "which the engine does not yet, would hold 12" in note
+    assert "12 sequences of 32768 tokens fit at once, against 2 in a full-attention layout" in note
+    assert (p.num_window_blocks, p.window_sequences, p.max_num_batched_tokens) == (1049, 12, 4096)
+    assert 1049 == 1 + 4096 // 16 + 12 * window_blocks_per_sequence(1024, 16)
+    split = split_kv_blocks(
+        p.kv_cache_bytes, p.kv_bytes_per_token, 16, CONTEXT, p.max_num_seqs, 4096, shape_layout(GEMMA_3_27B)
     )
-    # the plan itself sizes the full layout: its KV bytes per token count every layer
-    assert p.kv_bytes_per_token == GEMMA_3_27B.kv_bytes_per_token("fp8")
+    assert (split.num_blocks, split.num_window_blocks, split.sequences) == (25483, 1049, 12)
+    assert split.num_blocks >= 12 * CONTEXT // 16 and split.allocated_bytes <= p.kv_cache_bytes
+    assert split.sequences / (p.kv_cache_bytes // (CONTEXT * p.kv_bytes_per_token)) >= 4
+    assert "12 sequences of 32768 tokens fit at once" in p.reasons["max_num_seqs"]
+    # the window group runs without offload tiers: the plan renders none
+    assert (p.kv_offload_host_bytes, p.kv_offload_disk_bytes) == (0, 0)
+    # bfloat16 KV (quality first): 5 against 1
+    q = plan(GEMMA_3_27B, gpu_info("H100", 1), Hints(target_context=CONTEXT, quality_first=True))
+    assert (q.kv_cache_dtype, q.window_sequences) == ("auto", 5)
+    assert "5 sequences of 32768 tokens fit at once, against 1 in" in q.warnings[-1]
+
+
+def test_the_split_keeps_one_pool_where_a_window_gains_nothing() -> None:
+    layout = shape_layout(GEMMA_3_27B)
+    assert layout is not None and (layout.window, len(layout.sliding), layout.num_layers) == (1024, 52, 62)
+    one = split_kv_blocks(10 << 30, 253_952, 16, 1024, 256, 2048, layout)  # context within the window
+    assert one.num_window_blocks == 0 and one.num_blocks == (10 << 30) // (253_952 * 16)
+    assert split_kv_blocks(10 << 30, 253_952, 16, CONTEXT, 256, 2048, None).num_window_blocks == 0
+    # a budget too small for one sequence in both pools keeps the full layout
+    assert split_kv_blocks(200 << 20, 253_952, 16, CONTEXT, 256, 2048, layout).num_window_blocks == 0
+    # max_num_seqs caps the window pool; the full pool takes the rest
+    capped = split_kv_blocks(20 << 30, 253_952, 16, CONTEXT, 2, 2048, layout)
+    assert capped.sequences == 2 and capped.num_window_blocks == 1 + 128 + 2 * 66
+    # every layer sliding (Mistral) or none (Qwen3): one pool
+    assert shape_layout(well_known_shape("Mistral-7B-v0.1")) is None
+    assert shape_layout(well_known_shape("Qwen3-8B")) is None
+
+
+def test_the_engine_and_the_dry_run_decide_the_window_group_alike() -> None:
+    from pagoda.engine.config import EngineConfig
+
+    windows = [1024, None, 1024]
+    layout, why = engine_sliding_layout(EngineConfig(), windows)
+    assert layout is not None and layout.sliding == (0, 2) and "2 of 3 layers" in why
+    for change, word in (
+        ({"sliding_window_cache": "off"}, "--sliding-window-cache off"),
+        ({"kv_offload_host_bytes": 1 << 30}, "offload"),
+        ({"kv_eviction": "streaming"}, "streaming"),
+        ({"preemption_mode": "swap"}, "swap"),
+    ):
+        layout, why = engine_sliding_layout(EngineConfig(**change), windows)
+        assert layout is None and word in why
+    assert engine_sliding_layout(EngineConfig(), [None, None])[0] is None
+    assert engine_sliding_layout(EngineConfig(), [512, 1024, None])[0].window == 1024  # the largest
 
 
 def test_layers_hold_their_window_plus_one_block_or_the_whole_context() -> None:
@@ -80,6 +135,33 @@ def test_a_cpu_plan_says_it_too() -> None:
     p = plan(shape, None, Hints(memory_limit_bytes=128 << 30, target_context=8192))
     (note,) = [w for w in p.warnings if "sliding window" in w]
     cap = window_capacity(shape.with_dtype("float32"), p.kv_cache_bytes, p.max_model_len, p.block_size)
-    assert f"{cap.full_attention_sequences} sequences of 8192 tokens fit at once" in note
-    assert f"would hold {cap.window_aware_sequences})" in note and "on 21 of 42 layers" in note
-    assert cap.window_aware_sequences > cap.full_attention_sequences > 0
+    assert f"sequences of 8192 tokens fit at once, against {cap.full_attention_sequences} in" in note
+    assert "on 21 of 42 layers" in note
+    assert p.window_sequences > cap.full_attention_sequences > 0 and p.num_window_blocks > 0
+
+
+def test_the_dry_run_sizes_the_window_group_as_the_engine_does() -> None:
+    """`pagoda serve --dry-run` for Gemma-3-27B at 32k on an H100 (bfloat16 weights, max_num_seqs 256, a
+    2,048-token step): 6 sequences of 32k at once against 1 with bfloat16 KV, 13 against 2 with FP8."""
+    import json
+
+    from pagoda.engine.cli.dry_run import check, shape_config
+
+    config = shape_config(GEMMA_3_27B)
+    common = ["/models/gemma-3-27b", "--model-shape", json.dumps(config), "--max-model-len", "32768"]
+    common += ["--gpu", "H100"]
+    got = {}
+    for kv in ("auto", "fp8"):
+        for mode in ("auto", "off"):
+            report = check([*common, "--kv-cache-dtype", kv, "--sliding-window-cache", mode])
+            p = report.plan
+            got[kv, mode] = (p.num_blocks, p.num_window_blocks, p.sequences_at_max_len)
+            assert ("52 of 62 layers" if mode == "auto" else "off") in report.device["window_cache"]
+            assert p.profile.kv_allocated_bytes <= p.profile.kv_cache_bytes
+    assert got == {
+        ("auto", "auto"): (14341, 525, 6),
+        ("auto", "off"): (2753, 0, 1),
+        ("fp8", "auto"): (29011, 987, 13),
+        ("fp8", "off"): (5507, 0, 2),
+    }
+    assert 525 == 1 + 2048 // 16 + 6 * window_blocks_per_sequence(1024, 16)

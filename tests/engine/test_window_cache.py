@@ -1,0 +1,191 @@
+"""The engine with a window group (Gemma 2/3's sliding layers keep only their window's blocks) gives the tokens
+of the full layout and of transformers: prompts and generations several windows long (window 6, blocks of
+8), prefix hits, preemption and resume, n > 1 forks; the sliding layers' pool holds a few blocks a sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.engine import LLM, SamplingParams
+from pagoda_testkit import tiny_gemma
+
+_BUILT: dict = {}
+
+
+def _build(name: str, tmp_path_factory):
+    if name not in _BUILT:
+        path = tmp_path_factory.mktemp(name)
+        hf, ids, _ = tiny_gemma.build(name, path)
+        _BUILT[name] = name, path, hf, ids
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=tiny_gemma.FAMILIES)
+def family(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3 alone (4 sliding and 2 global layers), for the tests past token parity."""
+    return _build("gemma3", tmp_path_factory)
+
+
+def _llm(path, mode: str, **kw) -> LLM:
+    args = dict(
+        device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
+        skip_tokenizer_init=True, block_size=8, max_num_seqs=8, sliding_window_cache=mode,
+    )  # fmt: skip
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def _run(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _watch(kv) -> dict:
+    """Check the manager's invariants after every allocation; record the window pool's peak use."""
+    seen = {"peak": 0, "calls": 0, "decode_held": 0}
+    allocate = kv.allocate_slots
+
+    def spy(seq_id, n):
+        decode = kv.get_num_tokens(seq_id) == n - 1
+        ok = allocate(seq_id, n)
+        seen["peak"] = max(seen["peak"], kv.window_pool.num_used_blocks)
+        seen["calls"] += 1
+        if ok and decode:
+            held = sum(1 for b in kv.get_window_block_table(seq_id) if b)
+            seen["decode_held"] = max(seen["decode_held"], held)
+        kv.check_invariants()
+        return ok
+
+    kv.allocate_slots = spy
+    return seen
+
+
+def test_greedy_tokens_match_transformers_and_the_full_layout(family):
+    name, path, hf, ids = family
+    prompts = [ids[0, :20].tolist(), ids[1, :9].tolist(), ids[0, :20].tolist() + [5, 6, 7]]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expect = [[tiny_gemma.hf_greedy(hf, p, 30)] for p in prompts]
+    full = _llm(path, "off")
+    try:
+        assert full.engine.core.plan.num_window_blocks == 0
+        assert _run(full, prompts, greedy) == expect
+    finally:
+        full.engine.close()
+    llm = _llm(path, "auto")
+    try:
+        core = llm.engine.core
+        sliding = [i for i in range(len(core.runner.kv_caches)) if core.model_config.layer_sliding_window(i)]
+        assert core.plan.window == 6 and core.plan.window_layers == tuple(sliding)
+        sizes = [c.kv.shape[1] for c in core.runner.kv_caches]
+        assert {sizes[i] for i in sliding} == {core.plan.num_window_blocks}
+        assert core.plan.num_blocks > 170  # the full layout's 170 blocks, now only in the full layers
+        seen = _watch(core.scheduler.kv)
+        assert _run(llm, prompts, greedy) == expect
+        # the prompts' first step: 3 + 2 + 3 window blocks and the null block; a decode (keys p - 5 .. p)
+        # reads at most 2 blocks of 8 and holds no more
+        assert seen["calls"] > 30 and seen["peak"] == 1 + 3 + 2 + 3
+        assert seen["decode_held"] == 2
+        kv = core.scheduler.kv
+        kv.check_invariants()
+        hits = kv.prefix_cache_hits
+        assert _run(llm, prompts, greedy) == expect  # again, from the prefix cache
+        assert kv.prefix_cache_hits > hits
+    finally:
+        llm.engine.close()
+
+
+def test_a_tight_cache_preempts_and_resumes_with_the_same_tokens(family):
+    _, path, hf, ids = family
+    prompts = [ids[i % 2, : 9 + 3 * i].tolist() for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expect = [[tiny_gemma.hf_greedy(hf, p, 24)] for p in prompts]
+    # room for one or two sequences of 48 tokens: the others wait or are preempted and recomputed
+    llm = _llm(path, "auto", kv_cache_memory_bytes=1 << 18, max_model_len=48)
+    try:
+        core = llm.engine.core
+        assert core.plan.num_window_blocks > 0
+        _watch(core.scheduler.kv)
+        assert _run(llm, prompts, greedy) == expect
+        assert core.scheduler.total_preemptions > 0
+    finally:
+        llm.engine.close()
+
+
+def test_forks_share_then_copy_window_blocks(gemma3):
+    _, path, _, ids = gemma3
+    prompts = [ids[0, :20].tolist(), ids[1, :13].tolist()]
+    params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=24, ignore_eos=True)
+    results = {}
+    for mode in ("off", "auto"):
+        llm = _llm(path, mode)
+        try:
+            if mode == "auto":
+                _watch(llm.engine.core.scheduler.kv)
+            results[mode] = _run(llm, prompts, params)
+        finally:
+            llm.engine.close()
+    assert results["auto"] == results["off"]
+    assert all(len({tuple(c) for c in out}) > 1 for out in results["auto"])  # the samples differ
+
+
+def test_streaming_requests_are_refused_with_a_window_group(gemma3):
+    _, path, _, ids = gemma3
+    llm = _llm(path, "auto")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, kv_eviction="streaming")
+        with pytest.raises(ValueError, match="sliding layers' KV cache keeps only their window"):
+            llm.generate([ids[0, :9].tolist()], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+
+
+def test_offload_tiers_keep_the_full_layout(gemma3):
+    _, path, _, _ = gemma3
+    llm = _llm(path, "auto", kv_offload_host_bytes=1 << 20)
+    try:
+        core = llm.engine.core
+        assert core.plan.num_window_blocks == 0 and core.scheduler.kv.window_pool is None
+        assert "offload" in core.window_cache_reason
+    finally:
+        llm.engine.close()
+
+
+def test_null_block_is_never_written(gemma3):
+    """Block 0 of the sliding layers' caches stays zero: out-of-window table entries read it under the mask,
+    which must see finite values."""
+    _, path, _, ids = gemma3
+    llm = _llm(path, "auto")
+    try:
+        core = llm.engine.core
+        llm.generate([ids[0, :20].tolist()], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        assert core.plan.window_layers
+        for i in core.plan.window_layers:
+            assert torch.count_nonzero(core.runner.kv_caches[i].kv[:, 0]) == 0
+            assert torch.count_nonzero(core.runner.kv_caches[i].kv[:, 1]) > 0
+    finally:
+        llm.engine.close()
+
+
+def test_published_block_events_claim_only_what_both_pools_hold(gemma3):
+    from pagoda.engine.kv_cache.publisher import KVEventPublisher
+
+    _, path, _, ids = gemma3
+    llm = _llm(path, "auto", kv_cache_memory_bytes=1 << 18, max_model_len=64)  # a window pool of ~15 blocks
+    try:
+        core = llm.engine.core
+        publisher = KVEventPublisher(core.scheduler)
+        prompts = [ids[0].tolist(), ids[1].tolist()]
+        llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+        kv = core.scheduler.kv
+        both = set(kv.block_pool.cached) & set(kv.window_pool.cached)
+        claimed = {bytes.fromhex(h) for h in publisher.snapshot()["tiers"].get("device", [])}
+        assert claimed == both
+        either = set(kv.block_pool.cached) | set(kv.window_pool.cached)
+        assert 0 < len(both) < len(either)  # one pool let blocks go that the other still holds
+    finally:
+        llm.engine.close()
