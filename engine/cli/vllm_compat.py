@@ -286,7 +286,6 @@ _ANSWERS: dict[str, Answer] = {
     "--cuda-graph-sizes": _ignored("CUDA graphs are recorded for Pagoda's own batch sizes", "+"),
     "--disable-chunked-mm-input": _ignored(_TEXT_ONLY, _SWITCH),
     "--scheduler-cls": _refused(_NO_PLUGINS),
-    "--disable-hybrid-kv-cache-manager": _ignored("Pagoda has one KV cache manager for all layers", _SWITCH),
     "--stream-interval": _ignored("streams send every step's tokens", only=("1",)),
     # vllm
     "--speculative-config": _refused("speculative decoding is not in Pagoda yet; leave it out"),
@@ -538,6 +537,11 @@ ALIASES: dict[str, str] = {
     "--device-memory-utilization": "--gpu-memory-utilization",  # one flag with two names in vLLM
     "--shutdown-timeout": "--shutdown-grace-seconds",  # seconds in-flight requests may finish on shutdown
 }
+# vLLM's switches that are one of a Pagoda flag's values: read as that flag and value, no warning.
+SWITCH_ALIASES: dict[str, tuple[str, str]] = {
+    # one KV layout for every layer instead of a smaller pool for the sliding layers' windows
+    "--disable-hybrid-kv-cache-manager": ("--sliding-window-cache", "off"),
+}
 
 
 @functools.cache
@@ -557,6 +561,8 @@ def table(implemented: frozenset[str]) -> dict[str, Answer]:
             out[name] = Answer(IMPLEMENTED)
         elif ALIASES.get(name) in implemented:
             out[name] = Answer(IMPLEMENTED, f"read as {ALIASES[name]}")
+        elif name in SWITCH_ALIASES and SWITCH_ALIASES[name][0] in implemented:
+            out[name] = Answer(IMPLEMENTED, f"read as {' '.join(SWITCH_ALIASES[name])}")
         else:
             out[name] = _ANSWERS[name]
     return out
@@ -613,6 +619,9 @@ def translate(
         if name in ALIASES:
             name = ALIASES[name]
             token = name + (f"={inline}" if has_value else "")
+        if name in SWITCH_ALIASES and not has_value:
+            out += SWITCH_ALIASES[name]
+            continue
         if name in FALLBACKS and choices and name in choices:
             value = inline if has_value else (argv[i] if i < len(argv) else None)
             if value is not None and value not in choices[name]:
