@@ -237,6 +237,20 @@ def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
             warnings=warnings,
         )
         return new, None, 0
+    if p.num_window_blocks:  # the planner chose the window group, which runs without tiers: keep it so
+        warnings = list(p.warnings)
+        if spec.offload.host_bytes or spec.offload.nvme_bytes:
+            warnings.append(f"spec.offload is ignored: {p.reasons['kv_offload_host_bytes']}")
+        reasons.pop("pvc_size", None)
+        new = dataclasses.replace(
+            p,
+            kv_offload_host_bytes=0,
+            kv_offload_disk_bytes=0,
+            pvc_size="",
+            reasons=reasons,
+            warnings=warnings,
+        )
+        return new, None, 0
     host = p.kv_offload_host_bytes
     limit = spec.memory_limit_bytes
     if spec.offload.host_bytes is None and p.device != "cpu" and limit is not None:

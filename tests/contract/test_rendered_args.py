@@ -378,3 +378,21 @@ def test_overrides_render_only_flags_the_engine_has(spec: dict[str, Any]) -> Non
         check(dry_run_argv(decision, args))
     except DryRunError as exc:
         assert str(exc).startswith("cannot start the engine:"), str(exc)  # a memory fit, not a parse error
+
+
+def test_a_gemma_pod_with_a_memory_limit_keeps_the_window_group() -> None:
+    """The planner chose the window group for Gemma-3-27B at its context (more sequences than offload tiers
+    would allow): the operator renders no tier from the pod's memory limit or the NVMe default, so the engine's
+    dry run of the rendered command builds the window group and admits the planned concurrency."""
+    gpu = lookup_gpu("H100")
+    body = {"model": {"source": "hf://google/gemma-3-27b-it"}, "gpu": {"product": "H100", "count": 1},
+            "resources": {"limits": {"memory": "128Gi"}}, "offload": {"nvme": {"enabled": True}}}  # fmt: skip
+    args, decision = _rendered(body, gpu, 1)
+    assert decision.plan.num_window_blocks > 0
+    assert (
+        flag(args, "--kv-offload-host-bytes") in (None, "0") and flag(args, "--kv-offload-disk-dir") is None
+    )
+    assert "window group" in decision.plan.reasons["kv_offload_host_bytes"]
+    report = check(dry_run_argv(decision, args))
+    assert report.device["window_cache"].startswith("window group:"), report.device["window_cache"]
+    assert report.plan.num_window_blocks > 0
