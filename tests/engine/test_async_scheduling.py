@@ -67,9 +67,19 @@ def run(eng: LLMEngine, params: list[SamplingParams], abort_at: int, every: int)
 
 
 @pytest.fixture(scope="module")
-def stop_token() -> int:
+def shared() -> dict[bool, LLMEngine]:
+    """A synchronous and an async engine of the default configuration, shared by the tests that leave
+    them idle (engine start-up is most of a short test)."""
+    engines = {mode: engine(mode) for mode in (False, True)}
+    yield engines
+    for eng in engines.values():
+        eng.core.close()
+
+
+@pytest.fixture(scope="module")
+def stop_token(shared) -> int:
     """A token the third prompt's greedy continuation produces at its 6th step, to stop it there."""
-    eng = engine(False)
+    eng = shared[False]
     eng.add_request("x", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     tokens: list[int] = []
     while eng.has_unfinished_requests():
@@ -98,14 +108,16 @@ def stop_token() -> int:
     ],
     ids=["arriving", "preempting", "swapping"],
 )
-def test_same_tokens_as_synchronous_steps(stop_token, kwargs, every):
+def test_same_tokens_as_synchronous_steps(shared, stop_token, kwargs, every):
     params = mixed_params(stop_token)
     outs, preemptions = {}, {}
     for mode in (False, True):
-        eng = engine(mode, **kwargs)
+        eng = engine(mode, **kwargs) if kwargs else shared[mode]
+        before = eng.scheduler.total_preemptions
         outs[mode] = run(eng, params, abort_at=5, every=every)
-        preemptions[mode] = eng.scheduler.total_preemptions
-        eng.core.close()
+        preemptions[mode] = eng.scheduler.total_preemptions - before
+        if kwargs:
+            eng.core.close()
     assert outs[True] == outs[False]
     got = outs[True]
     assert got["reasons"]["0"] == {0: "abort"} and 0 < len(got["tokens"]["0"][0]) < 12
@@ -148,6 +160,12 @@ class StepEvents:
 
         scheduler.schedule, steps.submit = planned, submitted
         steps.on_start, steps.on_end = self.start, self.end
+        self.undo = lambda: (
+            delattr(scheduler, "schedule"),
+            delattr(steps, "submit"),
+            setattr(steps, "on_start", None),
+            setattr(steps, "on_end", None),
+        )
 
     def start(self, sched) -> None:
         with self.cond:
@@ -172,32 +190,32 @@ class StepEvents:
         return out
 
 
-def test_the_next_step_is_planned_while_the_step_runs():
-    eng = engine(True)
+def test_the_next_step_is_planned_while_the_step_runs(shared):
+    eng = shared[True]
     events = StepEvents(eng, wait_s=10.0)
     for i, n in enumerate((6, 3, 8)):
         eng.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
+    events.undo()
     during = events.planned_during()
     assert len(during) == 8  # a prefill step, then one per token until the longest request ends
     assert all(during), events.events
-    eng.core.close()
 
 
-def test_steps_whose_tokens_decide_the_next_plan_after_them():
+def test_steps_whose_tokens_decide_the_next_plan_after_them(shared):
     """The step whose prompt forks into n=2 sequences is not planned past (the fork's first tokens are
     drawn in it); the decodes after it are."""
-    eng = engine(True)
+    eng = shared[True]
     events = StepEvents(eng, wait_s=0.3)
     eng.add_request("f", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, n=2, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
+    events.undo()
     assert events.planned_during() == [False, True, True]
-    eng.core.close()
 
 
-def test_a_grammar_in_the_batch_gives_the_same_tokens():
+def test_a_grammar_in_the_batch_gives_the_same_tokens(shared):
     """A sequence with a grammar needs its token before its next mask: steps that sample it are planned
     after their tokens, the others ahead; every output is the synchronous one."""
     import re
@@ -212,7 +230,7 @@ def test_a_grammar_in_the_batch_gives_the_same_tokens():
     ]
     outs = {}
     for mode in (False, True):
-        eng = engine(mode)
+        eng = shared[mode]
         for i, p in enumerate(params):
             eng.add_request(str(i), PROMPTS[i], p)
         tokens: dict[str, list[int]] = {}
@@ -221,12 +239,11 @@ def test_a_grammar_in_the_batch_gives_the_same_tokens():
                 tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
         outs[mode] = tokens
         text = eng.tokenizer.decode(tokens["0"], skip_special_tokens=True)
-        eng.core.close()
     assert outs[True] == outs[False]
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and len(outs[True]["2"]) == 10
 
 
-def serve_script(async_scheduling: bool) -> dict[str, list[int]]:
+def serve_script(eng: LLMEngine) -> dict[str, list[int]]:
     """Runs the server's loop (engine/core/loop.py) over a core: requests a and b, b aborted while a step
     runs, then c added once the core is idle (an async core may still have b's last step in flight)."""
     import time
@@ -240,7 +257,7 @@ def serve_script(async_scheduling: bool) -> dict[str, list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return EngineCoreRequest(rid, ids[rid], params, max_tokens, time.monotonic())
 
-    core = engine(async_scheduling).core
+    core = eng.core
     tokens: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
     script = [[AddRequests([request("a", 6), request("b", 40)])], [], [], [Abort(["b"])]]
@@ -266,24 +283,23 @@ def serve_script(async_scheduling: bool) -> dict[str, list[int]]:
     CoreLoop(core, emit).run(receive)
     assert finished == {"a": "length", "b": "abort", "c": "length"}
     core.scheduler.check_invariants()
-    core.close()
     return tokens
 
 
-def test_the_core_loop_serves_aborts_and_idles_with_a_step_in_flight():
-    sync, asynchronous = serve_script(False), serve_script(True)
+def test_the_core_loop_serves_aborts_and_idles_with_a_step_in_flight(shared):
+    sync, asynchronous = serve_script(shared[False]), serve_script(shared[True])
     assert asynchronous == sync
     assert [len(sync[r]) for r in "ac"] == [6, 5] and 0 < len(sync["b"]) < 40
 
 
-def test_a_grammar_row_planned_ahead_keeps_its_mask_when_rows_before_it_leave():
+def test_a_grammar_row_planned_ahead_keeps_its_mask_when_rows_before_it_leave(shared):
     """The step planned ahead holds [p's decode, g's prefill]; p ends in the step running, so g's row moves
     up before the planned step runs: its mask must move with it, or g samples unmasked."""
     import re
 
     from pagoda.engine.structured_output import GrammarSpec
 
-    eng = engine(True)
+    eng = shared[True]
     eng.add_request("p", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     first = eng.step()  # p's prefill ran; p's decode is in flight
     spec = GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}")
@@ -301,13 +317,12 @@ def test_a_grammar_row_planned_ahead_keeps_its_mask_when_rows_before_it_leave():
     text = eng.tokenizer.decode(outs["g"].outputs[0].token_ids, skip_special_tokens=True)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and outs["g"].outputs[0].finish_reason == "stop"
     assert len(outs["p"].outputs[0].token_ids) == 2
-    eng.core.close()
 
 
-def test_a_failed_step_raises_and_the_engine_serves_on():
+def test_a_failed_step_raises_and_the_engine_serves_on(shared):
     """A step whose device side raises: the error reaches the caller (the core loop then fails its
     requests), nothing stays in flight, and the next request gets the tokens the first one was getting."""
-    eng = engine(True)
+    eng = shared[True]
     runner, real = eng.core.runner, eng.core.runner.run_prepared
     calls = 0
 
@@ -322,10 +337,13 @@ def test_a_failed_step_raises_and_the_engine_serves_on():
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng.add_request("a", PROMPTS[1], params)
     got = []
-    with pytest.raises(RuntimeError, match="device fault"):
-        for _ in range(4):
-            for delta in eng.step():
-                got.extend(delta.outputs[0].token_ids)
+    try:
+        with pytest.raises(RuntimeError, match="device fault"):
+            for _ in range(4):
+                for delta in eng.step():
+                    got.extend(delta.outputs[0].token_ids)
+    finally:
+        del runner.run_prepared
     assert eng.core._in_flight is None and len(got) == 2
     eng.abort_request("a")
     eng.step()
@@ -337,4 +355,3 @@ def test_a_failed_step_raises_and_the_engine_serves_on():
         for delta in eng.step():
             again.extend(delta.outputs[0].token_ids)
     assert again[:2] == got and len(again) == 8
-    eng.core.close()
