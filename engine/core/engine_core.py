@@ -758,6 +758,7 @@ class EngineCore:
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
+            kv_pool_usage=self._pool_usage(kv.pool_usage),
             num_blocks_total=kv.num_blocks,
             num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,
             num_blocks_cached=kv.num_cached_blocks,
@@ -766,6 +767,15 @@ class EngineCore:
             waiting_lora_adapters=waiting,
             max_lora=self.config.max_loras if self.lora is not None else 0,
         )
+
+    def _pool_usage(self, usage: dict[str, float]) -> dict[str, float]:
+        """Per-pool usage for the metrics: none with one pool, no "full" when every layer slides (that pool is
+        bookkeeping, sized never to bind: engine/sizing/kv_split.py)."""
+        if "window" not in usage:
+            return {}
+        if len(self.plan.window_layers) == self.model_config.num_hidden_layers:
+            return {"window": usage["window"]}
+        return usage
 
     def kv_waste(self) -> float:
         """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""

@@ -16,7 +16,8 @@ class SchedulerStats:
 
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # blocks in use over usable blocks, 0..1
+    # blocks in use over usable blocks, 0..1 (with a window group, the fuller pool's)
+    kv_cache_usage: float = 0.0
     num_blocks_total: int = 0
     num_blocks_free: int = 0  # free and not holding a cached prefix
     num_blocks_cached: int = 0  # unreferenced but holding a reusable cached prefix
@@ -27,6 +28,9 @@ class SchedulerStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_lora: int = 0
+    # With a window group (sliding layers): each pool's usage, "full" and "window" ("full" left out when no
+    # layer keeps every block); empty with one pool.
+    kv_pool_usage: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -126,7 +126,19 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        """The fuller pool's usage, 0..1 (vllm:kv_cache_usage_perc): either pool running out blocks admission,
+        so with a window group this is the larger of the two (``pool_usage``)."""
+        return max(self.pool_usage.values())
+
+    @property
+    def pool_usage(self) -> dict[str, float]:
+        """Each pool's blocks in use over its usable blocks: ``full`` and, with a window group, ``window``
+        (whose reserved null block counts as neither used nor usable)."""
+        usage = {"full": self.num_used_blocks / self.num_blocks}
+        if self.window_pool is not None:
+            usable = self.num_window_blocks - 1
+            usage["window"] = (self.window_pool.num_used_blocks - 1) / usable
+        return usage
 
     @property
     def extra_key_bytes(self) -> bytes:

@@ -91,6 +91,14 @@ class PrometheusStatLogger:
             "vllm:gpu_cache_usage_perc",
             "GPU KV-cache usage. 1 means 100 percent usage." + DEPRECATED.format("vllm:kv_cache_usage_perc"),
         ).labels(**lb)
+        # Pagoda's per-pool usage with a window group (sliding layers): vllm:kv_cache_usage_perc is the fuller
+        # pool's, this says which pool it is (pool="full" | "window"); no series with one pool.
+        self._pool_usage = gauge(
+            "pagoda:kv_cache_usage_perc",
+            "KV-cache usage of each pool of a cache with a sliding-window group (pool=full|window). "
+            "1 means 100 percent usage.",
+            ("pool",),
+        )
         info = {k: str(v) for k, v in (cache_config or {}).items()}
         info_gauge = Gauge(
             "vllm:cache_config_info",
@@ -270,6 +278,8 @@ class PrometheusStatLogger:
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
         self.gpu_kv_usage.set(s.kv_cache_usage)
+        for pool, usage in s.kv_pool_usage.items():
+            self._pool_usage.labels(**self.labels, pool=pool).set(usage)
         self.blocks_total.set(s.num_blocks_total)
         self.blocks_free.set(s.num_blocks_free)
         self.blocks_cached.set(s.num_blocks_cached)

@@ -189,3 +189,61 @@ def test_published_block_events_claim_only_what_both_pools_hold(gemma3):
         assert 0 < len(both) < len(either)  # one pool let blocks go that the other still holds
     finally:
         llm.engine.close()
+
+
+def test_usage_metrics_report_each_pool_and_the_fuller_one(gemma3):
+    """vllm:kv_cache_usage_perc is the fuller pool's usage (either pool running out blocks admission);
+    pagoda:kv_cache_usage_perc{pool} each pool's, the window pool's reserved null block counted in neither."""
+    from pagoda.engine.core.stats import IterationStats
+    from pagoda.engine.metrics.prometheus import PrometheusStatLogger
+
+    _, path, _, ids = gemma3
+    llm = _llm(path, "auto")
+    try:
+        core = llm.engine.core
+        kv = core.scheduler.kv
+        full_blocks, window_blocks = core.plan.num_blocks, core.plan.num_window_blocks
+        assert window_blocks < full_blocks
+        seen: list = []
+        allocate = kv.allocate_slots
+
+        def spy(seq_id, n):
+            ok = allocate(seq_id, n)
+            used = (kv.block_pool.num_used_blocks, kv.window_pool.num_used_blocks)
+            seen.append((used, core.get_scheduler_stats()))
+            return ok
+
+        kv.allocate_slots = spy
+        prompts = [ids[0].tolist(), ids[1].tolist()]
+        llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+        assert len(seen) > 20
+        window_fuller = 0
+        for (full_used, window_used), stats in seen:
+            pools = {"full": full_used / full_blocks, "window": (window_used - 1) / (window_blocks - 1)}
+            assert stats.kv_pool_usage == pytest.approx(pools)
+            assert stats.kv_cache_usage == pytest.approx(max(pools.values()))
+            window_fuller += pools["window"] > pools["full"]
+        # the window pool is the smaller: a prompt's blocks fill it faster than the full one
+        assert window_fuller > 0
+        # the exporter: one series per pool beside vLLM's gauge, which follows the fuller pool
+        (_, stats) = max(seen, key=lambda s: s[1].kv_cache_usage)
+        assert stats.kv_pool_usage["window"] > stats.kv_pool_usage["full"]
+        exporter = PrometheusStatLogger("m", max_model_len=64)
+        exporter.record(stats, IterationStats())
+        labels = {"model_name": "m", "engine": "0"}
+        sample = exporter.registry.get_sample_value
+        assert stats.kv_cache_usage > 0
+        assert sample("vllm:kv_cache_usage_perc", labels) == pytest.approx(stats.kv_pool_usage["window"])
+        for pool in ("full", "window"):
+            got = sample("pagoda:kv_cache_usage_perc", {**labels, "pool": pool})
+            assert got == pytest.approx(stats.kv_pool_usage[pool])
+        assert stats.kv_cache_usage == max(stats.kv_pool_usage.values())
+    finally:
+        llm.engine.close()
+    # one pool: no per-pool series
+    llm = _llm(path, "off", kv_cache_memory_bytes=1 << 18, max_model_len=64)
+    try:
+        stats = llm.engine.core.get_scheduler_stats()
+        assert stats.kv_pool_usage == {} and stats.kv_cache_usage == 0
+    finally:
+        llm.engine.close()
