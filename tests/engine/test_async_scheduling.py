@@ -355,3 +355,29 @@ def test_a_failed_step_raises_and_the_engine_serves_on(shared):
         for delta in eng.step():
             again.extend(delta.outputs[0].token_ids)
     assert again[:2] == got and len(again) == 8
+
+
+def test_a_window_group_preempting_gives_the_tokens_of_transformers(tmp_path):
+    """Gemma 3's sliding layers keep only their window's blocks (freed as a sequence moves on, which async
+    planning does while the step runs): a tight cache that preempts still gives transformers' tokens."""
+    from pagoda.engine import LLM
+    from pagoda_testkit import tiny_gemma
+
+    hf, ids, _ = tiny_gemma.build("gemma3", tmp_path)
+    prompts = [ids[i % 2, : 9 + 3 * i].tolist() for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expect = [[tiny_gemma.hf_greedy(hf, p, 24)] for p in prompts]
+    llm = LLM(
+        str(tmp_path), device="cpu", dtype="float32", max_model_len=48, kv_cache_memory_bytes=1 << 18,
+        skip_tokenizer_init=True, block_size=8, max_num_seqs=8, sliding_window_cache="auto",
+        async_scheduling=True,
+    )  # fmt: skip
+    try:
+        core = llm.engine.core
+        assert core.plan.num_window_blocks > 0 and core._steps is not None
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == expect
+        assert core.scheduler.total_preemptions > 0
+        core.scheduler.kv.check_invariants()
+    finally:
+        llm.engine.close()
