@@ -32,7 +32,10 @@ class StepThread:
 
     def __init__(self, runner, device: torch.device) -> None:
         self.runner = runner
-        self.device = device
+        # CUDA's current device is per thread: the worker's is the engine's ("cuda" alone: the caller's current)
+        self._cuda_index = None
+        if device.type == "cuda":
+            self._cuda_index = device.index if device.index is not None else torch.cuda.current_device()
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pagoda-step", initializer=self._init_thread
         )
@@ -41,9 +44,8 @@ class StepThread:
         self.on_end = None
 
     def _init_thread(self) -> None:
-        """CUDA's current device is per thread: the worker's is the engine's."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
 
     def submit(self, sched: SchedulerOutput) -> InFlight:
         """Start ``sched``'s device side; its host side is prepared here, on the caller's thread."""

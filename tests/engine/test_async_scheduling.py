@@ -381,3 +381,31 @@ def test_a_window_group_preempting_gives_the_tokens_of_transformers(tmp_path):
         core.scheduler.kv.check_invariants()
     finally:
         llm.engine.close()
+
+
+def test_the_step_thread_uses_the_engines_cuda_device(monkeypatch):
+    """CUDA's current device is per thread: the worker selects the engine's (the caller's current one when
+    the engine's device names no index), before it runs any step."""
+    import torch
+    from pagoda.engine.core.async_steps import StepThread
+    from pagoda.engine.step import RunnerOutput, SchedulerOutput
+
+    chosen: list[tuple[int, str]] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda i: chosen.append((i, threading.current_thread().name))
+    )
+
+    class Runner:
+        def prepare(self, out):
+            return None
+
+        def run_prepared(self, out, prep):
+            return RunnerOutput(token_ids=[len(chosen)])
+
+    for device, index in ((torch.device("cuda"), 1), (torch.device("cuda", 3), 3)):
+        chosen.clear()
+        steps = StepThread(Runner(), device)
+        assert steps.submit(SchedulerOutput()).future.result().token_ids == [1]
+        steps.close()
+        assert chosen[0][0] == index and chosen[0][1].startswith("pagoda-step")
