@@ -29,12 +29,17 @@ class SlidingLayout:
 
 def sliding_layout(windows: Sequence[int | None]) -> SlidingLayout | None:
     """The window group of a model with these per-layer windows (None = full attention): None when no layer
-    slides, or when every layer does (an all-sliding model keeps the full layout: the window group needs the
-    full group's table beside it, and a cache of only window blocks is not built yet)."""
+    slides. When every layer slides (Mistral v0.1) the full group keeps its table but no layer: its blocks
+    are bookkeeping only (hashes, the prefix index, events) and take no memory (``split_kv_blocks``)."""
     sliding = tuple(i for i, w in enumerate(windows) if w)
-    if not sliding or len(sliding) == len(windows):
+    if not sliding:
         return None
     return SlidingLayout(max(w for w in windows if w), sliding, len(windows))
+
+
+def all_sliding(layout: SlidingLayout | None) -> bool:
+    """Whether every layer of the model slides: the full group then holds no KV at all."""
+    return layout is not None and len(layout.sliding) == layout.num_layers
 
 
 WINDOW_CACHE_MODES = ("auto", "off")  # --sliding-window-cache
@@ -72,6 +77,21 @@ def window_blocks_per_sequence(window: int, block_size: int) -> int:
     return _ceil_div(window - 1, block_size) + 2
 
 
+def bookkeeping_blocks(
+    num_window: int, window: int, block_size: int, max_model_len: int, max_num_seqs: int
+) -> int:
+    """The full group's pool when every layer slides: its blocks hold no KV (hashes, the prefix index and
+    events only), so it is sized never to bind. A sequence holds at most a table of ``max_model_len``
+    tokens there; one that has passed the window holds at least ``(window - 1) // block_size + 1`` window
+    blocks and a shorter one as many window blocks as full ones, so the window pool's blocks bound the
+    full blocks in use as well as ``max_num_seqs`` does. The smaller bound, plus one sequence's table."""
+    per_seq = _ceil_div(max_model_len, block_size)
+    least_window = (window - 1) // block_size + 1
+    by_seqs = min(max_num_seqs, num_window - 1) * (per_seq + 1)
+    by_window = (num_window - 1) * _ceil_div(per_seq + 1, least_window)
+    return min(by_seqs, by_window) + per_seq + 1
+
+
 @dataclass(frozen=True)
 class KVSplit:
     """The KV blocks of each pool: ``num_blocks`` for the full-attention layers (every layer without a window
@@ -101,7 +121,9 @@ def split_kv_blocks(
     """Split a KV budget between the pools: the window pool gets, for c sequences, their window blocks (plus
     the null block and one step's chunk), the full pool the rest, c being the most sequences of
     ``max_model_len`` tokens the budget holds that way, at most ``max_num_seqs``. Without a layout (or with
-    ``max_model_len`` within the window, where freeing gains nothing) one pool of every layer."""
+    ``max_model_len`` within the window, where freeing gains nothing) one pool of every layer. When every
+    layer slides, the full group's blocks cost nothing: the window pool takes the whole budget and the full
+    one is bookkeeping, sized never to bind (``bookkeeping_blocks``)."""
     block_bytes = kv_bytes_per_token * block_size
     per_seq = _ceil_div(max_model_len, block_size)
     if layout is None or max_model_len <= layout.window:
@@ -118,6 +140,15 @@ def split_kv_blocks(
     if seqs < 1:
         blocks = int(max(kv_memory_bytes // block_bytes, 1))
         return KVSplit(blocks, 0, blocks // per_seq, block_bytes, 0)
+    if full_bytes == 0:  # every layer slides: the window pool is the cache
+        num_window = int(kv_memory_bytes // win_bytes)
+        return KVSplit(
+            bookkeeping_blocks(num_window, layout.window, block_size, max_model_len, max_num_seqs),
+            num_window,
+            seqs,
+            0,
+            win_bytes,
+        )
     num_window = fixed + seqs * per_seq_win
     num_full = int((kv_memory_bytes - num_window * win_bytes) // full_bytes)
     return KVSplit(num_full, num_window, seqs, full_bytes, win_bytes)

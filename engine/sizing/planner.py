@@ -460,6 +460,11 @@ def _window_split(
 
 
 def _window_reason(split: KVSplit, max_len: int) -> str:
+    if split.block_bytes == 0:  # every layer slides: the window pool is the whole cache
+        return (
+            f"; every layer keeps only its window (the engine's window group: {split.num_window_blocks} "
+            f"blocks), so {split.sequences} sequences of {max_len} tokens fit at once"
+        )
     return (
         f"; the sliding layers keep only their window (the engine's window group: {split.num_window_blocks} "
         f"blocks of theirs, {split.num_blocks} of the other layers), so {split.sequences} sequences of "

@@ -247,3 +247,69 @@ def test_usage_metrics_report_each_pool_and_the_fuller_one(gemma3):
         assert stats.kv_pool_usage == {} and stats.kv_cache_usage == 0
     finally:
         llm.engine.close()
+
+
+def _tiny_mistral(path) -> tuple:
+    """A tiny random-weight Mistral whose every layer slides (window 6): (hf model, prompt ids [2, 29])."""
+    import transformers
+
+    cfg = transformers.MistralConfig(
+        vocab_size=tiny_gemma.VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-5, sliding_window=6, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.copy_((0.05 if "embed" in name else 0.15) * torch.randn(p.shape, generator=g))
+    hf.save_pretrained(path, safe_serialization=True)
+    ids = torch.randint(3, tiny_gemma.VOCAB, (2, tiny_gemma.SEQ), generator=torch.Generator().manual_seed(5))
+    return hf, ids
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistral")
+    return (path, *_tiny_mistral(path))
+
+
+def test_an_all_sliding_model_keeps_only_window_blocks(mistral):
+    """Every layer slides: every layer's cache is the window pool's, the full group's blocks are bookkeeping
+    (no tensor), and the tokens are transformers' and the full layout's, again from the prefix cache."""
+    path, hf, ids = mistral
+    prompts = [ids[0, :20].tolist(), ids[1, :9].tolist(), ids[0, :20].tolist() + [5, 6, 7]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # up to 43 tokens: 7 windows
+    expect = [[tiny_gemma.hf_greedy(hf, p, 20)] for p in prompts]
+    assert all(len(set(e[0])) > 5 for e in expect)  # not one token repeated
+    full = _llm(path, "off")
+    try:
+        assert full.engine.core.plan.num_window_blocks == 0
+        assert _run(full, prompts, greedy) == expect
+        full_layout_blocks = full.engine.core.plan.num_blocks
+    finally:
+        full.engine.close()
+    llm = _llm(path, "auto")
+    try:
+        core = llm.engine.core
+        assert core.plan.window == 6 and core.plan.window_layers == (0, 1, 2)
+        # the whole budget is the window pool's: as many blocks as the full layout had
+        assert core.plan.num_window_blocks == full_layout_blocks
+        assert {c.kv.shape[1] for c in core.runner.kv_caches} == {full_layout_blocks}
+        assert core.plan.profile.kv_allocated_bytes == core.runner.kv_cache_bytes
+        # the full group's pool: tables of 128 tokens for every sequence, no memory
+        assert core.plan.num_blocks >= 8 * (128 // 8)
+        seen = _watch(core.scheduler.kv)
+        assert _run(llm, prompts, greedy) == expect
+        # the prompts' first step: 3 + 2 + 3 window blocks and the null block; then 2 a decoding sequence
+        assert seen["peak"] == 1 + 3 + 2 + 3 and seen["decode_held"] == 2
+        kv = core.scheduler.kv
+        hits = kv.prefix_cache_hits
+        assert _run(llm, prompts, greedy) == expect  # again, from the prefix cache
+        assert kv.prefix_cache_hits > hits
+        stats = core.get_scheduler_stats()
+        assert set(stats.kv_pool_usage) == {"window"}  # the full pool holds no KV: not reported
+    finally:
+        llm.engine.close()

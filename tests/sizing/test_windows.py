@@ -87,9 +87,65 @@ def test_the_split_keeps_one_pool_where_a_window_gains_nothing() -> None:
     # max_num_seqs caps the window pool; the full pool takes the rest
     capped = split_kv_blocks(20 << 30, 253_952, 16, CONTEXT, 2, 2048, layout)
     assert capped.sequences == 2 and capped.num_window_blocks == 1 + 128 + 2 * 66
-    # every layer sliding (Mistral) or none (Qwen3): one pool
-    assert shape_layout(well_known_shape("Mistral-7B-v0.1")) is None
+    # no layer sliding (Qwen3): one pool
     assert shape_layout(well_known_shape("Qwen3-8B")) is None
+
+
+MISTRAL_7B = well_known_shape("Mistral-7B-v0.1")
+
+
+def test_an_all_sliding_model_gets_the_window_group_with_a_bookkeeping_full_pool() -> None:
+    """Mistral-7B-v0.1 (a 4,096-token window on all 32 layers): the window pool takes the whole budget and
+    the full group's pool, which holds no KV, is sized never to bind."""
+    layout = shape_layout(MISTRAL_7B)
+    assert layout is not None and (layout.window, len(layout.sliding), layout.num_layers) == (4096, 32, 32)
+    per_token = MISTRAL_7B.kv_bytes_per_token("auto")  # 131,072 B: 32 layers x 8 KV heads x 128 x 2 x 2
+    split = split_kv_blocks(10 << 30, per_token, 16, CONTEXT, 256, 2048, layout)
+    assert (split.block_bytes, split.window_block_bytes) == (0, per_token * 16)
+    assert split.num_window_blocks == (10 << 30) // (per_token * 16) == 5120
+    assert split.allocated_bytes == 5120 * per_token * 16
+    # sequences of 32k at once: (5,120 - the null block - a 2,048-token chunk) // 258 window blocks each
+    assert split.sequences == (5120 - 1 - 128) // window_blocks_per_sequence(4096, 16) == 19
+    # every sequence holding >= 256 window blocks once past the window: 5,119 // 256 x 2,049 full blocks at most
+    assert split.num_blocks >= (5119 // 256) * 2049 and split.num_blocks == 5119 * 9 + 2049
+    # the dry run of one model a full layout would give: 10 GiB / 2 MiB = 5,120 blocks, 2 sequences of 32k
+    assert 5120 // (CONTEXT // 16) == 2
+
+
+def test_mistral_7b_at_32k_plans_and_dry_runs_with_the_window_group() -> None:
+    """One H100 (bfloat16 weights) at 32k: the plan admits 222 sequences with FP8 KV against 28 in a full
+    layout, 109 against 14 in bfloat16; the dry run (max_num_seqs 256) 114 against 14 and 228 against 28; on
+    an L4 the plan admits 20 against 2 (FP8)."""
+    import json
+
+    from pagoda.engine.cli.dry_run import check, shape_config
+
+    p = plan(MISTRAL_7B, gpu_info("H100", 1), Hints(target_context=CONTEXT))
+    assert (p.kv_cache_dtype, p.max_model_len, p.window_sequences) == ("fp8", CONTEXT, 222)
+    assert "222 sequences of 32768 tokens fit at once, against 28 in a full-attention layout" in " ".join(
+        p.warnings
+    )
+    assert "every layer keeps only its window" in p.reasons["max_num_seqs"]
+    q = plan(MISTRAL_7B, gpu_info("H100", 1), Hints(target_context=CONTEXT, quality_first=True))
+    assert (q.kv_cache_dtype, q.window_sequences) == ("auto", 109)
+    assert plan(MISTRAL_7B, gpu_info("L4", 1), Hints(target_context=CONTEXT)).window_sequences == 20
+    common = ["/models/mistral", "--model-shape", json.dumps(shape_config(MISTRAL_7B)), "--max-model-len"]
+    got = {}
+    for kv in ("auto", "fp8"):
+        for mode in ("auto", "off"):
+            report = check(
+                [*common, "32768", "--gpu", "H100", "--kv-cache-dtype", kv, "--sliding-window-cache", mode]
+            )
+            d = report.plan
+            got[kv, mode] = (d.num_window_blocks, d.sequences_at_max_len)
+            assert d.profile.kv_allocated_bytes <= d.profile.kv_cache_bytes
+            assert ("32 of 32 layers" if mode == "auto" else "off") in report.device["window_cache"]
+    assert got == {
+        ("auto", "auto"): (29589, 114),
+        ("auto", "off"): (0, 14),
+        ("fp8", "auto"): (59178, 228),
+        ("fp8", "off"): (0, 28),
+    }
 
 
 def test_the_engine_and_the_dry_run_decide_the_window_group_alike() -> None:
