@@ -10,11 +10,13 @@ One step is in flight at a time: the next one is submitted once the last one's t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from pagoda.engine.step import RunnerOutput, SchedulerOutput
+from pagoda.engine.worker.model_runner import ModelRunner, PreparedStep
 
 
 @dataclass
@@ -30,7 +32,7 @@ class InFlight:
 class StepThread:
     """One worker thread that runs steps' device sides, in submission order."""
 
-    def __init__(self, runner, device: torch.device) -> None:
+    def __init__(self, runner: ModelRunner, device: torch.device) -> None:
         self.runner = runner
         # CUDA's current device is per thread: the worker's is the engine's ("cuda" alone: the caller's current)
         self._cuda_index = None
@@ -40,8 +42,8 @@ class StepThread:
             max_workers=1, thread_name_prefix="pagoda-step", initializer=self._init_thread
         )
         # Hooks for tests: called on the worker thread around each step's device side.
-        self.on_start = None
-        self.on_end = None
+        self.on_start: Callable[[SchedulerOutput], None] | None = None
+        self.on_end: Callable[[SchedulerOutput], None] | None = None
 
     def _init_thread(self) -> None:
         if self._cuda_index is not None:
@@ -53,7 +55,7 @@ class StepThread:
         threads = torch.get_num_threads()  # OpenMP's team size is per thread: the caller's choice holds
         return InFlight(sched, self._pool.submit(self._run, sched, prep, threads))
 
-    def _run(self, sched: SchedulerOutput, prep, threads: int) -> RunnerOutput:
+    def _run(self, sched: SchedulerOutput, prep: PreparedStep, threads: int) -> RunnerOutput:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         if self.on_start is not None:
