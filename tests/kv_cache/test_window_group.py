@@ -209,3 +209,34 @@ def test_without_a_window_nothing_changes():
     assert kv.get_window_block_table("a") is None and kv.num_free_window_blocks == 0
     kv.get_computed_tokens("a", [])
     assert kv.allocate_slots("a", 32) and not kv.can_allocate("b", 1)
+
+
+def test_an_all_sliding_models_bookkeeping_pool_never_binds():
+    """Every layer slides: the full group's pool, sized by kv_split.bookkeeping_blocks, holds every table of
+    as many sequences of max_model_len tokens as the window pool admits; the window pool is what binds."""
+    from pagoda.engine.sizing.kv_split import bookkeeping_blocks
+
+    max_len, window_blocks = 64, 16  # 16 blocks a sequence in the full group, 3 window blocks a decoder
+    num_blocks = bookkeeping_blocks(window_blocks, W, BS, max_len, max_num_seqs=256)
+    # (16 - 1) window blocks, a sequence past the window holding at least (8 - 1) // 4 + 1 = 2 of them:
+    # at most 7 such, each with 17 table blocks at most -> 15 x ceil(17 / 2) + 17
+    assert num_blocks == 15 * 9 + 17
+    kv = manager(num_blocks, window_blocks)
+    seqs = []
+    for i in range(20):  # decoding sequences of 64 tokens until the window pool refuses
+        seq, tokens = f"s{i}", [1000 * i + t for t in range(max_len)]
+        kv.get_computed_tokens(seq, tokens)
+        if not kv.can_allocate(seq, 1):
+            break
+        done = 0
+        while done < max_len and kv.allocate_slots(seq, done + 1):
+            done += 1
+            kv.cache_blocks(seq, tokens, done)
+        seqs.append((seq, done))
+        if done < max_len:
+            break
+    # 7 sequences of 64 tokens (2 window blocks each), the 8th's first block takes the window pool's last
+    assert [done for _, done in seqs] == [max_len] * 7 + [4]
+    assert kv.num_free_window_blocks == 0  # the window pool ran out ...
+    assert kv.num_free_blocks == num_blocks - 7 * 16 - 1 == 39  # ... with the full group's to spare
+    kv.check_invariants()
