@@ -313,3 +313,29 @@ def test_an_all_sliding_model_keeps_only_window_blocks(mistral):
         assert set(stats.kv_pool_usage) == {"window"}  # the full pool holds no KV: not reported
     finally:
         llm.engine.close()
+
+
+def test_an_all_sliding_model_preempts_and_forks_like_the_full_layout(mistral):
+    """A window pool of 12 blocks: sequences wait, are preempted and recomputed; n = 2 seeded samples copy
+    shared window blocks; every token equals the full layout's."""
+    path, _, ids = mistral
+    prompts = [ids[i % 2, : 9 + 3 * i].tolist() for i in range(4)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=16, ignore_eos=True),
+    ]
+    results = {}
+    for mode in ("off", "auto"):
+        llm = _llm(path, mode, kv_cache_memory_bytes=12 * 6144, max_model_len=48)  # 12 blocks of 8
+        try:
+            core = llm.engine.core
+            if mode == "auto":
+                assert core.plan.num_window_blocks == 12 and core.plan.num_blocks >= 48 // 8
+                _watch(core.scheduler.kv)
+            results[mode] = [_run(llm, prompts, p) for p in params]
+            results[mode, "preempted"] = core.scheduler.total_preemptions
+        finally:
+            llm.engine.close()
+    assert results["auto"] == results["off"]
+    assert results["auto", "preempted"] > 0
+    assert all(len({tuple(c) for c in out}) > 1 for out in results["auto"][1])  # the samples differ
