@@ -409,3 +409,14 @@ def test_the_step_thread_uses_the_engines_cuda_device(monkeypatch):
         assert steps.submit(SchedulerOutput()).future.result().token_ids == [1]
         steps.close()
         assert chosen[0][0] == index and chosen[0][1].startswith("pagoda-step")
+
+
+def test_a_lora_engine_steps_synchronously(caplog):
+    """Adapter slots are loaded by the step's host side and released by the core: not from two threads."""
+    with caplog.at_level("WARNING", logger="pagoda.engine"):
+        eng = engine(True, enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        assert eng.core._steps is None
+        assert "--async-scheduling is not supported with LoRA" in caplog.text
+    finally:
+        eng.core.close()
