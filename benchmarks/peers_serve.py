@@ -275,17 +275,19 @@ def _plot(runs: list[dict], levels: list[int], dtypes: list[str], name: str) -> 
 
     fig, (tps_ax, tpot_ax) = plt.subplots(1, 2, figsize=(10, 4))
     styles = {"float32": "-", "bfloat16": "--"}
-    for name in dict.fromkeys(r["server"] for r in runs):
-        color = "#c0392b" if name.startswith("pagoda") else "#7f8c8d"
+    for server in dict.fromkeys(r["server"] for r in runs):  # not `name`: that is the file's
+        color = "#c0392b" if server.startswith("pagoda") else "#7f8c8d"
         for dtype in dtypes:
             mine = sorted(
-                (r for r in runs if r["server"] == name and r["dtype"] == dtype),
+                (r for r in runs if r["server"] == server and r["dtype"] == dtype),
                 key=lambda r: r["concurrency"],
             )
             if not mine:
                 continue
             xs = [r["concurrency"] for r in mine]
-            style = dict(color=color, linestyle=styles.get(dtype, ":"), marker="o", label=f"{name}, {dtype}")
+            style = dict(
+                color=color, linestyle=styles.get(dtype, ":"), marker="o", label=f"{server}, {dtype}"
+            )
             tps_ax.plot(xs, [r["output_tokens_per_s"] for r in mine], **style)
             tpot_ax.plot(xs, [r["tpot_mean_s"] * 1000 for r in mine], **style)
     for ax, label in ((tps_ax, "output tokens / s"), (tpot_ax, "time per output token, ms")):
