@@ -115,7 +115,7 @@ def test_an_all_sliding_model_gets_the_window_group_with_a_bookkeeping_full_pool
 def test_mistral_7b_at_32k_plans_and_dry_runs_with_the_window_group() -> None:
     """One H100 (bfloat16 weights) at 32k: the plan admits 222 sequences with FP8 KV against 28 in a full
     layout, 109 against 14 in bfloat16; the dry run (max_num_seqs 256) 114 against 14 and 228 against 28; on
-    an L4 the plan admits 20 against 2 (FP8)."""
+    an L4 the plan admits 20 against 2 (FP8), the dry run 11 against 1 and 23 against 3."""
     import json
 
     from pagoda.engine.cli.dry_run import check, shape_config
@@ -146,6 +146,12 @@ def test_mistral_7b_at_32k_plans_and_dry_runs_with_the_window_group() -> None:
         ("fp8", "auto"): (59178, 228),
         ("fp8", "off"): (0, 28),
     }
+    on_l4 = {}
+    for kv in ("auto", "fp8"):
+        for mode in ("auto", "off"):
+            args = [*common, "32768", "--gpu", "L4", "--kv-cache-dtype", kv, "--sliding-window-cache", mode]
+            on_l4[kv, mode] = check(args).plan.sequences_at_max_len
+    assert on_l4 == {("auto", "auto"): 11, ("auto", "off"): 1, ("fp8", "auto"): 23, ("fp8", "off"): 3}
 
 
 def test_the_engine_and_the_dry_run_decide_the_window_group_alike() -> None:
