@@ -423,9 +423,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     if shape.sliding_window and max_len > shape.sliding_window:
         warnings.append(sliding_window_note(shape, kv_bytes, max_len, block_size, kv_dtype, tp, split))
 
-    seq_capacity, seq_blocks = (
-        (capacity, blocks) if split is None else (split.num_blocks * block_size, split.num_blocks)
-    )
+    seq_capacity, seq_blocks = _sequence_pool(capacity, blocks, split, block_size)
     max_seqs, seq_reason = _max_num_seqs(seq_capacity, tokens, conc, h, seq_blocks)
     reasons["max_num_seqs"] = seq_reason + (_window_reason(split, max_len) if split else "")
     reasons["max_num_batched_tokens"] = (
@@ -457,6 +455,17 @@ def _window_split(
         kv_bytes, block_bytes // block_size, block_size, max_len, MAX_NUM_SEQS, tokens, layout
     )
     return split if split.num_window_blocks else None
+
+
+def _sequence_pool(capacity: int, blocks: int, split: KVSplit | None, block_size: int) -> tuple[int, int]:
+    """(tokens, blocks) of the pool that bounds how many sequences run: the one pool, the full-attention
+    layers' with a window group, or the window pool when every layer slides (the full group's blocks are
+    bookkeeping, kv_split.bookkeeping_blocks)."""
+    if split is None:
+        return capacity, blocks
+    if split.block_bytes == 0:
+        return split.num_window_blocks * block_size, split.num_window_blocks
+    return split.num_blocks * block_size, split.num_blocks
 
 
 def _window_reason(split: KVSplit, max_len: int) -> str:
@@ -588,9 +597,7 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     split = _window_split(cpu_shape, kv_bytes, block_bytes, block_size, max_len, tokens)
     if cpu_shape.sliding_window and max_len > cpu_shape.sliding_window:
         warnings.append(sliding_window_note(cpu_shape, kv_bytes, max_len, block_size, kv_dtype, 1, split))
-    seq_capacity, seq_blocks = (
-        (capacity, blocks) if split is None else (split.num_blocks * block_size, split.num_blocks)
-    )
+    seq_capacity, seq_blocks = _sequence_pool(capacity, blocks, split, block_size)
     max_seqs, reasons["max_num_seqs"] = _max_num_seqs(seq_capacity, tokens, conc, h, seq_blocks)
     if split is not None:
         reasons["max_num_seqs"] += _window_reason(split, max_len)

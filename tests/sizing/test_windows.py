@@ -129,6 +129,14 @@ def test_mistral_7b_at_32k_plans_and_dry_runs_with_the_window_group() -> None:
     q = plan(MISTRAL_7B, gpu_info("H100", 1), Hints(target_context=CONTEXT, quality_first=True))
     assert (q.kv_cache_dtype, q.window_sequences) == ("auto", 109)
     assert plan(MISTRAL_7B, gpu_info("L4", 1), Hints(target_context=CONTEXT)).window_sequences == 20
+    # requests of 1,200 tokens: max_num_seqs from the window pool (5,599 blocks of 16), not the full group's
+    # bookkeeping blocks
+    hinted = plan(
+        MISTRAL_7B,
+        gpu_info("L4", 1),
+        Hints(target_context=CONTEXT, p50_prompt_tokens=1000, p50_output_tokens=200),
+    )
+    assert hinted.max_num_seqs == 5599 * 16 // 1200 == 74
     common = ["/models/mistral", "--model-shape", json.dumps(shape_config(MISTRAL_7B)), "--max-model-len"]
     got = {}
     for kv in ("auto", "fp8"):
