@@ -47,6 +47,8 @@ VLLM_VERSION = "0.32.0"
 # need them.
 VLLM_MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 WORKLOAD_SEED = 120_012
+# The issues' goals for Pagoda / vLLM (floor 1.0x for each): SmolLM2 issue 12's, Gemma 3 270M issue 35's.
+GOALS = {"gemma-3-270m": 1.3}
 BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -262,7 +264,8 @@ def report(args: argparse.Namespace, results: list[dict], skipped: list[str], me
     pagoda, pagoda_bf16 = finished("pagoda"), finished("pagoda-bf16")
     ratio = pagoda["tokens_per_s"] / base["tokens_per_s"] if pagoda and base else None
     if ratio is not None:
-        print(f"\nPagoda / vLLM both cores, {args.dtype}: {ratio:.2f}x (floor 1.0x, goal 1.5x)")
+        goal = GOALS.get(args.model or "", 1.5)
+        print(f"\nPagoda / vLLM both cores, {args.dtype}: {ratio:.2f}x (floor 1.0x, goal {goal}x)")
     ratio_bf16 = (
         pagoda_bf16["tokens_per_s"] / base_bf16["tokens_per_s"] if pagoda_bf16 and base_bf16 else None
     )
