@@ -448,7 +448,8 @@ _ANSWERS: dict[str, Answer] = {
         "chunk sizes follow --max-num-batched-tokens", _SWITCH
     ),
     "--scheduler-reserve-full-isl": _ignored(
-        "a request is admitted when its first chunk fits; a later shortage preempts the newest", _SWITCH
+        "a request is admitted when its first chunk fits; a later shortage preempts the lowest-ranked running request",
+        _SWITCH,
     ),
     "--watermark": _ignored("Pagoda keeps no free-block watermark", only=("0", "0.0")),
     "--prefill-schedule-interval": _ignored("prefills are scheduled at every step", only=("1",)),
