@@ -31,6 +31,7 @@ from pagoda.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from pagoda.engine.kv_cache.block_pool import BlockPool
 from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
@@ -759,23 +760,38 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
             kv_pool_usage=self._pool_usage(kv.pool_usage),
-            num_blocks_total=kv.num_blocks,
-            num_blocks_free=kv.num_free_blocks - kv.num_cached_blocks,
-            num_blocks_cached=kv.num_cached_blocks,
+            # an all-sliding model's blocks are the window pool's (its full group's are bookkeeping)
+            **(
+                self._block_counts(kv.window_pool, 1)
+                if self._all_sliding
+                else self._block_counts(kv.block_pool)
+            ),
             offload=offload.snapshot() if offload is not None else {},
             running_lora_adapters=running,
             waiting_lora_adapters=waiting,
             max_lora=self.config.max_loras if self.lora is not None else 0,
         )
 
+    @property
+    def _all_sliding(self) -> bool:
+        """Every layer's cache is the window pool's (engine/sizing/kv_split.py: the full group holds no KV)."""
+        return len(self.plan.window_layers) == self.model_config.num_hidden_layers
+
     def _pool_usage(self, usage: dict[str, float]) -> dict[str, float]:
         """Per-pool usage for the metrics: none with one pool, no "full" when every layer slides (that pool is
-        bookkeeping, sized never to bind: engine/sizing/kv_split.py)."""
+        bookkeeping, sized never to bind)."""
         if "window" not in usage:
             return {}
-        if len(self.plan.window_layers) == self.model_config.num_hidden_layers:
-            return {"window": usage["window"]}
-        return usage
+        return {"window": usage["window"]} if self._all_sliding else usage
+
+    @staticmethod
+    def _block_counts(pool: BlockPool, reserved: int = 0) -> dict[str, int]:
+        """The block gauges of one pool (``reserved``: a window pool's null block, neither usable nor free)."""
+        return dict(
+            num_blocks_total=pool.num_blocks - reserved,
+            num_blocks_free=pool.num_free_blocks - pool.num_cached_blocks,
+            num_blocks_cached=pool.num_cached_blocks,
+        )
 
     def kv_waste(self) -> float:
         """Allocated-but-unfilled KV slots over allocated slots, across running sequences."""

@@ -238,6 +238,7 @@ def test_usage_metrics_report_each_pool_and_the_fuller_one(gemma3):
             got = sample("pagoda:kv_cache_usage_perc", {**labels, "pool": pool})
             assert got == pytest.approx(stats.kv_pool_usage[pool])
         assert stats.kv_cache_usage == max(stats.kv_pool_usage.values())
+        assert stats.num_blocks_total == full_blocks  # the block gauges stay the full-attention pool's
     finally:
         llm.engine.close()
     # one pool: no per-pool series
@@ -311,6 +312,10 @@ def test_an_all_sliding_model_keeps_only_window_blocks(mistral):
         assert kv.prefix_cache_hits > hits
         stats = core.get_scheduler_stats()
         assert set(stats.kv_pool_usage) == {"window"}  # the full pool holds no KV: not reported
+        # the block gauges count the window pool, its null block left out
+        assert stats.num_blocks_total == full_layout_blocks - 1
+        assert stats.num_blocks_free + stats.num_blocks_cached == full_layout_blocks - 1  # all idle
+        assert stats.num_blocks_cached > 0
     finally:
         llm.engine.close()
 
