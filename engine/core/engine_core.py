@@ -245,7 +245,7 @@ class EngineCore:
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, max concurrency %.1fx at full length",
             self.num_blocks, block_size, kv_memory / 2**20, kv_dtype, self.max_model_len,
-            self.num_blocks * block_size / self.max_model_len,
+            self.plan.sequences_at_max_len if self._all_sliding else self.num_blocks * block_size / self.max_model_len,
         )  # fmt: skip
         if window_blocks:
             log.info(
