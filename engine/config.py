@@ -158,9 +158,9 @@ class EngineConfig:
     )
     sliding_window_cache: str = _opt(
         "auto",
-        "auto: a model with sliding-window layers beside full-attention ones (Gemma 2/3) keeps, for its "
-        "sliding layers, only the blocks still in their window (a second KV pool, sized for the window: more "
-        "sequences fit), unless KV offload tiers, swap preemption or --kv-eviction streaming are asked for; "
+        "auto: a model with sliding-window layers (Gemma 2/3 beside full-attention ones, Mistral v0.1 on every "
+        "layer) keeps, for its sliding layers, only the blocks still in their window (a KV pool sized for the "
+        "window: more sequences fit), unless KV offload tiers, swap preemption or --kv-eviction streaming are asked for; "
         "off: every layer keeps every block",
         choices=WINDOW_CACHE_MODES,
     )
