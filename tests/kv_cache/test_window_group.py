@@ -240,3 +240,17 @@ def test_an_all_sliding_models_bookkeeping_pool_never_binds():
     assert kv.num_free_window_blocks == 0  # the window pool ran out ...
     assert kv.num_free_blocks == num_blocks - 7 * 16 - 1 == 39  # ... with the full group's to spare
     kv.check_invariants()
+
+
+def test_usage_is_the_fuller_pools():
+    """vllm:kv_cache_usage_perc's number: the larger of the pools' usage; the null block counts in neither."""
+    kv = manager(num_blocks=12, num_window_blocks=9)  # 8 usable window blocks
+    assert kv.pool_usage == {"full": 0.0, "window": 0.0} and kv.usage == 0.0
+    tokens = list(range(40))
+    kv.get_computed_tokens("a", tokens)
+    run(kv, "a", tokens[:12], 0, 12)  # one chunk of 12: its 3 blocks in both pools
+    assert kv.pool_usage == {"full": 3 / 12, "window": 3 / 8} and kv.usage == 3 / 8
+    run(kv, "a", tokens, 12, 1)  # decode to 40 tokens: 10 full blocks, the window's 2
+    assert kv.pool_usage == {"full": 10 / 12, "window": 2 / 8} and kv.usage == 10 / 12
+    kv.free("a")
+    assert kv.usage == 0.0
