@@ -9,15 +9,9 @@ import pytest
 from pagoda.engine import SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.frontend.llm_engine import LLMEngine
+from pagoda_testkit.prompts import MIXED_PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "def quicksort(xs):\n    ",
-    "The capital of France is Paris, and the capital of Germany is",
-    "List three fruits:",
-    "Once upon a time, in a small village by the sea, there lived a young girl named",
-]
+PROMPTS = MIXED_PROMPTS
 BYTES_PER_BLOCK16 = 46080 * 16  # SmolLM2-135M in fp32
 
 
