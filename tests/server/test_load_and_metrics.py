@@ -177,8 +177,16 @@ def test_real_prometheus_scrapes_the_server(server, tmp_path) -> None:
             f"{rate.format('vllm:e2e_request_latency_seconds_sum')} / "
             f"{rate.format('vllm:e2e_request_latency_seconds_count')}"
         )
-        running = wait_value('vllm:num_requests_running{job="pagoda",engine="0"}')
-        waiting = wait_value('vllm:num_requests_waiting{job="pagoda",engine="0"}')
+        # The gauges as scraped after the server went idle: a scrape taken during the traffic can stay the
+        # latest sample for a few seconds, so wait (bounded) for one that reads idle.
+        gauges = ('vllm:num_requests_running{job="pagoda",engine="0"}',
+                  'vllm:num_requests_waiting{job="pagoda",engine="0"}')  # fmt: skip
+        idle_by = time.monotonic() + 30
+        while True:
+            running, waiting = (wait_value(g) for g in gauges)
+            if (running, waiting) == (0, 0) or time.monotonic() > idle_by:
+                break
+            time.sleep(1)
     finally:
         proc.terminate()
         proc.wait(30)
