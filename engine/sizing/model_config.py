@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagoda.engine.quantization.detect import UnsupportedQuantizationError, detect_quantization
+from pagoda.engine.quantization.scheme import QuantScheme
 from pagoda.engine.sizing import architectures
 from pagoda.engine.sizing.errors import SizingError, UnsupportedModelError
 
@@ -71,6 +73,8 @@ class ModelConfig:
     # config.json is a multimodal checkpoint (model_type the wrapper's, e.g. "gemma3") whose language model
     # alone is served: its text_config read, the vision tower's tensors skipped at load, images refused.
     multimodal_checkpoint: bool = False
+    # A quantized checkpoint's scheme (config.json's quantization_config; engine/quantization); None = float.
+    quantization: QuantScheme | None = None
 
     @property
     def family(self) -> architectures.Architecture:
@@ -84,7 +88,7 @@ class ModelConfig:
         """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be, an
         UnsupportedModelError where the model is one the engine does not run."""
         model_type = d.get("model_type") or ""
-        _refuse_quantized(d, where)  # a wrapper's quantization_config is not in its text_config
+        quantization = _refuse_quantized(d, where)  # a wrapper's is not in its text_config
         family = architectures.from_hf_config(d)
         multimodal = family is None and isinstance(d.get("text_config"), dict)
         if multimodal and (wrapper := architectures.multimodal_of(d)) is not None:
@@ -104,7 +108,6 @@ class ModelConfig:
                 f"model_type {model_type!r} (architectures {d.get('architectures')}) is not supported; "
                 f"Pagoda runs these architectures: {', '.join(architectures.SUPPORTED_ARCHITECTURES)}"
             )
-        _refuse_quantized(d, where)
         if strict and d.get("use_bidirectional_attention"):
             raise UnsupportedModelError(
                 f"{where}: use_bidirectional_attention (an embedding model) is not supported"
@@ -165,6 +168,7 @@ class ModelConfig:
             logits_scaling=float(d.get("logits_scaling") or 1.0),
             **_experts(d, family),
             multimodal_checkpoint=multimodal and bool(family.multimodal_model_types),
+            quantization=quantization,
         )
 
     @classmethod
@@ -224,18 +228,14 @@ def _language_model_config(d: dict[str, Any], family: architectures.Architecture
     return merged
 
 
-def _refuse_quantized(d: dict[str, Any], where: str) -> None:
-    """A checkpoint stored quantized (AWQ, GPTQ, FP8, bitsandbytes ...: config.json's quantization_config) is
-    refused by the engine and by sizing alike: its tensors are not the float weights either would count."""
-    quant = d.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    raise UnsupportedModelError(
-        f"{where}: a {method!r}-quantized checkpoint (quantization_config) is not supported yet; Pagoda loads "
-        "float32, float16 and bfloat16 safetensors and GGUF files (dequantized at load): use the unquantized "
-        "checkpoint or a GGUF file of the model"
-    )
+def _refuse_quantized(d: dict[str, Any], where: str) -> QuantScheme | None:
+    """The scheme of a checkpoint stored quantized (config.json's quantization_config), for the engine and
+    sizing alike; a format or scheme the engine does not run (bitsandbytes, 8-bit GPTQ, W8A8 int8 ...) is an
+    UnsupportedModelError naming what runs (engine/quantization/detect.py)."""
+    try:
+        return detect_quantization(d, where)
+    except UnsupportedQuantizationError as e:
+        raise UnsupportedModelError(str(e)) from None
 
 
 def _positive(d: dict[str, Any], key: str, where: str) -> int:

@@ -22,6 +22,7 @@ from pagoda.operator.spec import SpecError, parse_spec
 from pagoda_testkit import INFD, STS, Cluster, example, running_operator
 
 JOBS, PVCS = "batch/v1/jobs", "v1/persistentvolumeclaims"
+BNB = "unsloth/Llama-3.1-8B-Instruct-bnb-4bit"  # bitsandbytes stays refused (AWQ, GPTQ, FP8 run: issue 37)
 
 
 def deployment(name: str, model: dict) -> dict:
@@ -33,17 +34,25 @@ def deployment(name: str, model: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("hub_id", "method"),
-    [("Qwen/Qwen3-8B-AWQ", "awq"), ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "gptq"),
-     ("RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8", "fp8"), ("unsloth/Llama-3.1-8B-Instruct-bnb-4bit", "bitsandbytes"),
-     ("google/gemma-3-12b-it-awq", "awq")],
+    ("hub_id", "method", "label"),
+    [("Qwen/Qwen3-8B-AWQ", "awq", "int4 (awq, group 128, asymmetric)"),
+     ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "gptq", "int4 (gptq, group 128, symmetric)"),
+     ("RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8", "fp8", "fp8 (fp8, per-tensor, dynamic activations)"),
+     ("google/gemma-3-12b-it-awq", "awq", "int4 (awq, group 128, asymmetric)")],
 )  # fmt: skip
-def test_a_quantized_checkpoint_of_a_catalogue_model_is_refused_as_an_unsupported_model(
-    hub_id, method
-) -> None:
+def test_a_quantized_checkpoint_of_a_catalogue_model_is_read_with_its_scheme(hub_id, method, label) -> None:
+    """AWQ, GPTQ and FP8 checkpoints run (issue 37): their config reads with the scheme the engine loads."""
     config = well_known_config(hub_id)
     assert config["quantization_config"] == {"quant_method": method}
-    with pytest.raises(UnsupportedModelError, match=f"'{method}'-quantized"):
+    assert ModelConfig.from_hf_config(config).quantization.label == label
+
+
+def test_a_bitsandbytes_checkpoint_of_a_catalogue_model_is_refused_as_an_unsupported_model() -> None:
+    config = well_known_config("unsloth/Llama-3.1-8B-Instruct-bnb-4bit")
+    assert config["quantization_config"] == {"quant_method": "bitsandbytes"}
+    with pytest.raises(
+        UnsupportedModelError, match="'bitsandbytes'-quantized .* Pagoda runs compressed-tensors"
+    ):
         ModelConfig.from_hf_config(config)
 
 
@@ -62,11 +71,11 @@ def test_model_refusals_and_shape_errors_are_told_apart() -> None:
 
 
 def test_pagoda_render_refuses_the_same_model(tmp_path, capsys) -> None:
-    path = tmp_path / "awq.yaml"
-    path.write_text(yaml.safe_dump(deployment("awq", {"source": "hf://Qwen/Qwen3-8B-AWQ"})))
+    path = tmp_path / "bnb.yaml"
+    path.write_text(yaml.safe_dump(deployment("bnb", {"source": f"hf://{BNB}"})))
     assert render_main([str(path)]) == 1
     err = capsys.readouterr().err
-    assert "'awq'-quantized checkpoint" in err and "Qwen/Qwen3-8B-AWQ" in err
+    assert "'bitsandbytes'-quantized checkpoint" in err and BNB in err
     path.write_text(yaml.safe_dump(deployment("qwen3", {"source": "hf://Qwen/Qwen3-8B"})))
     assert render_main([str(path)]) == 0
     assert "kind: Job" in capsys.readouterr().out
@@ -80,9 +89,9 @@ async def test_the_operator_refuses_an_unsupported_model_before_any_download(clu
                    "modelType": "mamba"}  # fmt: skip
     async with running_operator(cluster):
         await cluster.create(deployment("qwen3", {"source": "hf://Qwen/Qwen3-8B"}))
-        await cluster.create(deployment("awq", {"source": "hf://Qwen/Qwen3-8B-AWQ"}))
+        await cluster.create(deployment("bnb", {"source": f"hf://{BNB}"}))
         await cluster.create(deployment("mamba", {"source": "pvc://models/mamba", "shape": mamba_shape}))
-        for name, words in (("awq", "'awq'-quantized checkpoint"), ("mamba", "'mamba'")):
+        for name, words in (("bnb", "'bitsandbytes'-quantized checkpoint"), ("mamba", "'mamba'")):
             ready = await cluster.wait_for(
                 lambda n=name: (c := cluster.condition(n, "Ready")).get("reason") == "UnsupportedModel" and c,
                 what=f"{name}: Ready=False, UnsupportedModel",
@@ -99,7 +108,7 @@ async def test_the_operator_refuses_an_unsupported_model_before_any_download(clu
             what="the Qwen3 download Job",
         )
         await cluster.settle()
-        for name in ("awq", "mamba"):
+        for name in ("bnb", "mamba"):
             assert not [j for j in cluster.objects(JOBS) if j["metadata"]["name"].startswith(f"{name}-")]
             assert not [p for p in cluster.objects(PVCS) if p["metadata"]["name"].startswith(f"{name}-")]
             assert cluster.get(STS, "default", name) is None
@@ -121,7 +130,7 @@ def test_a_flag_the_engine_refuses_keeps_reason_engine_would_refuse() -> None:
 def test_the_engines_dry_run_refuses_the_quantized_hub_id_without_its_weights(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: the weights are not here
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(DryRunError, match="Qwen/Qwen3-8B-AWQ's config.json as published: a 'awq'-quantized"):
-        dry_run_check(["Qwen/Qwen3-8B-AWQ", "--gpu", "H100"])
-    report = dry_run_check(["Qwen/Qwen3-8B", "--gpu", "H100"])  # the same model unquantized: sized
+    with pytest.raises(DryRunError, match=f"{BNB}'s config.json as published: a 'bitsandbytes'-quantized"):
+        dry_run_check([BNB, "--gpu", "H100"])
+    report = dry_run_check(["meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100"])  # unquantized: sized
     assert report.plan is not None and report.model.shape_from == "catalogue of known models"

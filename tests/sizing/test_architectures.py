@@ -68,9 +68,10 @@ def test_a_config_without_tie_word_embeddings_takes_the_familys_default(model_ty
     )
 
 
-def test_a_quantized_checkpoint_is_refused_by_the_engine_and_by_sizing(tmp_path) -> None:
-    """An AWQ folder's tensors are not float weights: serve would fail at load and plan would size 4-bit
-    packed integers as floats, so both refuse it up front with the same words."""
+def test_an_unsupported_quantized_checkpoint_is_refused_by_the_engine_and_by_sizing(tmp_path) -> None:
+    """A bitsandbytes folder's tensors are not weights the engine runs: serve would fail at load and plan would
+    size its packed integers as floats, so both refuse it up front with the same words (AWQ, GPTQ and FP8
+    read with their scheme: tests/quantization)."""
     import json
 
     from pagoda.engine.sizing.errors import SizingError
@@ -84,13 +85,13 @@ def test_a_quantized_checkpoint_is_refused_by_the_engine_and_by_sizing(tmp_path)
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128},
+        "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     }
     for strict in (True, False):
-        with pytest.raises(SizingError, match="'awq'-quantized checkpoint .* not supported yet"):
+        with pytest.raises(SizingError, match="'bitsandbytes'-quantized checkpoint .* not supported"):
             ModelConfig.from_hf_config(config, strict=strict)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SizingError, match="'awq'-quantized"):
+    with pytest.raises(SizingError, match="'bitsandbytes'-quantized"):
         shape_from_path(tmp_path)
     del config["quantization_config"]
     assert ModelConfig.from_hf_config(config).architecture == "qwen2"

@@ -56,9 +56,9 @@ def test_errors_go_to_stderr_with_exit_2(run):
     out = run("--model", "no/such-model", "--gpu", "H100")
     assert out.returncode == 2 and "neither a local path nor a well-known model" in out.stderr
     out = run(
-        "--model", "Qwen/Qwen3-8B-AWQ", "--gpu", "H100"
+        "--model", "unsloth/Llama-3.1-8B-Instruct-bnb-4bit", "--gpu", "H100"
     )  # the engine's refusal, as serve and the operator say it
-    assert out.returncode == 2 and "'awq'-quantized checkpoint" in out.stderr, out.stderr
+    assert out.returncode == 2 and "'bitsandbytes'-quantized checkpoint" in out.stderr, out.stderr
     out = run("--model", "Llama-3.1-8B", "--gpu", "Z9000")
     assert out.returncode == 2 and "unknown GPU" in out.stderr
     out = run("--model", "Llama-3.1-8B", "--gpu", "H100", "--memory-limit", "lots")
