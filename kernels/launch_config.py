@@ -201,3 +201,61 @@ def _no_fit(
         f"capability {major}.{minor}) for head_dim {head_dim}, {group} query heads per KV head, {dtype} "
         f"activations over a {kv_dtype} cache"
     )
+
+
+@dataclass(frozen=True)
+class QuantLinearConfig:
+    """Tiles of the quantized linear kernels (W4A16, FP8): rows of x per program (M), output columns (N),
+    the reduction step (K)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    shared_memory: int = 0
+
+
+# The quantized GEMMs pick their row tile from the step's rows, so a decode (a few rows) does not pad to a
+# prefill's tile: one variant per bucket, the smallest that holds M (M past the last takes the last).
+QUANT_ROW_BUCKETS = (16, 32, 64, 128)
+# (N, K) preference per row tile, largest first: a decode reads the weight in long K steps, a prefill in
+# square tiles. Weight tiles are loaded in their stored width (1 byte: INT4 read per byte, FP8) and widened
+# to the operand dtype, so both forms are counted.
+QUANT_TILES = {
+    16: ((64, 256), (64, 128), (32, 128), (32, 64), (16, 32), (16, 16)),
+    32: ((64, 128), (64, 64), (32, 64), (16, 32), (16, 16)),
+    64: ((128, 64), (64, 64), (32, 32), (16, 16)),
+    128: ((128, 64), (64, 64), (32, 32), (16, 16)),
+}
+QUANT_KINDS = ("w4a16", "fp8_weight_only", "fp8")
+
+
+def quant_rows_bucket(m: int) -> int:
+    """The row tile of a step with ``m`` rows (see QUANT_ROW_BUCKETS)."""
+    return next((b for b in QUANT_ROW_BUCKETS if m <= b), QUANT_ROW_BUCKETS[-1])
+
+
+def quant_linear_config(limits: DeviceLimits, dtype: str, kind: str, m: int) -> QuantLinearConfig:
+    """Tiles of a quantized linear ``kind`` ('w4a16', 'fp8_weight_only', 'fp8': FP8 x FP8) for a step of
+    ``m`` rows of ``dtype`` activations: the first tile of its row bucket whose stages fit the device (the
+    interpreter: tl.dot's least tile, so tests cover several tiles and groups per row)."""
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    if limits.interpreter:
+        return QuantLinearConfig(DOT_MIN, DOT_MIN, DOT_MIN, 4, 1)
+    bm = quant_rows_bucket(m)
+    x_elem = 1 if kind == "fp8" else element_bytes(dtype)
+    w_elem = 1 if kind == "fp8" else element_bytes(dtype)  # the widened weight tile
+    stages = 3 if limits.compute_capability >= (8, 0) else 2
+    for n, k in QUANT_TILES[bm]:
+        # pipelined operand loads (x and the stored weight bytes) plus the widened weight tile the dot reads
+        smem = stages * (bm * k * x_elem + k * n) + k * n * w_elem + SCRATCH_SHARED_MEMORY
+        if smem <= limits.shared_memory_per_block:
+            warps = 8 if bm >= 128 else 4
+            return QuantLinearConfig(bm, n, k, warps, stages, smem)
+    major, minor = limits.compute_capability
+    raise ValueError(
+        f"no {kind} tile fits {limits.shared_memory_per_block} B of shared memory per block (compute "
+        f"capability {major}.{minor})"
+    )
