@@ -92,6 +92,23 @@ class Decision:
         out["reasons"] = {**out.get("reasons", {}), "max_num_queued_reqs": self.queue_reason}
         return out
 
+    @property
+    def weights_label(self) -> str:
+        """The weight format the plan was sized for, short, as the Planned event names it: the dtype of a
+        float checkpoint, else the quantized format seen (and "dequantized" where the engine expands it)."""
+        if self.shape is None:
+            return self.plan.weight_format or "unknown"
+        if not self.shape.weight_format:
+            return "float32" if self.gpu is None else self.shape.dtype
+        if (
+            self.gpu is None
+            and self.plan.quantization != "gguf"
+            or self.gpu is not None
+            and not (self.shape.quantized_by_default)
+        ):
+            return f"{self.shape.weight_format_label}, dequantized at load"
+        return self.shape.weight_format_label
+
     def status_gpu(self, count: int) -> dict[str, Any]:
         if self.gpu is None:
             return {"product": "cpu", "count": 0, "nodes": [], "reason": self.gpu_reason}

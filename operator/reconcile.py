@@ -322,7 +322,8 @@ class Reconciler:
             p = decision.plan
             message = (
                 f"{decision.gpu_reason}; max_model_len {p.max_model_len}, kv_cache_dtype {p.kv_cache_dtype}, "
-                f"tensor_parallel_size {p.tensor_parallel_size}, gpu_memory_utilization {p.gpu_memory_utilization}"
+                f"tensor_parallel_size {p.tensor_parallel_size}, gpu_memory_utilization {p.gpu_memory_utilization}, "
+                f"weights {decision.weights_label}"
             )
             await self.event(body, "Normal", "Planned", message, outcome)
         return outcome

@@ -31,6 +31,7 @@ from pagoda.engine.sizing.shapes import check_published_config
 # Settings in the order a reader wants them, and which of them are byte counts.
 ROWS = (
     "tensor_parallel_size",
+    "weights_bytes_per_gpu",
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
     "kv_cache_dtype",
@@ -44,7 +45,13 @@ ROWS = (
     "kv_offload_disk_bytes",
     "pvc_size",
 )
-BYTE_ROWS = {"kv_cache_memory_bytes", "kv_cache_bytes", "kv_offload_host_bytes", "kv_offload_disk_bytes"}
+BYTE_ROWS = {
+    "weights_bytes_per_gpu",
+    "kv_cache_memory_bytes",
+    "kv_cache_bytes",
+    "kv_offload_host_bytes",
+    "kv_offload_disk_bytes",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
         "--prefer-capacity",
         action="store_true",
         help="quantise the KV cache for more tokens even where the GPU has no FP8 (INT8 KV; CPU too)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["gguf"],
+        help="a GGUF model's linear weights kept in their blocks on CPU (serve's flag; default: dequantized)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -133,6 +145,7 @@ def _hints(args: argparse.Namespace) -> Hints:
         memory_limit_bytes=parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None,
         nvme_bytes=parse_bytes(args.nvme, "--nvme") if args.nvme else None,
         gpu_count=args.gpus if args.gpu and args.gpu.strip().lower() != "cpu" else None,
+        quantization=args.quantization,
     )
 
 
@@ -159,7 +172,8 @@ def _rows(p: Plan) -> list[tuple[str, str, str]]:
 def _title(p: Plan, shape: ModelShape) -> str:
     where = f"{p.tensor_parallel_size} x {p.gpu}" if p.gpu else "CPU"
     return (
-        f"{shape.name} on {where}: {human_bytes(shape.weight_bytes)} of {shape.dtype} weights, "
+        f"{shape.name} on {where}: {human_bytes(p.weights_bytes_per_gpu * p.tensor_parallel_size)} of weights "
+        f"({p.weight_format or shape.dtype}), "
         f"{p.kv_bytes_per_token} KV bytes/token ({p.kv_cache_dtype})"
     )
 

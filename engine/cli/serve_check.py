@@ -36,6 +36,7 @@ from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
 from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
 from pagoda.engine.sizing.shapes import check_published_config, dtype_bytes
+from pagoda.engine.sizing.weight_format import WeightFormat, held_quantized
 from pagoda.engine.sizing.windows import shape_windows
 
 
@@ -107,6 +108,17 @@ def shape_config(shape: ModelShape) -> dict[str, Any]:
         **({"model_type": architecture(shape.architecture).model_types[0]} if shape.architecture else {}),
         **({"sliding_window": shape.sliding_window} if shape.sliding_window else {}),
         **({"attn_logit_softcapping": shape.attn_logit_softcapping} if shape.attn_logit_softcapping else {}),
+        # a quantized checkpoint's linears as sizing counted them (engine/sizing/weight_format.py)
+        **({"weight_format": _weight_format(shape)} if shape.weight_format else {}),
+    }
+
+
+def _weight_format(shape: ModelShape) -> dict[str, Any]:
+    return {
+        "format": shape.weight_format,
+        "label": shape.weight_format_label,
+        "quantized_params": shape.quantized_params,
+        "quantized_bytes": shape.quantized_bytes,
     }
 
 
@@ -155,6 +167,15 @@ def given_shape(text: str) -> ModelFacts:
         shape = ModelShape(
             **{**shape.to_dict(), "num_params": n, "weight_bytes": n * dtype_bytes(shape.dtype)}
         )
+    fmt = data.get("weight_format")
+    if isinstance(fmt, dict):
+        try:
+            shape = shape.with_weight_format(
+                WeightFormat(str(fmt["format"]), str(fmt.get("label") or fmt["format"]),
+                             int(fmt["quantized_params"]), int(fmt["quantized_bytes"]))
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DryRunError(f"error: --model-shape weight_format is not readable ({exc!r})") from None
     dtype = data.get("torch_dtype") or data.get("dtype")
     return facts(shape, "--model-shape", None, str(dtype) if dtype else None)
 
@@ -239,7 +260,8 @@ def check_args(
         tp,
         kv.scale_bytes,
     )
-    weights = -(-model.shape.weight_bytes_as(dtype) // tp)
+    quantized = held_quantized(model.shape.weight_format, device, getattr(config, "quantization", None))
+    weights = -(-model.shape.weight_bytes_as(dtype, quantized) // tp)
     info: dict[str, Any] = {
         "type": device,
         "dtype": dtype,
@@ -248,6 +270,7 @@ def check_args(
         "gpu": None,
         "memory_measured": False,
         "weights_bytes_estimated": weights,
+        "weight_format": model.shape.weights_in_words(dtype, quantized),
     }
     if gpu is not None:
         info["gpu"] = gpu.name

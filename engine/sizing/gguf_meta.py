@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagoda.engine.sizing.errors import SizingError
@@ -29,6 +29,11 @@ _SCALAR = {
 }
 _STRING, _ARRAY = 8, 9
 KEEP_ARRAY_ITEMS = 16  # arrays longer than this are returned as their length only
+# ggml's tensor type ids (ggml.h's enum ggml_type) by name: sizing counts a tensor's bytes by its type
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16",
+}  # fmt: skip
 
 
 @dataclass
@@ -36,6 +41,7 @@ class GGUFMeta:
     version: int
     fields: dict[str, object]  # long arrays appear as ArrayLength
     tensors: dict[str, tuple[int, ...]]  # name -> shape
+    tensor_types: dict[str, str] = field(default_factory=dict)  # name -> ggml type name ("Q4_1", "F32" ...)
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)
@@ -121,10 +127,12 @@ def _parse(buf, path: Path) -> GGUFMeta:
         key = c.string()
         fields[key] = c.value(c.unpack("<I"))
     tensors: dict[str, tuple[int, ...]] = {}
+    types: dict[str, str] = {}
     for _ in range(n_tensors):
         name = c.string()
         dims = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
-        c.unpack("<I")  # ggml type
+        kind = c.unpack("<I")
         c.unpack("<Q")  # data offset
         tensors[name] = dims
-    return GGUFMeta(version, fields, tensors)
+        types[name] = GGML_TYPE_NAMES.get(kind, f"type{kind}")
+    return GGUFMeta(version, fields, tensors, types)

@@ -30,6 +30,7 @@ from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE
 from pagoda.engine.sizing.kv_split import KVSplit, split_kv_blocks
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
+from pagoda.engine.sizing.weight_format import held_quantized
 from pagoda.engine.sizing.windows import shape_layout, sliding_layers, window_capacity
 
 BLOCK_SIZE = 16  # vLLM's default; the vLLM paper measured under 4% waste at this size
@@ -68,11 +69,17 @@ class Hints:
     memory_limit_bytes: int | None = None  # the pod's memory limit (host tier; CPU pods: the KV cache too)
     nvme_bytes: int | None = None  # local NVMe capacity for the disk tier
     gpu_count: int | None = None  # GPUs the pod may use (default: the node's count)
+    quantization: str | None = (
+        None  # "gguf": a GGUF model's linears kept in their blocks on CPU (serve's flag)
+    )
 
     def validate(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("quality_first", "prefer_capacity", "kv_cache_dtype") or value is None:
+            if (
+                f.name in ("quality_first", "prefer_capacity", "kv_cache_dtype", "quantization")
+                or value is None
+            ):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SizingError(f"hint {f.name} must be an integer, got {value!r}")
@@ -82,6 +89,11 @@ class Hints:
         if self.kv_cache_dtype not in (None, "auto", "int8"):
             raise SizingError(
                 f"hint kv_cache_dtype must be auto or int8 (FP8 follows the GPU), got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in (None, "gguf"):
+            raise SizingError(
+                f"hint quantization must be gguf (a GGUF model kept in its blocks on CPU) or unset, got "
+                f"{self.quantization!r}; FP8 and INT4 checkpoints are detected from their config.json"
             )
         if self.quality_first and self.prefer_capacity:
             raise SizingError(
@@ -117,6 +129,10 @@ class Plan:
     # its sliding layers, and the sequences of max_model_len tokens it admits at once (0: one pool)
     num_window_blocks: int = 0
     window_sequences: int = 0
+    # The checkpoint's weight format as sized ("bfloat16", "int4 (awq, group 128, asymmetric): ..."), and
+    # serve's --quantization where the plan sets it ("gguf")
+    weight_format: str = ""
+    quantization: str | None = None
     reasons: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -154,6 +170,7 @@ class Plan:
             "dtype": "float32" if self.device == "cpu" else None,
             "kv_offload_host_bytes": self.kv_offload_host_bytes or None,
             "kv_offload_disk_bytes": self.kv_offload_disk_bytes or None,
+            **({"quantization": self.quantization} if self.quantization else {}),
         }
 
 
@@ -372,13 +389,13 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     )
     if chosen is None:
         raise SizingError(
-            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.dtype} weights) cannot hold {need} on "
+            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.held_as} weights) cannot hold {need} on "
             f"any tensor-parallel size up to {TP_SIZES[-1]} {gpu.name} GPUs; " + "; ".join(tried[-2:])
         )
     tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks = chosen
     if tp > available:
         raise SizingError(
-            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.dtype} weights) does not fit on "
+            f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.held_as} weights) does not fit on "
             f"{available} x {gpu.name} ({human_bytes(memory)} each) with room for {need}: "
             f"{tried[-1] if tried else ''}. It needs tensor_parallel_size={tp} ({tp} GPUs: "
             f"{human_bytes(weights)} of weights and {human_bytes(kv_mem)} of KV cache per GPU); "
@@ -409,6 +426,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         else ""
     )
     reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
+    reasons["weights_bytes_per_gpu"] = _weights_reason(shape, weights, tp)
 
     fit_len = _fit_len(blocks, block_size, conc, FIT_SLACK)
     max_len = min(limit, target or limit, fit_len)
@@ -442,6 +460,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         device="cuda", model=shape.name, gpu=gpu.name, kv_bytes_per_token=kv_token, weights_bytes_per_gpu=weights,
         reserve_bytes=ctx + act, reasons=reasons, warnings=warnings,
         num_window_blocks=split.num_window_blocks if split else 0, window_sequences=split.sequences if split else 0,
+        weight_format=shape.weights_in_words(),
     )  # fmt: skip
 
 
@@ -547,7 +566,13 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     limit, target = _common_lengths(shape, h, warnings)
     conc = h.min_concurrency
     block_size = BLOCK_SIZE
-    cpu_shape = shape.with_dtype("float32")  # the CPU engine computes in float32
+    kept = held_quantized(shape.weight_format, "cpu", h.quantization)
+    if h.quantization == "gguf" and shape.weight_format != "gguf":
+        raise SizingError(
+            f"quantization gguf keeps a GGUF file's blocks; {shape.name} is not a GGUF model with blocks the CPU "
+            "kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"
+        )
+    cpu_shape = shape.with_dtype("float32", kept)  # the CPU engine computes in float32
     kv_dtype = "int8" if h.prefer_capacity or h.kv_cache_dtype == "int8" else "auto"
     kv_token = cpu_shape.kv_bytes_per_token(kv_dtype)
     weights = cpu_shape.weight_bytes
@@ -565,7 +590,8 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
         raise SizingError(
             f"{shape.name} on CPU does not fit a {human_bytes(h.memory_limit_bytes)} memory limit with room for "
             f"{conc} x {want_len} tokens of KV: it needs about {human_bytes(need / HOST_LIMIT_SHARE)} "
-            f"({human_bytes(weights)} float32 weights, {human_bytes(act)} activations, "
+            f"({human_bytes(weights)} of weights ({cpu_shape.weights_in_words('float32', kept)}), "
+            f"{human_bytes(act)} activations, "
             f"{human_bytes(CPU_RUNTIME_BYTES)} runtime, {human_bytes(conc * want_len * kv_token)} KV); "
             "raise the memory limit or lower the target context"
         )
@@ -573,7 +599,7 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     kv_bytes = blocks * block_bytes
     reasons["kv_cache_memory_bytes"] = (
         f"{HOST_LIMIT_SHARE:.0%} of the pod memory limit {human_bytes(h.memory_limit_bytes)} minus "
-        f"{human_bytes(weights)} float32 weights, {human_bytes(act)} activations and "
+        f"{human_bytes(weights)} of weights, {human_bytes(act)} activations and "
         f"{human_bytes(CPU_RUNTIME_BYTES)} runtime"
     )
     reasons["gpu_memory_utilization"] = "CPU pod: not used (kv_cache_memory_bytes sizes the cache)"
@@ -588,6 +614,12 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
     )
     reasons["block_size"] = f"{block_size} tokens, vLLM's default: under 4% waste per sequence (vLLM paper)"
     reasons["num_gpu_blocks"] = f"{human_bytes(kv_mem)} / {block_bytes} B per block = {capacity} tokens"
+    reasons["weights_bytes_per_gpu"] = _weights_reason(cpu_shape, weights, 1, "float32", kept)
+    if kept:
+        reasons["quantization"] = (
+            "hint quantization gguf: the GGUF file's linear weights stay in their blocks (the CPU kernels run "
+            "them); embeddings, norms and the LM head are dequantized to float32"
+        )
     reasons["kv_cache_bytes"] = f"{blocks} blocks x {block_bytes} B"
     fit_len = _fit_len(blocks, block_size, conc)
     max_len = min(limit, target or limit, fit_len)
@@ -612,4 +644,13 @@ def _plan_cpu(shape: ModelShape, h: Hints) -> Plan:
         kv_cache_memory_bytes=kv_mem, device="cpu", model=shape.name, gpu=None, kv_bytes_per_token=kv_token,
         weights_bytes_per_gpu=weights, reserve_bytes=CPU_RUNTIME_BYTES + act, reasons=reasons, warnings=warnings,
         num_window_blocks=split.num_window_blocks if split else 0, window_sequences=split.sequences if split else 0,
+        weight_format=cpu_shape.weights_in_words("float32", kept), quantization="gguf" if kept else None,
     )  # fmt: skip
+
+
+def _weights_reason(
+    shape: ModelShape, weights: int, tp: int, dtype: str | None = None, quantized: bool | None = None
+) -> str:
+    """Why the weights take the bytes the plan counts: the format seen and how the engine holds it."""
+    per = f"{human_bytes(weights)} per GPU (tensor parallel {tp})" if tp > 1 else human_bytes(weights)
+    return f"{per} of weights: {shape.weights_in_words(dtype, quantized)}"

@@ -13,11 +13,19 @@ import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from pagoda.engine.quantization.scheme import QuantScheme
 from pagoda.engine.sizing import architectures
 from pagoda.engine.sizing.engine_plan import kv_bytes_per_token
-from pagoda.engine.sizing.errors import SizingError
+from pagoda.engine.sizing.errors import SizingError, UnsupportedModelError
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype, lookup
 from pagoda.engine.sizing.model_config import ModelConfig
+from pagoda.engine.sizing.weight_format import (
+    Linear,
+    WeightFormat,
+    decoder_linears,
+    gguf_format,
+    scheme_format,
+)
 
 _SAFETENSORS_DTYPE = {"F64": "float32", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -61,6 +69,24 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: int = 0
+    # A quantized checkpoint (weight_format.py): its format ("fp8" | "int4" | "gguf"; "" = float weights), the
+    # format in words, and the weight elements and bytes (scales and zero points included) of the linears it
+    # holds quantized. num_params counts every parameter; the rest of them are held in `dtype`.
+    weight_format: str = ""
+    weight_format_label: str = ""
+    quantized_params: int = 0
+    quantized_bytes: int = 0
+
+    @property
+    def quantized_by_default(self) -> bool:
+        """Whether weight_bytes counts the quantized linears in their own bytes: FP8 and INT4 checkpoints
+        (held so on a GPU); a GGUF file's blocks only with `--quantization gguf` on the CPU (held_quantized)."""
+        return self.weight_format in ("fp8", "int4") and self.quantized_params > 0
+
+    @property
+    def held_as(self) -> str:
+        """What weight_bytes holds the weights as, in a word or a few: the dtype, or the quantized format."""
+        return self.weight_format_label if self.quantized_by_default else self.dtype
 
     @property
     def active_params(self) -> int:
@@ -93,14 +119,56 @@ class ModelShape:
         kv = kv_cache_dtype(kv_dtype, self.dtype)
         return self.head_dim * kv.element_bytes + kv.scale_bytes
 
-    def weight_bytes_as(self, dtype: str) -> int:
-        """Weight bytes if the parameters are held in `dtype` (the CPU engine runs in float32)."""
+    def weight_bytes_as(self, dtype: str, quantized: bool | None = None) -> int:
+        """Weight bytes if the float parameters are held in `dtype` (the CPU engine runs in float32) and the
+        quantized linears in their format's bytes when `quantized` (None: quantized_by_default), else
+        dequantized to `dtype` as well."""
+        keep = self.quantized_by_default if quantized is None else quantized and self.quantized_params > 0
         if self.num_params:
-            return self.num_params * dtype_bytes(dtype)
+            dense = self.num_params - (self.quantized_params if keep else 0)
+            return dense * dtype_bytes(dtype) + (self.quantized_bytes if keep else 0)
         return self.weight_bytes * dtype_bytes(dtype) // dtype_bytes(self.dtype)
 
-    def with_dtype(self, dtype: str) -> ModelShape:
-        return replace(self, dtype=dtype, weight_bytes=self.weight_bytes_as(dtype))
+    def with_dtype(self, dtype: str, quantized: bool | None = None) -> ModelShape:
+        return replace(self, dtype=dtype, weight_bytes=self.weight_bytes_as(dtype, quantized))
+
+    def weights_in_words(self, dtype: str | None = None, quantized: bool | None = None) -> str:
+        """The weights' format as a plan reports it: "bfloat16" for a float checkpoint, else the format seen
+        and how the engine holds it ("int4 (awq, group 128, asymmetric), 4.19 bits per linear weight ...")."""
+        dtype = dtype or self.dtype
+        if not self.weight_format:
+            return dtype
+        keep = self.quantized_by_default if quantized is None else quantized and self.quantized_params > 0
+        if not keep:
+            return f"{self.weight_format_label}, dequantized to {dtype} at load"
+        bits = 8.0 * self.quantized_bytes / self.quantized_params
+        return (
+            f"{self.weight_format_label}: {self.quantized_params / 1e9:.3g}B linear weights at {bits:.4g} bits "
+            f"each (scales and zero points included), the other {(self.num_params - self.quantized_params) / 1e9:.3g}B "
+            f"parameters in {dtype}"
+        )
+
+    def with_weight_format(self, fmt: WeightFormat | None) -> ModelShape:
+        """This shape holding `fmt`'s quantized linears (weight_bytes recounted); None: unchanged."""
+        if fmt is None:
+            return self
+        shape = replace(
+            self,
+            weight_format=fmt.format,
+            weight_format_label=fmt.label,
+            quantized_params=fmt.quantized_params,
+            quantized_bytes=fmt.quantized_bytes,
+        )
+        return replace(shape, weight_bytes=shape.weight_bytes_as(shape.dtype))
+
+    def linears(self) -> list[Linear]:
+        """The decoder linears a quantized checkpoint of this shape may quantize (weight_format.py)."""
+        return decoder_linears(
+            num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, sparse_layers=self.sparse_layers,
+            num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+        )  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -222,17 +290,20 @@ def _normalise_id(model_id: str) -> str:
 # Name suffixes publishers give the quantized checkpoints of a model (Qwen/Qwen3-8B-AWQ, ...-GPTQ-Int4,
 # ...-FP8, unsloth's ...-bnb-4bit), and the config.json quantization_config.quant_method each one implies.
 _QUANTIZED_SUFFIX = re.compile(r"-(awq|gptq|fp8|bnb)(?:-[a-z0-9]+)*$")
+# Their quant_method; the rest of the published quantization_config is read with detect's defaults (4-bit,
+# group 128: what these releases publish), which sizing counts.
 _QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "bnb": "bitsandbytes"}
 
 
-def _quantized_variant(model_id: str) -> tuple[_Known, str] | None:
-    """(the catalogue model, its quant_method) for a quantized checkpoint of a catalogue model, by its name."""
+def _quantized_variant(model_id: str) -> tuple[_Known, dict] | None:
+    """(the catalogue model, its quantization_config) for a quantized checkpoint of a catalogue model, by its
+    name."""
     name = _normalise_id(model_id)
     found = _QUANTIZED_SUFFIX.search(name)
     if found is None:
         return None
     row = _WELL_KNOWN.get(_normalise_id(name[: found.start()]))
-    return None if row is None else (row, _QUANT_METHODS[found.group(1)])
+    return None if row is None else (row, {"quant_method": _QUANT_METHODS[found.group(1)]})
 
 
 def well_known_model_ids() -> list[str]:
@@ -244,7 +315,17 @@ def well_known_shape(model_id: str) -> ModelShape | None:
     google/gemma-3-27b-it: a multimodal checkpoint's text decoder, which is what the engine serves)."""
     row = _WELL_KNOWN.get(_normalise_id(model_id))
     if row is None:
-        return None
+        variant = _quantized_variant(model_id)
+        if variant is None:
+            return None
+        base = well_known_shape(variant[0].name)
+        assert base is not None
+        scheme = quantization_scheme(
+            {"quantization_config": variant[1]}, f"{model_id}'s config.json as published"
+        )
+        return replace(base, name=str(model_id).rstrip("/").split("/")[-1]).with_weight_format(
+            scheme_format(scheme, base.linears()) if scheme is not None else None
+        )
     n = estimate_num_params(
         num_layers=row.layers, num_attention_heads=row.heads, num_kv_heads=row.kv_heads, head_dim=row.head_dim,
         hidden_size=row.hidden, intermediate_size=row.intermediate, vocab_size=row.vocab,
@@ -269,7 +350,7 @@ def well_known_config(model_id: str) -> dict | None:
         row, quant = variant
     if row is None:
         return None
-    quantized = {"quantization_config": {"quant_method": quant}} if quant else {}
+    quantized = {"quantization_config": quant} if quant else {}
     family = architectures.architecture(row.family)
     text = {
         "model_type": family.model_types[0], "architectures": [family.hf_architectures[0]],
@@ -309,7 +390,16 @@ def shape_from_config(
     config: dict, weight_bytes: int | None = None, *, name: str | None = None, where: str = "config.json"
 ) -> ModelShape:
     """Shape from a Hugging Face config dict, read by the engine's own reader (ModelConfig, leniently: any
-    Llama-shaped decoder); weight bytes estimated from the shape when not given."""
+    Llama-shaped decoder); weight bytes estimated from the shape when not given. A quantized checkpoint's
+    (quantization_config) linears are counted in their format's bytes (weight_format.py); a scheme the engine
+    does not run is refused with the engine's message (UnsupportedModelError)."""
+    scheme = quantization_scheme(config, where)
+    if scheme is not None:  # read by the scheme's own detection, the rest as a float checkpoint's
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = {
+                k: v for k, v in config["text_config"].items() if k != "quantization_config"
+            }
     mc = ModelConfig.from_hf_config(config, strict=False, where=where)
     dtype = str(mc.torch_dtype or "bfloat16").removeprefix("torch.")
     try:
@@ -330,13 +420,32 @@ def shape_from_config(
     sliding_layers = None
     if mc.sliding_window is not None and mc.layer_types is not None:
         sliding_layers = sum(mc.layer_sliding_window(i) is not None for i in range(mc.num_hidden_layers))
-    return ModelShape(
+    shape = ModelShape(
         str(label), mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
         mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.sliding_window,
         dtype, n * dtype_bytes(dtype) if weight_bytes is None else weight_bytes, n, mc.tie_word_embeddings,
         mc.attn_logit_softcapping, sliding_layers, mc.architecture, mc.num_experts, mc.num_experts_per_tok,
         mc.moe_intermediate_size, sum(mc.layer_is_sparse(i) for i in range(mc.num_hidden_layers)),
     )  # fmt: skip
+    if scheme is None or scheme.format == "gguf":
+        return shape
+    return shape.with_weight_format(scheme_format(scheme, shape.linears()))
+
+
+def quantization_scheme(config: dict, where: str = "config.json") -> QuantScheme | None:
+    """The checkpoint's quantization (config.json's quantization_config, a multimodal wrapper's or its
+    text_config's) by the engine's own detection; None for float weights."""
+    quant = config.get("quantization_config")
+    if quant is None and isinstance(config.get("text_config"), dict):
+        quant = config["text_config"].get("quantization_config")
+    if not quant:
+        return None
+    from pagoda.engine.quantization.detect import UnsupportedQuantizationError, detect_quantization
+
+    try:
+        return detect_quantization({**config, "quantization_config": quant}, where)
+    except UnsupportedQuantizationError as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 def safetensors_weight_bytes(directory: Path, skip: tuple[str, ...] = ()) -> tuple[int, int, str | None]:
@@ -389,7 +498,7 @@ def shape_from_path(path: str | Path) -> ModelShape:
         if params and not (config.get("torch_dtype") or config.get("dtype")) and st_dtype:
             config = {**config, "torch_dtype": st_dtype}
         shape = shape_from_config(config, None, name=p.name, where=str(cfg))
-        if params:
+        if params and not shape.weight_format:  # a quantized file's elements are packed: keep the estimate
             shape = replace(shape, num_params=params, weight_bytes=params * dtype_bytes(shape.dtype))
         return shape
     if p.exists():
@@ -439,5 +548,7 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "torch_dtype": "float16" if family.float16 else "bfloat16",  # what the engine dequantises to
     }  # fmt: skip
-    # the file name, not general.name (often a training-run name): the file name is what users typed
-    return shape_from_config(config, 2 * params, name=path.stem, where=str(path))
+    # the file name, not general.name (often a training-run name): the file name is what users typed. Sized
+    # dequantized (what the engine holds by default); its blocks are counted for `--quantization gguf`.
+    shape = shape_from_config(config, 2 * params, name=path.stem, where=str(path))
+    return shape.with_weight_format(gguf_format(meta.tensors, meta.tensor_types))
