@@ -12,6 +12,7 @@ import torch
 from pagoda.engine.attention.base import AttentionBackend
 from pagoda.engine.loader.content_hash import file_sha256
 from pagoda.engine.models import ModelConfig, get_model_class
+from pagoda.engine.quantization.convert import canonical_tensors
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -82,5 +83,9 @@ def load_model(
     """Build our model for the directory's config and fill it from its safetensors files."""
     config = ModelConfig.from_dir(path)
     model = get_model_class(config.architecture)(config, backend, dtype=dtype, device=torch.device(device))
-    model.load_weights(iter_weights(path, progress))
+    weights = iter_weights(path, progress)
+    if config.quantization is not None and config.quantization.format in ("fp8", "int4"):
+        # GPTQ / AWQ / compressed-tensors / FP8 tensors in the canonical layouts the quantized linears hold
+        weights = canonical_tensors(weights, config.quantization, dtype)
+    model.load_weights(weights)
     return model.eval(), config

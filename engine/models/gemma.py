@@ -29,6 +29,7 @@ from pagoda.engine.models.layers import (
     rotary_dim,
 )
 from pagoda.engine.models.llama import Attention, LlamaForCausalLM, uses_triton_kernels
+from pagoda.engine.quantization.scheme import QuantScheme
 from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
 
@@ -38,8 +39,17 @@ _GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu":
 class GeluMLP(SiluMLP):
     """down(gelu(gate(x)) * up(x)) (GeGLU), sharded over tensor-parallel ranks as SiluMLP is."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype, device: torch.device):
-        super().__init__(hidden, intermediate, False, dtype, device)
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        scheme: QuantScheme | None = None,
+        prefix: str = "mlp",
+    ):
+        super().__init__(hidden, intermediate, False, dtype, device, scheme=scheme, prefix=prefix)
         if act not in _GELU_APPROXIMATION:
             raise ValueError(f"hidden activation {act!r} is not supported ({', '.join(_GELU_APPROXIMATION)})")
         self.approximate = _GELU_APPROXIMATION[act]
@@ -90,7 +100,15 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer, backend, dtype, device)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
-        self.mlp = GeluMLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype, device)
+        self.mlp = GeluMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            dtype,
+            device,
+            config.quantization,
+            f"model.layers.{layer}.mlp",
+        )
         self.post_feedforward_layernorm = norm()
 
     def forward(

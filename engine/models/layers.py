@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from pagoda.engine.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
 from pagoda.engine.models import cpu_linear, cpu_ops
+from pagoda.engine.quantization.linear import quantized_linear
+from pagoda.engine.quantization.scheme import QuantScheme, ignored
 from torch import nn
 
 if TYPE_CHECKING:
@@ -37,6 +39,43 @@ class Linear(nn.Module):
         if self.lora is not None:
             self.lora.apply(x, y)
         return y
+
+
+def make_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    scheme: QuantScheme | None,
+    name: str,
+) -> nn.Module:
+    """The linear a checkpoint's module needs: a dense `Linear` without a scheme or where the checkpoint left
+    ``name`` unquantized (its ignore list), else the quantized linear of the scheme's format
+    (engine/quantization/linear.py)."""
+    if ignored(scheme, name):
+        return Linear(in_features, out_features, bias, dtype, device)
+    return quantized_linear(in_features, out_features, bias, dtype, device, scheme)
+
+
+def dequantize_linears(model: nn.Module) -> int:
+    """On the CPU, swap each FP8 / INT4 linear for a dense `Linear` over its weights dequantized once to the
+    compute dtype (the CPU's dense path, its oneDNN packing included, runs them); returns how many. GGUF
+    linears stay quantized (their own CPU kernels)."""
+    swaps = [
+        (parent, child_name, child)
+        for parent in model.modules()
+        for child_name, child in parent.named_children()
+        if getattr(child, "dense_on_cpu", False) and next(child.parameters()).device.type == "cpu"
+    ]
+    for parent, child_name, q in swaps:
+        dense = Linear(q.in_features, q.out_features, q.bias is not None, q.dtype, torch.device("cpu"))
+        dense.weight.data = q.dequantize(q.dtype)
+        if q.bias is not None:
+            dense.bias.data = q.bias.data
+        dense.lora = q.lora
+        setattr(parent, child_name, dense)
+    return len(swaps)
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +123,8 @@ class SiluMLP(nn.Module):
 
     Under tensor parallelism each rank holds a slice of the intermediate dimension (gate/up column-parallel,
     down row-parallel): the partial outputs are summed over the ranks and down's bias lives on rank 0.
-    ``triton``: silu-and-mul is one Triton launch (the GPU path, see RMSNorm)."""
+    ``triton``: silu-and-mul is one Triton launch (the GPU path, see RMSNorm). ``scheme``/``prefix``: a
+    quantized checkpoint's scheme and the MLP's module name (`make_linear`)."""
 
     def __init__(
         self,
@@ -94,12 +134,18 @@ class SiluMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         triton: bool = False,
+        scheme: QuantScheme | None = None,
+        prefix: str = "mlp",
     ):
         super().__init__()
         lo, hi = shard_range(intermediate)
         self.intermediate = hi - lo
-        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype, device)
-        self.down_proj = Linear(self.intermediate, hidden, bias and tp_rank() == 0, dtype, device)
+        self.gate_up_proj = make_linear(
+            hidden, 2 * self.intermediate, bias, dtype, device, scheme, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = make_linear(
+            self.intermediate, hidden, bias and tp_rank() == 0, dtype, device, scheme, f"{prefix}.down_proj"
+        )
         self.triton = triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,16 +26,18 @@ from pagoda.engine.distributed.parallel_state import (
 )
 from pagoda.engine.models import cpu_linear, cpu_ops
 from pagoda.engine.models.layers import (
-    Linear,
     RMSNorm,
     RotaryEmbedding,
     SiluMLP,
     VocabParallelEmbedding,
     apply_rotary,
+    dequantize_linears,
     finish_logits,
+    make_linear,
     rotary_dim,
 )
 from pagoda.engine.models.moe import MOE_PREFIXES, SparseMoE
+from pagoda.engine.sizing.errors import UnsupportedModelError
 from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
 
@@ -77,13 +79,28 @@ class Attention(nn.Module):
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, self.triton)
             self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, self.triton)
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device
+        quant, prefix = config.quantization, f"model.layers.{layer}.self_attn"  # a quantized checkpoint's
+        self.qkv_proj = make_linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            config.attention_bias,
+            dtype,
+            device,
+            quant,
+            f"{prefix}.qkv_proj",
         )
         # attention_bias also covers o_proj (Llama, Qwen3, Granite); a family whose q/k/v bias comes from the
         # table (Qwen2) biases only q, k and v.
         o_bias = config.attention_bias and not config.family.qkv_bias
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and tp_rank() == 0, dtype, device)
+        self.o_proj = make_linear(
+            self.q_size,
+            config.hidden_size,
+            o_bias and tp_rank() == 0,
+            dtype,
+            device,
+            quant,
+            f"{prefix}.o_proj",
+        )
 
     def forward(
         self,
@@ -136,10 +153,22 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.rms_norm_eps, dtype, device, triton
         )
         if config.layer_is_sparse(layer):  # mixture of experts (Qwen3-MoE, Mixtral)
+            if config.quantization is not None:
+                raise UnsupportedModelError(
+                    f"a quantized ({config.quantization.label}) mixture-of-experts checkpoint is not supported; "
+                    "quantized checkpoints of dense models are"
+                )
             self.mlp = SparseMoE(config, dtype, device, triton)
         else:
             self.mlp = SiluMLP(
-                config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, triton
+                config.hidden_size,
+                config.intermediate_size,
+                config.mlp_bias,
+                dtype,
+                device,
+                triton,
+                config.quantization,
+                f"model.layers.{layer}.mlp",
             )
         self.residual_multiplier = config.residual_multiplier  # Granite: blocks' outputs scaled before adding
 
@@ -310,9 +339,14 @@ class LlamaForCausalLM(nn.Module):
                 "mlp.up_proj": (mlp.gate_up_proj, inter, inter, inter_rows, inter_rows),
                 "mlp.down_proj": (mlp.down_proj, 0, c.hidden_size, (1, inter_idx), None),
             }
-        if module_name not in table or kind not in ("weight", "bias"):
+        if module_name not in table:
             raise KeyError(name)
         module, offset, rows, weight_slice, bias_slice = table[module_name]
+        if kind in getattr(module, "kinds", ()) and getattr(module, kind) is not None:
+            # a quantized linear's tensor: the linear places (and slices) its canonical tensors itself
+            return (module, kind, offset, rows, bias_slice if kind == "bias" else weight_slice)
+        if kind not in ("weight", "bias"):
+            raise KeyError(name)
         param = getattr(module, kind)
         if param is None:
             # A row-parallel layer's bias is added once, on rank 0; the other ranks skip it.
@@ -348,6 +382,11 @@ class LlamaForCausalLM(nn.Module):
                     ) from None
                 loaded[id(param)] = loaded.get(id(param), 0) + rows
                 continue
+            if len(target) == 5:  # a quantized linear's tensor
+                module, kind, offset, rows, part = target
+                written = module.load_part(kind, tensor, offset, rows, part if tp_size() > 1 else None)
+                loaded[id(getattr(module, kind))] = loaded.get(id(getattr(module, kind)), 0) + written
+                continue
             param, offset, rows, part = target
             if part is not None and tp_size() > 1:
                 dim, indices = part
@@ -369,6 +408,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+        dequantize_linears(self)  # on the CPU, FP8 / INT4 linears run dense over weights dequantized once
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Phi-3's fused `qkv_proj` and `gate_up_proj` tensors as their q/k/v and gate/up parts, which then

@@ -1,0 +1,237 @@
+"""Linears over quantized weights held in the canonical layouts (engine/quantization/packing.py).
+
+On CUDA they run the GPU kernels (pagoda.kernels.quant_w4a16 / quant_fp8, imported when first used; where those
+are missing, the weight is dequantized per call). On the CPU the model replaces them after loading by dense
+linears over their weights dequantized once to the compute dtype (`dense_on_cpu`; engine/models/layers.py
+`dequantize_linears`): the CPU runs FP8 and INT4 checkpoints dequantized, and GGUF blocks are its quantized
+path (gguf_linear.py).
+
+Every quantized linear takes its tensors through `load_part(kind, tensor, offset, rows, part) -> rows
+written`: ``offset``/``rows`` place a fused part (q/k/v, gate/up) along the output rows; ``part`` is this
+tensor-parallel rank's slice of the checkpoint tensor, (0, output rows) or (1, input columns), the latter cut
+by whole groups / blocks only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pagoda.engine.quantization import packing
+from pagoda.engine.quantization.scheme import QuantScheme
+from torch import nn
+
+Part = tuple[int, list[int]] | None
+
+
+def quantized_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    scheme: QuantScheme,
+) -> nn.Module:
+    """The quantized linear of ``scheme``'s format (make_linear in engine/models/layers.py picks dense ones)."""
+    if scheme.format == "int4":
+        return Int4Linear(in_features, out_features, bias, dtype, device, scheme.group_size, scheme.symmetric)
+    if scheme.format == "fp8":
+        return Fp8Linear(in_features, out_features, bias, dtype, device, scheme.group_size, scheme.block)
+    if scheme.format == "gguf":
+        from pagoda.engine.quantization.gguf_linear import GGUFLinear
+
+        return GGUFLinear(in_features, out_features, bias, dtype, device)
+    raise ValueError(f"unknown quantization format {scheme.format!r}")
+
+
+def _span(indices: list[int], unit: int, what: str) -> tuple[int, int]:
+    """[lo, hi) of contiguous ``indices`` in whole ``unit``s (lo / unit, hi / unit)."""
+    lo, hi = indices[0], indices[-1] + 1
+    if hi - lo != len(indices) or lo % unit or hi % unit:
+        raise ValueError(
+            f"tensor parallelism cuts {what} of {unit} input features (this rank's columns {lo}..{hi - 1}): "
+            "use a tensor-parallel size that divides the layer by whole groups"
+        )
+    return lo // unit, hi // unit
+
+
+class _QuantizedLinear(nn.Module):
+    dense_on_cpu = True  # the model swaps it for a dense Linear over dequantize() on the CPU
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        )
+        self.lora = None  # pagoda.engine.lora.layers.LoRALinear when the engine serves LoRA adapters
+
+    def _param(self, kind: str) -> torch.Tensor:
+        target = getattr(self, kind, None) if kind in self.kinds else None
+        if not isinstance(target, torch.Tensor):
+            raise KeyError(kind)
+        return target
+
+    def _copy_rows(self, dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._matmul(x.reshape(-1, self.in_features))
+        y = y.reshape(*shape[:-1], self.out_features)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+
+class Int4Linear(_QuantizedLinear):
+    """W4A16: 4-bit weights in groups of ``group_size`` input features (-1: one group per row) with a scale and
+    a zero point per group."""
+
+    kinds = ("qweight", "scales", "zeros", "bias")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        group_size: int,
+        symmetric: bool,
+    ):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        g = in_features if group_size <= 0 else group_size
+        if in_features % g or in_features % 2:
+            raise ValueError(
+                f"an INT4 linear of {in_features} input features is not a whole number of groups of {g}"
+            )
+        self.group_size, self.symmetric = group_size, symmetric
+        groups = in_features // g
+        self.qweight = nn.Parameter(
+            torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device), False
+        )
+        self.scales = nn.Parameter(torch.empty(out_features, groups, dtype=dtype, device=device), False)
+        zeros = torch.full((out_features, groups), 8, dtype=torch.uint8, device=device)
+        if symmetric:  # no zero points in the checkpoint: a buffer of eights
+            self.register_buffer("zeros", zeros)
+        else:
+            self.zeros = nn.Parameter(zeros, False)
+
+    @property
+    def _group(self) -> int:
+        return self.in_features if self.group_size <= 0 else self.group_size
+
+    def load_part(self, kind: str, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
+        """Copy a canonical tensor (or this rank's slice of it) into rows [offset, offset + rows)."""
+        dest = self._param(kind)
+        if part is not None:
+            dim, indices = part
+            if dim == 0:
+                tensor = tensor.index_select(0, torch.tensor(indices, dtype=torch.long))
+            elif kind == "qweight":  # whole groups (per channel: whole packed pairs)
+                lo, hi = _span(indices, self.group_size if self.group_size > 0 else 2, "groups")
+                tensor = tensor[:, indices[0] // 2 : (indices[-1] + 1) // 2]
+            elif kind in ("scales", "zeros") and self.group_size > 0:
+                lo, hi = _span(indices, self.group_size, "groups")
+                tensor = tensor[:, lo:hi]
+        self._copy_rows(dest.narrow(0, offset, rows), tensor, kind)
+        return rows
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return packing.dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            try:
+                from pagoda.kernels.quant_w4a16 import w4a16_linear
+            except ImportError:
+                pass
+            else:
+                return w4a16_linear(x, self.qweight, self.scales, self.zeros, self._group, self.bias)
+        return super()._matmul(x)
+
+
+class Fp8Linear(_QuantizedLinear):
+    """FP8 (e4m3) weights with a float32 scale per row (per-tensor scales expanded per fused part) or per
+    (bn x bk) block; activations quantized per token at run time by the GPU kernel."""
+
+    kinds = ("weight", "weight_scale", "bias")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        group_size: int,
+        block: tuple[int, int] | None,
+    ):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.block = block
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device), False
+        )
+        if block is None:
+            scale_shape: tuple[int, ...] = (out_features,)
+        else:
+            bn, bk = block
+            scale_shape = (-(-out_features // bn), -(-in_features // bk))
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device), False)
+
+    def load_part(self, kind: str, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
+        """Copy a canonical tensor (or this rank's slice of it) into rows [offset, offset + rows) (block rows
+        for a block-wise scale); a per-tensor scale fills its part's rows."""
+        dest = self._param(kind)
+        if kind == "weight_scale" and self.block is not None:
+            return self._load_block_scale(tensor, offset, rows, part)
+        if kind == "weight_scale" and tensor.numel() == 1:
+            dest.narrow(0, offset, rows).fill_(float(tensor.reshape(())))
+            return rows
+        if part is not None:
+            dim, indices = part
+            if dim == 0 or kind == "weight":
+                tensor = tensor.index_select(dim, torch.tensor(indices, dtype=torch.long))
+        self._copy_rows(dest.narrow(0, offset, rows), tensor, kind)
+        return rows
+
+    def _load_block_scale(self, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
+        bn, bk = self.block
+        if offset % bn or (rows % bn and offset + rows != self.out_features):
+            raise ValueError(
+                f"a fused part of rows {offset}..{offset + rows - 1} cuts FP8 blocks of {bn} rows"
+            )
+        if part is not None:
+            dim, indices = part
+            unit = bn if dim == 0 else bk
+            if dim == 0 and len(indices) % bn == 0:
+                blocks = sorted({i // bn for i in indices})
+                if len(blocks) * bn != len(indices):
+                    raise ValueError(f"tensor parallelism cuts FP8 blocks of {bn} rows")
+                tensor = tensor.index_select(0, torch.tensor(blocks, dtype=torch.long))
+            elif dim == 0:
+                raise ValueError(f"tensor parallelism cuts FP8 blocks of {bn} rows")
+            else:
+                lo, hi = _span(indices, unit, "FP8 blocks")
+                tensor = tensor[:, lo:hi]
+        block_rows = -(-rows // bn)
+        self._copy_rows(self.weight_scale.narrow(0, offset // bn, block_rows), tensor, "weight_scale")
+        return block_rows
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return packing.dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            try:
+                from pagoda.kernels.quant_fp8 import fp8_linear
+            except ImportError:
+                pass
+            else:
+                return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        return super()._matmul(x)
