@@ -45,12 +45,14 @@ LABEL_SIZES = (
     "BLOCK_SIZE",
     "BLOCK_M",
     "BLOCK_N",
+    "BLOCK_K",
     "HEADS_PAD",
     "BLOCK",
     "BLOCK_H",
     "ALIGN",
 )
-LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "SOFTCAP", "IEEE_DOT", "INT8", "QUANTIZE", "HAS_RESIDUAL")
+LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "SOFTCAP", "IEEE_DOT", "INT8", "QUANTIZE", "HAS_RESIDUAL", "GROUP_TILES",
+               "ACT_QUANT", "BLOCKWISE")  # fmt: skip
 
 
 @dataclass

@@ -9,8 +9,9 @@ FP8 tensor cores, so
   group, DeepSeek's scheme) to FP8 with scale = amax / 448, then the GEMM feeds both FP8 tiles to tl.dot
   with float32 accumulation and scales each sum by its row's and column's scales (block-wise: after each
   K block, which also keeps the FP8 accumulator's partial sums short);
-- weight-only (below 8.9): the GEMM widens each FP8 weight tile to float32, multiplies by its scales,
-  rounds to the activations' dtype and runs a 16-bit tl.dot.
+- weight-only (below 8.9): the GEMM reads the weight's bytes (Triton has no FP8 type there), decodes
+  each to float32 in integer arithmetic, multiplies by its scales, rounds to the activations' dtype and runs
+  a 16-bit tl.dot.
 
 The activation quantizer rounds in float32 integer arithmetic to the nearest-even FP8 value (saturated at
 +-448) before the cast, so the cast itself is exact: Triton's interpreter converts float32 to FP8 without
@@ -66,6 +67,20 @@ def _exact_fp8(v):
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
+@triton.jit
+def _fp8_bits_to_float(bits):
+    """float8_e4m3fn bit patterns (uint8) to float32 in integer arithmetic: Triton has no FP8 type below
+    compute capability 8.9, where the weight-only path runs. Value = (8 * [e > 0] + m) * 2**(max(e, 1) - 10);
+    the NaN pattern (never in a checkpoint) reads as 480."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    mantissa = tl.where(e > 0, m + 8, m).to(tl.float32)
+    power = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)  # 2**(max(e, 1) - 10)
+    value = mantissa * power
+    return tl.where((b & 0x80) != 0, -value, value)
+
+
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def _quantize_fp8_kernel(
     x_ptr,  # [M, K]
@@ -101,7 +116,7 @@ def _quantize_fp8_kernel(
 def _fp8_linear_kernel(
     x_ptr,  # [M, K]: float8 (ACT_QUANT) or the activations
     xs_ptr,  # float32 [M, groups] activation scales (ACT_QUANT)
-    w_ptr,  # float8 [N, K]
+    w_ptr,  # float8 [N, K] (ACT_QUANT), else its bytes: uint8 [N, K]
     ws_ptr,  # float32 [N] or [ceil(N / bn), ceil(K / bk)] (BLOCKWISE)
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N]
@@ -152,9 +167,9 @@ def _fp8_linear_kernel(
                 acc += part
         else:
             if BLOCKWISE:
-                w = wt.to(tl.float32) * step_scale[None, :]
+                w = _fp8_bits_to_float(wt) * step_scale[None, :]
             else:
-                w = wt.to(tl.float32) * col_scale[None, :]
+                w = _fp8_bits_to_float(wt) * col_scale[None, :]
             w = w.to(x_ptr.dtype.element_ty)
             if UPCAST:  # float32 operands (or bfloat16 under the interpreter, where its dot is unreliable)
                 acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -269,7 +284,7 @@ def fp8_linear(
         (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)),
         xq,
         xs,
-        weight,
+        weight if act_quant else weight.view(torch.uint8),
         scale,
         bias if bias is not None else out,
         out,

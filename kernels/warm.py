@@ -10,6 +10,8 @@ without the residual add, rotary on q and k, silu-and-mul) follow: their variant
 head dim, and on whether rows are whole 16-byte vectors, which every catalogue model's hidden and
 intermediate sizes are (the sizes below are too). With LoRA on, each fused linear's shrink and expand
 (qkv: three slices, gate_up: two, o and down: one) follow, their variants fixed by the dtype and the rank.
+A plan whose checkpoint is quantized (`KernelPlan.quant_format`) adds each fused linear's quantized GEMM at
+every row bucket (W4A16, or FP8 on the path the GPU takes); unquantized plans launch none of them.
 
 `KernelPlan` is what decides the variant set of one engine; pagoda.engine.cli.kernels.kernel_plan derives it
 from the model's shape, the GPU, the dtypes, the tensor-parallel size, the block size and LoRA (the one
@@ -117,6 +119,7 @@ class KernelPlan:
     lora_rank: int | None = None  # --max-lora-rank when LoRA is on (every slot is this wide)
     attention: bool = True  # False with --attention-backend torch: no attention or layer kernels, LoRA only
     logit_softcap: float | None = None  # the model's attn_logit_softcapping (Gemma 2), on every layer
+    quant_format: str = ""  # "int4" | "fp8": the checkpoint's quantized linears (their kernels); "" = none
 
     @property
     def limits(self) -> DeviceLimits:
@@ -164,12 +167,59 @@ def launch_lora(plan: KernelPlan) -> None:
             offset += size
 
 
+# One step's rows in each row bucket of the quantized linears (launch_config.QUANT_ROW_BUCKETS): a decode
+# to a prefill chunk; their variants differ by the row tile only (M itself is not specialised on).
+QUANT_STEP_ROWS = (1, 32, 64, 256)
+INT4_GROUPS = (128, -1)  # the issue's group size and per channel
+FP8_BLOCKS = (None, (128, 128))  # per row (per tensor expanded at load, or per channel) and block-wise
+
+
+def quantized_linears(plan: KernelPlan) -> list[tuple[int, int]]:
+    """(in_features, out_features) of each fused linear on a rank, as the engine holds them quantized:
+    qkv, o, gate_up, down. Tensor parallelism is read back from the rank's heads (the sizes matter only
+    through Triton's divisibility specialisation)."""
+    d = plan.head_dim
+    shapes = []
+    for heads, kv_heads in plan.ranks:
+        tp = max(1, plan.hidden_size // max(heads * d, 1))
+        inter = plan.intermediate_size // tp
+        shapes += [(plan.hidden_size, (heads + 2 * kv_heads) * d), (heads * d, plan.hidden_size),
+                   (plan.hidden_size, 2 * inter), (inter, plan.hidden_size)]  # fmt: skip
+    return list(dict.fromkeys(shapes))
+
+
+def launch_quantized(plan: KernelPlan) -> None:
+    """Each quantized linear's kernel at every row bucket: W4A16 for INT4 (group 128 and per channel),
+    FP8 per row and 128 x 128 block-wise on the path the GPU takes (FP8 x FP8 from 8.9, else weight-only)."""
+    from pagoda.kernels.quant_fp8 import fp8_linear
+    from pagoda.kernels.quant_w4a16 import w4a16_linear
+
+    dtype = getattr(torch, plan.dtype)
+    for k, n in quantized_linears(plan):
+        for m in QUANT_STEP_ROWS:
+            x = torch.empty((m, k), dtype=dtype, device=META)
+            if plan.quant_format == "int4":
+                qweight = torch.empty((n, (k + 1) // 2), dtype=torch.uint8, device=META)
+                for group in INT4_GROUPS:
+                    groups = 1 if group <= 0 else -(-k // group)
+                    scales = torch.empty((n, groups), dtype=dtype, device=META)
+                    zeros = torch.empty((n, groups), dtype=torch.uint8, device=META)
+                    w4a16_linear(x, qweight, scales, zeros, group)
+            elif plan.quant_format == "fp8":
+                weight = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=META)
+                for block in FP8_BLOCKS:
+                    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+                    fp8_linear(x, weight, torch.empty(shape, dtype=torch.float32, device=META), block)
+
+
 def launch_plan(plan: KernelPlan) -> None:
     """One launch of every variant of the plan (inside `compiling_for(plan.limits)`)."""
     for shape in dict.fromkeys(plan.attention_shapes() if plan.attention else []):
         launch_all(shape)
     if plan.lora_rank:
         launch_lora(plan)
+    if plan.quant_format in ("int4", "fp8"):
+        launch_quantized(plan)
 
 
 def compile_plan(plan: KernelPlan) -> Compilation:

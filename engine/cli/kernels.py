@@ -231,7 +231,7 @@ def unit_for(
         shared_memory_per_block=spec.shared_memory_per_block, dtype=resolved,
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype, resolved), tensor_parallel_size=tensor_parallel_size,
         block_size=block_size, lora_rank=lora_rank or None, attention=attention,
-        logit_softcap=shape.attn_logit_softcapping,
+        logit_softcap=shape.attn_logit_softcapping, quant_format=getattr(shape, "weight_format", ""),
     )  # fmt: skip
     return Unit((spec.name,), model, tensor_parallel_size, kernel)
 
@@ -253,10 +253,12 @@ def kernel_plan(
     lora_rank: int | None,
     attention: bool = True,
     logit_softcap: float | None = None,
+    quant_format: str = "",
 ) -> KernelPlan:
     """The kernel plan of an engine with these settings (dtypes resolved: torch names): its ranks' heads as
-    the engine shards them; `logit_softcap` is the model's attention soft-cap (Gemma 2). Pure; `pagoda
-    kernels warm` in every mode goes through it."""
+    the engine shards them; `logit_softcap` is the model's attention soft-cap (Gemma 2); `quant_format` the
+    checkpoint's quantized linears ("int4" | "fp8": their GEMMs too; anything else, GGUF included, none on a
+    GPU). Pure; `pagoda kernels warm` in every mode goes through it."""
     from pagoda.kernels.warm import KernelPlan
 
     tp = tensor_parallel_size
@@ -268,7 +270,7 @@ def kernel_plan(
     return KernelPlan(
         tuple(compute_capability), shared_memory_per_block, tuple(dict.fromkeys(ranks)), head_dim, hidden_size,
         intermediate_size, block_size, dtype, kv_cache_dtype, sliding_window, lora_rank, attention,
-        logit_softcap or None,
+        logit_softcap or None, quant_format if quant_format in ("int4", "fp8") else "",
     )  # fmt: skip
 
 

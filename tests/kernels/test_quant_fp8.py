@@ -134,3 +134,14 @@ def test_scales_that_do_not_fit_are_refused():
         fp8_linear(x, w, torch.ones(2, 2), (128, 128))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_linear(x, w.float(), scale)
+
+
+def test_weight_only_decodes_every_fp8_value_exactly():
+    """The weight-only path decodes FP8 bytes in integer arithmetic (no FP8 type below 8.9): every finite
+    float8_e4m3fn value (normal, subnormal, signed zero), read through an identity product, comes out as
+    torch's float32 of it."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # not the NaNs
+    w = codes.view(torch.float8_e4m3fn).reshape(-1, 2)  # [127, 2]
+    x = torch.eye(2)
+    out = fp8_linear(x, w.contiguous(), torch.ones(w.shape[0]), act_quant=False)
+    assert torch.equal(out.T, w.float())

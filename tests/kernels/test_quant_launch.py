@@ -1,0 +1,118 @@
+"""The quantized linears' launch configurations and warm units: every catalogue GPU's tiles fit its shared
+memory, the row tile follows the step's rows, and only a quantized plan launches the quantized kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pagoda.engine.sizing import GPU_CATALOGUE
+from pagoda.kernels.launch_config import (
+    INTERPRETER,
+    QUANT_KINDS,
+    DeviceLimits,
+    quant_linear_config,
+    quant_rows_bucket,
+)
+from pagoda.kernels.warm import KernelPlan, quantized_linears
+
+
+@pytest.mark.parametrize("spec", GPU_CATALOGUE, ids=lambda s: s.name)
+def test_every_catalogue_gpu_gets_quantized_tiles_that_fit(spec):
+    device = DeviceLimits(spec.compute_capability, spec.shared_memory_per_block)
+    for kind in QUANT_KINDS:
+        for dtype in ("float16", "bfloat16", "float32"):
+            for m in (1, 16, 17, 64, 65, 4096):
+                c = quant_linear_config(device, dtype, kind, m)
+                assert c.shared_memory <= spec.shared_memory_per_block
+                assert c.block_m == quant_rows_bucket(m) and c.block_n >= 16 and c.block_k >= 16
+                assert c.num_stages == (3 if spec.compute_capability >= (8, 0) else 2)
+
+
+def test_rows_pick_the_tile_and_the_interpreter_the_least():
+    assert [quant_rows_bucket(m) for m in (1, 16, 17, 32, 33, 64, 65, 8192)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+        128,
+    ]
+    h100 = DeviceLimits((9, 0), 227 * 1024)
+    decode = quant_linear_config(h100, "bfloat16", "w4a16", 1)
+    assert (decode.block_m, decode.block_n, decode.block_k) == (16, 64, 256)  # long K steps for a decode
+    prefill = quant_linear_config(h100, "bfloat16", "fp8", 2048)
+    assert (prefill.block_m, prefill.block_n, prefill.block_k, prefill.num_warps) == (128, 128, 64, 8)
+    assert quant_linear_config(INTERPRETER, "float32", "fp8", 500).block_m == 16
+    small = quant_linear_config(DeviceLimits((7, 5), 20 * 1024), "float16", "w4a16", 2048)
+    assert small.shared_memory <= 20 * 1024
+    with pytest.raises(ValueError, match="no w4a16 tile fits"):
+        quant_linear_config(DeviceLimits((7, 5), 1024), "float16", "w4a16", 1)
+    with pytest.raises(ValueError, match="kind must be"):
+        quant_linear_config(h100, "float16", "int8", 1)
+
+
+def _plan(cc, quant_format, ranks=((32, 8),)):
+    return KernelPlan(cc, 100 * 1024, ranks, 128, 4096, 14336, 16, "bfloat16", "bfloat16",
+                      attention=False, quant_format=quant_format)  # fmt: skip
+
+
+RECORD = textwrap.dedent(
+    """
+    import json
+    from pagoda.kernels.aot import recording_for
+    from pagoda.kernels.warm import KernelPlan, launch_plan
+
+    report = {}
+    for cc, fmt in (((9, 0), ""), ((9, 0), "gguf"), ((8, 0), "int4"), ((8, 9), "fp8"), ((8, 0), "fp8")):
+        plan = KernelPlan(cc, 100 * 1024, ((32, 8),), 128, 4096, 14336, 16, "bfloat16", "bfloat16",
+                          attention=False, quant_format=fmt)
+        with recording_for(plan.limits) as keys:
+            launch_plan(plan)
+        report[f"{cc[0]}.{cc[1]} {fmt}"] = [sorted({k[0] for k in keys}), len(keys)]
+    print(json.dumps(report))
+    """
+)
+
+
+def test_only_a_quantized_plan_launches_the_quantized_kernels():
+    """Recorded (not compiled) in a process of its own: this session's Triton is the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", RECORD], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["9.0 "] == [[], 0] and report["9.0 gguf"] == [[], 0]  # GGUF runs dequantized on a GPU
+    kernels, variants = report["8.0 int4"]
+    assert kernels == ["_w4a16_kernel"] and variants >= 4  # a variant per row bucket at least
+    assert report["8.9 fp8"][0] == ["_fp8_linear_kernel", "_quantize_fp8_kernel"]  # activations quantized
+    assert report["8.0 fp8"][0] == ["_fp8_linear_kernel"]  # weight-only
+
+
+def test_quantized_linears_follow_the_ranks():
+    tp1 = quantized_linears(_plan((9, 0), "int4"))
+    assert tp1 == [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    tp4 = quantized_linears(_plan((9, 0), "int4", ranks=((8, 2),)))
+    assert tp4 == [(4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096)]
+
+
+def test_the_warm_cli_passes_the_checkpoint_s_format():
+    from pagoda.engine.cli.kernels import kernel_plan
+
+    common = dict(
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=14336,
+        sliding_window=None, compute_capability=(9, 0), shared_memory_per_block=232448, dtype="bfloat16",
+        kv_cache_dtype="bfloat16", tensor_parallel_size=1, block_size=16, lora_rank=None,
+    )  # fmt: skip
+    assert kernel_plan(**common).quant_format == ""
+    assert kernel_plan(**common, quant_format="fp8").quant_format == "fp8"
+    assert kernel_plan(**common, quant_format="gguf").quant_format == ""
+    assert torch.float8_e4m3fn  # the plan's FP8 kernels need torch's FP8 dtype
