@@ -31,7 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "greedy.c", "lora.c", "small_rows.c", "info.c")
+SOURCES = (
+    "paged_decode.c",
+    "paged_prefill.c",
+    "layer_ops.c",
+    "greedy.c",
+    "lora.c",
+    "small_rows.c",
+    "quant_gguf.c",
+    "info.c",
+)
 HEADERS = ("pagoda_cpu.h",)
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 MANIFEST = "build.json"

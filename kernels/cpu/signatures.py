@@ -50,6 +50,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # x, M, K, x_stride, w, N, w_stride, y, y_stride, nthreads
     "pagoda_small_rows_f32": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
     "pagoda_small_rows_bf16w": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
+    # x, M, K, x_stride, w (GGUF blocks), N, w_stride (bytes), ggml type, y, y_stride, nthreads
+    "pagoda_gguf_linear": (I, [P, I64, I64, I64, P, I64, I64, I, P, I64, I]),
+    # w, N, K, w_stride (bytes), ggml type, out, out_stride, nthreads
+    "pagoda_gguf_dequantize": (I, [P, I64, I64, I64, I, P, I64, I]),
 }
 
 FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the causal prefill kernel is compiled in
