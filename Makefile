@@ -103,6 +103,12 @@ bench-prefix-partial: install
 bench-kv-accuracy: install
 	$(PY) benchmarks/bench_kv_accuracy.py
 
+# Quantized weight formats vs the float32 default model (issue 37): builds its checkpoints with llm-compressor
+# (.peers/llmcompressor) and llama.cpp's quantizer (.peers/llamacpp) on first use, into bench-results/quantized
+.PHONY: bench-weight-accuracy
+bench-weight-accuracy: install
+	$(PY) benchmarks/bench_weight_accuracy.py $(ARGS)
+
 # a batch of 32 requests over 1, 4 and 8 LoRA adapters against the base model alone (docs/lora.md); ARGS="--rank 16"
 .PHONY: bench-lora
 bench-lora: install

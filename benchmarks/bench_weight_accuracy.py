@@ -1,0 +1,308 @@
+"""What quantized weights cost in accuracy (issue 37, item 4): bench-kv-accuracy's teacher-forced method
+applied to weights, on the default model, each format run by Pagoda's own engine.
+
+    make bench-weight-accuracy     # or: python benchmarks/bench_weight_accuracy.py [--ppl-tokens 1024]
+
+The reference is the default model as the engine holds it by default: SmolLM2-135M-Instruct's Q4_1 GGUF
+dequantized to float32 (no original bfloat16 checkpoint is installed here, so every format is measured
+against the dequantized Q4_1 weights, not against the model as trained). Each variant is a checkpoint of those
+same float32 weights in one format, built here (never committed; bench-results/quantized/):
+
+- llm-compressor 0.14 (its own venv, .peers/llmcompressor; benchmarks/quantize_llmcompressor.py): FP8
+  dynamic (per-channel weights, per-token activations, no calibration), FP8 block 128x128, W4A16 GPTQ
+  (symmetric) and W4A16 AWQ (asymmetric), both group 64 (576 inputs: 128 does not divide them), calibrated
+  on 16 paragraphs of Debian's Apache-2.0 licence;
+- GGUF, requantized from the Q4_1 file by llama.cpp's own quantizer (llama-cpp-python's
+  llama_model_quantize, in .peers/llamacpp): Q8_0, Q6_K, Q4_K (Q4_K_M's mix) and Q4_0; plus the Q4_1 file
+  itself, run from its blocks with `--quantization gguf` (the same weights as the reference: it measures the
+  quantized kernels, not a quantization).
+
+GGUF variants run with `--quantization gguf` where the engine has it (else dequantized at load: the same
+weights either way, so the quality is the format's). Every checkpoint runs on the engine's model runner
+in float32 on the CPU, fed the first --ppl-tokens tokens of a held-out text (/usr/share/common-licenses/GPL-3,
+which no calibration set saw) in --chunk-token prefill chunks; at every position the variant's top-1 token is
+compared with the reference's (teacher-forced: both see the same text) and the perplexity of the text is
+taken. Floors (issue 37): FP8 >= 97%, INT8 (Q8_0) >= 97%, INT4 (W4A16, Q4_*) >= 90% top-1 agreement.
+
+Prints a table, writes bench-results/bench_weight_accuracy.json and a plot. --dry-run scores the reference
+against itself (the harness alone, no checkpoint built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, plot_path, print_table, write_json  # noqa: E402
+from pagoda.engine.config import EngineConfig  # noqa: E402
+from pagoda.engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from pagoda.engine.worker.step_input import StepInput  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / ".peers"
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+BLOCK = 16
+KV_BYTES = 256 << 20  # one sequence of --ppl-tokens tokens (SmolLM2 float32: 45 KiB per token)
+LLMCOMPRESSOR = "0.14.0.1"
+TORCH_CPU = "2.13.0"  # installed first into llm-compressor's venv, so pip keeps the CPU wheel
+LLAMA_CPP = "0.3.36"
+FLOORS = {"fp8": 97.0, "int8": 97.0, "int4": 90.0}
+# label -> (floor class, how it is made); the reference row comes first
+LLMC = {
+    "fp8-dynamic": ("fp8", "llm-compressor FP8_DYNAMIC (per-channel weights, per-token activations)"),
+    "fp8-block": ("fp8", "llm-compressor FP8_BLOCK (128x128 weight blocks)"),
+    "w4a16-gptq": ("int4", "llm-compressor GPTQ W4A16, symmetric, group 64"),
+    "w4a16-awq": ("int4", "llm-compressor AWQ + W4A16, asymmetric, group 64"),
+}
+# GGUF types requantized from the Q4_1 file (llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers)
+GGUF_TYPES = {"Q8_0": ("int8", 7), "Q6_K": ("int8", 18), "Q4_K_M": ("int4", 15), "Q4_0": ("int4", 2)}
+
+
+def say(msg: str) -> None:
+    print(f"[bench-weight-accuracy] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- building the checkpoints
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    with open(log, "ab") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                              cwd="/", check=False)  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}; see {log}")
+
+
+def ensure_venv(name: str, packages: list[list[str]], probe: str) -> Path:
+    """A peer's own venv under .peers/<name>, made on first use (each list of packages one pip install)."""
+    venv = PEERS / name
+    python = venv / "bin" / "python"
+    stamp = venv / ".bench-weight-accuracy-ready"
+    if stamp.exists():
+        return python
+    log = RESULTS / f"install-{name}.log"
+    say(
+        f"installing {', '.join(p for ps in packages for p in ps)} into {venv.relative_to(ROOT)} (log: {log})"
+    )
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", str(venv)], log)
+    for pkgs in packages:
+        _run([str(python), "-m", "pip", "install", *pkgs], log, {"CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+    _run([str(python), "-c", probe], log)
+    stamp.write_text("ok\n")
+    return python
+
+
+def build_llmcompressor(src: Path, out: Path) -> None:
+    python = ensure_venv("llmcompressor", [[f"torch=={TORCH_CPU}"], [f"llmcompressor=={LLMCOMPRESSOR}"]],
+                         "import llmcompressor")  # fmt: skip
+    missing = [n for n in LLMC if not (out / n / "config.json").exists()]
+    if missing:
+        say(f"quantizing {', '.join(missing)} with llm-compressor (minutes on CPU)")
+        _run([str(python), str(Path(__file__).with_name("quantize_llmcompressor.py")), str(src), str(out),
+              "--only", *missing], RESULTS / "quantize-llmcompressor.log")  # fmt: skip
+
+
+def build_gguf(q4_1: Path, out: Path) -> None:
+    python = ensure_venv("llamacpp", [[f"llama-cpp-python[server]=={LLAMA_CPP}"]], "import llama_cpp")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (_, ftype) in GGUF_TYPES.items():
+        target = out / f"SmolLM2-135M-Instruct.{name}.gguf"
+        if target.exists():
+            continue
+        code = (
+            "import llama_cpp, sys\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            f"p.ftype = {ftype}\np.allow_requantize = True\np.nthread = 2\n"
+            f"rc = llama_cpp.llama_model_quantize({str(q4_1).encode()!r}, {str(target).encode()!r}, p)\n"
+            "sys.exit(rc)\n"
+        )
+        say(f"requantizing the Q4_1 file to {name} with llama.cpp")
+        _run([str(python), "-c", code], RESULTS / "quantize-gguf.log")
+
+
+# ---------------------------------------------------------------- scoring
+
+
+class Scorer:
+    """One engine's model runner on one checkpoint, one sequence fed in prefill chunks (no scheduler)."""
+
+    def __init__(self, model: Path, quantization: str | None, tokens: int) -> None:
+        kwargs = {"quantization": quantization} if quantization else {}
+        self.engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_model_len=BLOCK,
+                                             kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, **kwargs))  # fmt: skip
+        self.blocks = -(-tokens // BLOCK) + 1
+        if self.engine.num_blocks < self.blocks:
+            raise RuntimeError(
+                f"{KV_BYTES >> 20} MiB of KV hold {self.engine.num_blocks} blocks, not {self.blocks}"
+            )
+
+    def score(self, ids: list[int], chunk: int) -> tuple[np.ndarray, float]:
+        """(top-1 token before each position 1.., perplexity of ids[1:])."""
+        table = np.arange(self.blocks, dtype=np.int32).reshape(1, self.blocks)
+        tops, nll = [], 0.0
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start : start + chunk]
+            step = StepInput(
+                input_ids=np.asarray(piece, dtype=np.int64),
+                positions=np.arange(start, start + len(piece), dtype=np.int64),
+                query_lens=np.asarray([len(piece)]),
+                context_lens=np.asarray([start]),
+                block_tables=table,
+                sample_idx=np.arange(len(piece), dtype=np.int64),
+            )
+            logits = self.engine.runner.run(step).float()
+            targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
+            logits = logits[: len(targets)]
+            tops.append(logits.argmax(-1).numpy())
+            nll -= float(logits.log_softmax(-1).gather(1, targets[:, None]).sum())
+        return np.concatenate(tops), math.exp(nll / (len(ids) - 1))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def has_quantization_flag() -> bool:
+    return "quantization" in EngineConfig.__dataclass_fields__
+
+
+def variants(args: argparse.Namespace, reference: Path, q4_1: Path) -> list[dict]:
+    """Every checkpoint to score: label, floor class, path, --quantization, how it was made."""
+    out = RESULTS / "quantized" / "smollm2-135m"
+    gguf_flag = "gguf" if has_quantization_flag() else None
+    rows = [{"label": "float32 (dequantized Q4_1)", "floor": None, "path": reference, "quantization": None,
+             "made": "the engine's own GGUF conversion: the reference"}]  # fmt: skip
+    if args.dry_run:
+        return rows + [{**rows[0], "label": "float32 again (dry run)"}]
+    rows.append({"label": "gguf Q4_1 (its own blocks)", "floor": "int4", "path": q4_1, "quantization": gguf_flag,
+                 "made": "the default model's file" + ("" if gguf_flag else " (dequantized: no --quantization)")})  # fmt: skip
+    if not args.skip_gguf:
+        build_gguf(q4_1, out)
+        for name, (floor, _) in GGUF_TYPES.items():
+            rows.append({"label": f"gguf {name}", "floor": floor, "quantization": gguf_flag,
+                         "path": out / f"SmolLM2-135M-Instruct.{name}.gguf",
+                         "made": "llama.cpp requantized from the Q4_1 file"})  # fmt: skip
+    if not args.skip_llmcompressor:
+        build_llmcompressor(reference, out)
+        for name, (floor, made) in LLMC.items():
+            rows.append(
+                {"label": name, "floor": floor, "path": out / name, "quantization": None, "made": made}
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of the held-out text scored")
+    ap.add_argument("--chunk", type=int, default=128, help="prefill chunk")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", nargs="*", help="score only these labels (and the reference)")
+    ap.add_argument("--skip-gguf", action="store_true", help="no llama.cpp requantized GGUF variants")
+    ap.add_argument("--skip-llmcompressor", action="store_true", help="no llm-compressor variants")
+    ap.add_argument("--dry-run", action="store_true", help="the reference against itself: the harness only")
+    args = ap.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the loader's per-tensor progress bars, once per checkpoint
+    torch.set_num_threads(args.threads)
+    RESULTS.mkdir(exist_ok=True)
+    from pagoda.engine.loader import load_tokenizer, resolve_model
+    from pagoda.engine.loader.resolve import default_model_gguf
+
+    reference, q4_1 = resolve_model(None), default_model_gguf()
+    ids = load_tokenizer(reference)(TEXT.read_text(), add_special_tokens=False).input_ids[: args.ppl_tokens]
+
+    results: dict[str, dict] = {}
+    ref_top: np.ndarray | None = None
+    for row in variants(args, reference, q4_1):
+        if args.only and ref_top is not None and row["label"] not in args.only:
+            continue
+        t0 = time.perf_counter()
+        say(
+            f"{row['label']}: {row['path']}"
+            + (f" --quantization {row['quantization']}" if row["quantization"] else "")
+        )
+        try:
+            scorer = Scorer(row["path"], row["quantization"], len(ids))
+            try:
+                top, ppl = scorer.score(ids, args.chunk)
+            finally:
+                scorer.close()
+        except Exception as exc:  # a format the engine does not load yet is reported, not fatal
+            results[row["label"]] = {**_meta(row), "error": f"{type(exc).__name__}: {exc}"[:400]}
+            say(f"{row['label']}: FAILED {results[row['label']]['error']}")
+            continue
+        if ref_top is None:
+            ref_top, ref_ppl = top, ppl
+        agree = 100.0 * float((top == ref_top).mean())
+        results[row["label"]] = {**_meta(row), "top1_agreement_pct": agree, "perplexity": ppl,
+                                 "perplexity_ratio": ppl / ref_ppl, "seconds": time.perf_counter() - t0}  # fmt: skip
+        floor = FLOORS.get(row["floor"] or "")
+        results[row["label"]]["meets_floor"] = None if floor is None else agree >= floor
+        say(f"{row['label']}: top-1 agreement {agree:.2f}%, perplexity {ppl:.4f} ({ppl / ref_ppl:.4f}x)")
+
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, r["floor"] or "-", "failed", "", "", r["error"][:80]])
+            continue
+        floor = FLOORS.get(r["floor"] or "")
+        verdict = "" if floor is None else ("yes" if r["meets_floor"] else "NO")
+        rows.append([label, f"{r['floor']} >= {floor:g}%" if floor else "reference",
+                     f"{r['top1_agreement_pct']:.2f}", f"{r['perplexity']:.4f}", f"{r['perplexity_ratio']:.4f}",
+                     verdict])  # fmt: skip
+    print_table(
+        f"Weight formats vs the float32 dequantized Q4_1 reference (SmolLM2-135M-Instruct, teacher-forced on "
+        f"{len(ids)} tokens of GPL-3 in {args.chunk}-token chunks, Pagoda's engine, CPU float32)",
+        ["checkpoint", "floor", "top-1 agreement %", "perplexity", "perplexity ratio", "meets floor"],
+        rows,
+    )
+    path = write_json("bench_weight_accuracy", {"args": vars(args), "reference": str(reference),
+                                                "text": str(TEXT), "tokens": len(ids), "results": results})  # fmt: skip
+    say(f"wrote {path}")
+    _plot(results)
+
+
+def _meta(row: dict) -> dict:
+    return {
+        "floor": row["floor"],
+        "path": str(row["path"]),
+        "quantization": row["quantization"],
+        "made": row["made"],
+    }
+
+
+def _plot(results: dict[str, dict]) -> None:
+    ok = {k: r for k, r in results.items() if "top1_agreement_pct" in r}
+    if not ok:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.45 * len(ok) + 1.6))
+    names = list(ok)[::-1]
+    a.barh(names, [ok[n]["top1_agreement_pct"] for n in names], color="#48c")
+    for floor in sorted(set(FLOORS.values())):
+        a.axvline(floor, color="#c84", linestyle="--", linewidth=1)
+    a.set_xlim(min(80.0, min(ok[n]["top1_agreement_pct"] for n in names) - 2), 100.5)
+    a.set_title("top-1 agreement with the reference, %")
+    b.barh(names, [ok[n]["perplexity_ratio"] for n in names], color="#4a4")
+    b.set_title("perplexity / reference")
+    fig.tight_layout()
+    fig.savefig(plot_path("bench_weight_accuracy"))
+    say(f"wrote {plot_path('bench_weight_accuracy')}")
+
+
+if __name__ == "__main__":
+    main()
