@@ -96,7 +96,7 @@ def test_ignore_lists_by_name_suffix_and_pattern() -> None:
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zero points"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2'"),
         ({"quant_method": "hqq"}, "'hqq'-quantized"),
-        ({"quant_method": "mxfp4"}, "'mxfp4'-quantized"),
+        ({"quant_method": "quanto"}, "'quanto'-quantized"),
     ],
 )
 def test_unsupported_schemes_are_refused_naming_what_runs(config, words) -> None:
