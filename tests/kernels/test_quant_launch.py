@@ -116,3 +116,18 @@ def test_the_warm_cli_passes_the_checkpoint_s_format():
     assert kernel_plan(**common, quant_format="fp8").quant_format == "fp8"
     assert kernel_plan(**common, quant_format="gguf").quant_format == ""
     assert torch.float8_e4m3fn  # the plan's FP8 kernels need torch's FP8 dtype
+
+
+def test_a_quantized_checkpoint_s_plan_names_its_format():
+    """`pagoda kernels warm --model <id>`: the shape's weight format (read from the checkpoint's
+    quantization_config, here the catalogue's published quantized ids) decides the quantized units."""
+    from pagoda.engine.cli.kernels import _parser, plan_unit
+    from pagoda.engine.cli.plan import resolve_shape
+    from pagoda.engine.sizing import lookup_gpu
+
+    args = _parser().parse_args(["warm", "--gpu", "L4"])
+    got = {
+        model: plan_unit(lookup_gpu("L4"), model, resolve_shape(model), args).plan.quant_format
+        for model in ("Qwen/Qwen3-8B-AWQ", "Qwen/Qwen3-8B-FP8", "Qwen/Qwen3-8B")
+    }
+    assert got == {"Qwen/Qwen3-8B-AWQ": "int4", "Qwen/Qwen3-8B-FP8": "fp8", "Qwen/Qwen3-8B": ""}
