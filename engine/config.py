@@ -19,6 +19,8 @@ from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 KV_EVICTION = ("none", "streaming")
+# --quantization: vLLM's names for what Pagoda runs (engine/loader/gguf_quant.py checks them against the model)
+QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq", "compressed-tensors")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's default
 DEFAULT_STREAMING_MAX_TOKENS = 32768
 MAX_LORA_RANK = 512
@@ -102,6 +104,14 @@ class EngineConfig:
         "auto",
         "KV cache element type (fp8 needs compute capability 8.9+; int8 with per-token scales runs anywhere)",
         choices=KV_CACHE_DTYPES,
+    )
+    quantization: str | None = _opt(
+        None,
+        "gguf: keep a GGUF model's weights in their quantized blocks, run by the CPU kernels (default: "
+        "dequantized at load); fp8, awq, gptq, compressed-tensors: the checkpoint's own method, refused if it "
+        "differs (a quantized checkpoint's method is read from its config.json anyway)",
+        choices=QUANTIZATION_METHODS,
+        aliases=("-q",),
     )
     kv_cache_memory_bytes: int | None = _opt(
         None, "KV cache size, e.g. 512MiB (overrides --gpu-memory-utilization)", parser="bytes"
@@ -298,6 +308,10 @@ class EngineConfig:
                 bad("max_cpu_loras", f"must be an integer of at least max_loras ({self.max_loras})")
             elif len(self.lora_modules or ()) > self.max_cpu_loras:
                 bad("max_cpu_loras", f"is below the {len(self.lora_modules or ())} adapters of lora_modules")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            bad("quantization", "gguf keeps the blocks on one rank: use tensor_parallel_size 1")
         if self.enable_lora and self.tensor_parallel_size > 1:
             bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
 

@@ -159,7 +159,6 @@ _ANSWERS: dict[str, Answer] = {
     "--allowed-media-domains": _ignored(_TEXT_ONLY, "+"),
     "--code-revision": _ignored("Pagoda never runs code from a model folder"),
     "--tokenizer-revision": _refused("use --tokenizer with the directory of that revision"),
-    "--quantization": _ignored("Pagoda reads the quantization from the checkpoint's own config"),
     "--logprobs-mode": _refused(
         "logprobs are always of the processed distribution", only=("processed_logprobs",)
     ),
@@ -520,7 +519,6 @@ SHORT: dict[str, str] = {
     "-dpe": "--data-parallel-external-lb",
     "-dpm": "--data-parallel-multi-port-external-lb",
     "-ep": "--enable-expert-parallel",
-    "-q": "--quantization",
     "-n": "--nnodes",
     "-r": "--node-rank",
     "-dcp": "--decode-context-parallel-size",

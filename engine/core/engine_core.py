@@ -39,6 +39,7 @@ from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streamin
 from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.loader.generation_config import eos_token_ids as generation_eos_ids
 from pagoda.engine.loader.generation_config import read_generation_config, sampling_defaults
+from pagoda.engine.loader.gguf_quant import check_quantization
 from pagoda.engine.loader.tokenizer import tokenizer_path
 from pagoda.engine.lora.model import LoRAModel
 from pagoda.engine.lora.registry import LoRAAdapter, LoRARegistry
@@ -89,6 +90,7 @@ class EngineCore:
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
         mc = self.model_config
+        check_quantization(config.quantization, path, mc, self.device)  # --quantization against the model
         self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype, mc.family.float16)
         check_device(self.device, self.dtype, config.kv_cache_dtype)
         self.model_name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")

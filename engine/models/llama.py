@@ -242,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(rows, config.hidden_size, dtype=dtype, device=device), False
             )
         self._lm_head_packed = cpu_linear.PackedWeight()
+        # --quantization gguf: the LM head over the GGUF file's own blocks (engine/loader/gguf_quant.py)
+        self.lm_head_quantized: nn.Module | None = None
         self.set_max_model_len(max_model_len, device)
 
     def set_max_model_len(self, max_model_len: int | None, device: torch.device | None = None) -> None:
@@ -286,7 +288,10 @@ class LlamaForCausalLM(nn.Module):
             # model's "capital of France" answer changed on such a tie): on the CPU the head runs in float32
             # over the bfloat16 weights (exact products), as the sampler wants float32 anyway.
             hidden = hidden.float()
-        local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
+        if self.lm_head_quantized is not None:
+            local = self.lm_head_quantized(hidden).float()
+        else:
+            local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
         return finish_logits(all_gather_last_dim(local, shard_widths(self.config.vocab_size)), self.config)
 
     # ---- weights ------------------------------------------------------------------------------------

@@ -70,7 +70,12 @@ def build_rank(
     backend = get_attention_backend(config.attention_backend, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, _ = load_model(path, dtype, device, backend, progress=progress)
+    if getattr(config, "quantization", None) == "gguf":  # the GGUF file's blocks kept quantized
+        from pagoda.engine.loader.gguf_quant import load_gguf_model
+
+        model, _ = load_gguf_model(path, dtype, device, backend, progress=progress)
+    else:
+        model, _ = load_model(path, dtype, device, backend, progress=progress)
     if isinstance(config.max_model_len, int) and hasattr(model, "set_max_model_len"):
         # A length the user set is known before the plan: LongRoPE picks its factor set by it (every rank
         # alike). Otherwise the model's own length decides (see layers.longrope_uses_long).
