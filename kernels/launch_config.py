@@ -243,13 +243,15 @@ def quant_linear_config(limits: DeviceLimits, dtype: str, kind: str, m: int) -> 
     interpreter: tl.dot's least tile, so tests cover several tiles and groups per row)."""
     if kind not in QUANT_KINDS:
         raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    least_k = 2 * DOT_MIN if kind == "w4a16" else DOT_MIN  # W4A16 splits a step into two dots of half
     if limits.interpreter:
-        return QuantLinearConfig(DOT_MIN, DOT_MIN, DOT_MIN, 4, 1)
+        return QuantLinearConfig(DOT_MIN, DOT_MIN, least_k, 4, 1)
     bm = quant_rows_bucket(m)
     x_elem = 1 if kind == "fp8" else element_bytes(dtype)
     w_elem = 1 if kind == "fp8" else element_bytes(dtype)  # the widened weight tile
     stages = 3 if limits.compute_capability >= (8, 0) else 2
     for n, k in QUANT_TILES[bm]:
+        k = max(k, least_k)
         # pipelined operand loads (x and the stored weight bytes) plus the widened weight tile the dot reads
         smem = stages * (bm * k * x_elem + k * n) + k * n * w_elem + SCRATCH_SHARED_MEMORY
         if smem <= limits.shared_memory_per_block:

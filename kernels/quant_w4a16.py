@@ -1,10 +1,12 @@
 """W4A16: a linear layer whose weight is stored as 4-bit integers, dequantized in the tile (the GPU path).
 
 Each program computes a tile of the output [M, N] for x [M, K] (16-bit activations; float32 too, for the
-interpreter tests) against the canonical INT4 layout (kernels/quant_reference.py): per reduction step it
-loads the weight's bytes for a [BLOCK_K, BLOCK_N] tile (each byte serves two adjacent columns of K),
-takes the nibble of each element, subtracts its group's zero point, multiplies by its group's scale in
-float32, rounds to the activations' dtype and feeds tl.dot with float32 accumulation. A step inside one
+interpreter tests) against the canonical INT4 layout (kernels/quant_reference.py): per reduction step of
+BLOCK_K columns it loads the weight's [BLOCK_K / 2, BLOCK_N] bytes once (adjacent in memory along K, so
+the loads vectorise), splits each into its low nibble (an even column of K) and high nibble (the odd
+column), subtracts the group's zero point, multiplies by the group's scale in float32, rounds to the
+activations' dtype and feeds two tl.dot (x's even columns times the low nibbles, odd times high) with
+float32 accumulation: no interleaving of the nibbles in registers. A step inside one
 group (GROUP_TILES: the group is a multiple of BLOCK_K, or per channel) reads one scale and zero per column;
 otherwise each element reads its own group's. Nothing is dequantized to memory: the weight is read as
 half a byte per element, which is what makes a decode step (M of a few rows) cheaper than 16-bit.
@@ -16,12 +18,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.launch_config import quant_linear_config
+from pagoda.kernels.launch_config import DOT_MIN, quant_linear_config
 from pagoda.kernels.quant_reference import group_count
 from pagoda.kernels.runtime import check_launchable, device_limits, dtype_name, interpreting, launch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DYNAMIC_ARGS = ["M"]  # the step's rows; every other size is the layer's
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:  # float32 operands (or bfloat16 under the interpreter, where its dot is unreliable)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _dequantize(q, zero, scale, S_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr):
+    """(q - zero) * scale in float32, rounded to the scales' dtype (as the twin holds the weight), then to x's."""
+    return ((q.to(tl.float32) - zero) * scale).to(S_DTYPE).to(X_DTYPE)
 
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
@@ -55,27 +70,39 @@ def _w4a16_kernel(
     qw_cols = qw_ptr + cols[None, :].to(tl.int64) * qw_stride
     s_cols = s_ptr + cols[None, :].to(tl.int64) * s_stride
     z_cols = z_ptr + cols[None, :].to(tl.int64) * s_stride
+    s_dtype = s_ptr.dtype.element_ty
+    x_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        packed = tl.load(qw_cols + (ks // 2)[:, None], mask=w_ok, other=0).to(tl.int32)  # [K, N]
-        q = (packed >> ((ks % 2) * 4)[:, None]) & 0xF
+        # a step's bytes [BLOCK_K / 2, BLOCK_N], read once: low nibbles are the even columns of K, high
+        # nibbles the odd ones, each multiplied by x's even or odd columns (two dots, no interleaving)
+        pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        even = 2 * pairs
+        odd = even + 1
+        even_ok = even < K
+        odd_ok = odd < K
+        x_even = tl.load(x_rows + even[None, :], mask=row_ok[:, None] & even_ok[None, :], other=0.0)
+        x_odd = tl.load(x_rows + odd[None, :], mask=row_ok[:, None] & odd_ok[None, :], other=0.0)
+        byte_ok = even_ok[:, None] & col_ok[None, :]
+        packed = tl.load(qw_cols + pairs[:, None], mask=byte_ok, other=0).to(tl.int32)
         if GROUP_TILES:  # the whole step lies in one group
             g = k0 // group_size
             scale = tl.load(s_cols + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
             zero = tl.load(z_cols + g, mask=col_ok[None, :], other=0).to(tl.float32)
-        else:
-            g = (ks // group_size)[:, None]
-            scale = tl.load(s_cols + g, mask=w_ok, other=0.0).to(tl.float32)
-            zero = tl.load(z_cols + g, mask=w_ok, other=0).to(tl.float32)
-        w = ((q.to(tl.float32) - zero) * scale).to(s_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        if UPCAST:  # float32 operands (or bfloat16 under the interpreter, where its dot is unreliable)
-            acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, w)
+            w_even = _dequantize(packed & 0xF, zero, scale, s_dtype, x_dtype)
+            w_odd = _dequantize(packed >> 4, zero, scale, s_dtype, x_dtype)
+        else:  # each element reads its own group's scale and zero point
+            odd_w_ok = odd_ok[:, None] & col_ok[None, :]
+            g_even = (even // group_size)[:, None]
+            g_odd = (odd // group_size)[:, None]
+            scale = tl.load(s_cols + g_even, mask=byte_ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_cols + g_even, mask=byte_ok, other=0).to(tl.float32)
+            w_even = _dequantize(packed & 0xF, zero, scale, s_dtype, x_dtype)
+            scale = tl.load(s_cols + g_odd, mask=odd_w_ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_cols + g_odd, mask=odd_w_ok, other=0).to(tl.float32)
+            w_odd = _dequantize(packed >> 4, zero, scale, s_dtype, x_dtype)
+        acc += _dot(x_even, w_even, UPCAST)
+        acc += _dot(x_odd, w_odd, UPCAST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
@@ -87,11 +114,13 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def reduction_step(block_k: int, group_size: int, in_features: int) -> tuple[int, bool]:
-    """(BLOCK_K, GROUP_TILES): a group of 16 columns or more that is a power of two below the configured
-    step shortens the step to one group, so each step reads one scale per column."""
+    """(BLOCK_K, GROUP_TILES): a group that is a power of two below the configured step (and at least
+    2 x 16 columns: each step's two dots take half of it) shortens the step to one group, so each step reads
+    one scale per column."""
+    block_k = max(block_k, 2 * DOT_MIN)
     if group_size >= in_features or group_size % block_k == 0:
         return block_k, True
-    if group_size >= 16 and group_size & (group_size - 1) == 0 and group_size < block_k:
+    if group_size >= 2 * DOT_MIN and group_size & (group_size - 1) == 0 and group_size < block_k:
         return group_size, True
     return block_k, False
 

@@ -40,6 +40,7 @@ def _tol(dtype, out):
         (17, 35, 130, 64, torch.float32, False),  # K: a partial group at the end
         (3, 19, 69, -1, torch.float16, False),  # odd K, per channel
         (9, 24, 96, 24, torch.float32, False),  # a group no tile divides: each element reads its own
+        (4, 20, 64, 16, torch.float16, False),  # a group shorter than the least step (two dots of 16)
         (40, 50, 160, 32, torch.float16, True),  # several row tiles (prefill)
     ],
 )
@@ -89,7 +90,8 @@ def test_reduction_step_keeps_one_group_per_step():
     assert reduction_step(128, 32, 4096) == (32, True)  # shortened to the group
     assert reduction_step(256, 4096, 4096) == (256, True)  # per channel
     assert reduction_step(256, 11008, 11008) == (256, True)  # per channel, K no multiple of the step
-    assert reduction_step(16, 24, 96) == (16, False)
+    assert reduction_step(16, 24, 96) == (32, False)  # two dots of at least 16 columns each
+    assert reduction_step(64, 16, 4096) == (64, False)
 
 
 def test_layouts_that_are_not_canonical_are_refused():
