@@ -61,12 +61,15 @@ def make_linear(
 def dequantize_linears(model: nn.Module) -> int:
     """On the CPU, swap each FP8 / INT4 linear for a dense `Linear` over its weights dequantized once to the
     compute dtype (the CPU's dense path, its oneDNN packing included, runs them); returns how many. GGUF
-    linears stay quantized (their own CPU kernels)."""
+    linears stay quantized (their own CPU kernels), and so do linears on the Triton path (the interpreter
+    runs the GPU kernels)."""
     swaps = [
         (parent, child_name, child)
         for parent in model.modules()
         for child_name, child in parent.named_children()
-        if getattr(child, "dense_on_cpu", False) and next(child.parameters()).device.type == "cpu"
+        if getattr(child, "dense_on_cpu", False)
+        and not getattr(child, "triton", False)
+        and next(child.parameters()).device.type == "cpu"
     ]
     for parent, child_name, q in swaps:
         dense = Linear(q.in_features, q.out_features, q.bias is not None, q.dtype, torch.device("cpu"))

@@ -234,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device, uses_triton_kernels(backend)
         )
+        for module in self.modules():  # quantized linears run the GPU kernels on the Triton path
+            if hasattr(module, "load_part"):
+                module.triton = uses_triton_kernels(backend)
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:

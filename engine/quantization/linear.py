@@ -1,7 +1,8 @@
 """Linears over quantized weights held in the canonical layouts (engine/quantization/packing.py).
 
-On CUDA they run the GPU kernels (pagoda.kernels.quant_w4a16 / quant_fp8, imported when first used; where those
-are missing, the weight is dequantized per call). On the CPU the model replaces them after loading by dense
+On CUDA (and on the Triton path under the interpreter: `triton`) they run the GPU kernels
+(pagoda.kernels.quant_w4a16 / quant_fp8, imported when first used; where those are missing, the weight is
+dequantized per call). On the CPU the model replaces them after loading by dense
 linears over their weights dequantized once to the compute dtype (`dense_on_cpu`; engine/models/layers.py
 `dequantize_linears`): the CPU runs FP8 and INT4 checkpoints dequantized, and GGUF blocks are its quantized
 path (gguf_linear.py).
@@ -55,7 +56,10 @@ def _span(indices: list[int], unit: int, what: str) -> tuple[int, int]:
 
 
 class _QuantizedLinear(nn.Module):
-    dense_on_cpu = True  # the model swaps it for a dense Linear over dequantize() on the CPU
+    dense_on_cpu = True  # the model swaps it for a dense Linear over dequantize() on the CPU ...
+    triton = (
+        False  # ... unless the model runs the Triton path (set by the model: the GPU's, or the interpreter)
+    )
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
@@ -146,7 +150,7 @@ class Int4Linear(_QuantizedLinear):
         return packing.dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda or self.triton:
             try:
                 from pagoda.kernels.quant_w4a16 import w4a16_linear
             except ImportError:
@@ -227,7 +231,7 @@ class Fp8Linear(_QuantizedLinear):
         return packing.dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda or self.triton:
             try:
                 from pagoda.kernels.quant_fp8 import fp8_linear
             except ImportError:
