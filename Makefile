@@ -149,7 +149,8 @@ endif
 gpu-check-prepare: install
 	$(PY) benchmarks/gpu_check/main.py --prepare-wheels $(foreach v,$(PYTHONS),--python $(v))
 
-# Pagoda vs vLLM's CPU build (installed on first use into .peers/vllm, never into .venv) and transformers.
+# Pagoda vs vLLM's CPU build (installed on first use into .peers/vllm, never into .venv) and transformers, then
+# llama.cpp (llama-cpp-python built on first use into .peers/llamacpp) on the default model's GGUF file.
 # Extra flags: make bench-peers ARGS="--num-requests 8 --serve"; the second model: ARGS="--model gemma-3-270m --serve"
 bench-peers: install
 	$(PY) benchmarks/bench_peers.py $(ARGS)

@@ -16,6 +16,10 @@ warm-up are excluded from the timing. Pagoda and vLLM also get a single-stream m
 across engines. `--serve` adds the served throughput of `pagoda serve` vs `vllm serve` at concurrency
 1/8/32 with the official `openai` client (see peers_serve.py).
 
+For the default model it then runs llama.cpp (llama-cpp-python, its own venv) on the model's GGUF file against
+Pagoda float32 and `--quantization gguf`: one-stream decode, and served at 1/8/32 with --serve
+(peers_llamacpp.py; --llamacpp-only runs just that, --no-llamacpp skips it).
+
 `--model gemma-3-270m` runs the same comparison on the second embedded model, Gemma 3 270M (its GGUF Q4_K_M
 file dequantized into the float32 safetensors directory that every engine, vLLM included, loads); its
 results go to bench-results/peers-gemma-3-270m*.json.
@@ -360,6 +364,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pagoda-serve-args", default="", help="extra flags for `pagoda serve` (measurements)")
     ap.add_argument("--pagoda-serve-env", default="", help="extra environment for `pagoda serve`: K=V K=V")
     ap.add_argument("--serve-servers", default="pagoda,vllm", help="served comparison: which servers run")
+    # llama.cpp on the default model's GGUF file (peers_llamacpp.py): one-stream decode, and served with --serve
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparison")
+    ap.add_argument("--llamacpp-only", action="store_true", help="only the llama.cpp comparison")
+    ap.add_argument("--llamacpp-serve-only", action="store_true", help="only the served llama.cpp comparison")
+    ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads (and the decode's)")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="llama.cpp comparison: one-stream tokens")
+    ap.add_argument("--gguf", help="GGUF file of the llama.cpp comparison (default: the default model's)")
+    ap.add_argument("--vllm-int4", help="llama.cpp comparison, served: also vLLM CPU on this INT4 checkpoint")
     return ap.parse_args(argv)
 
 
@@ -387,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         meta["model_name"] = args.model
     say(f"model: {model_dir}")
 
+    if args.llamacpp_only or args.llamacpp_serve_only:
+        from peers_llamacpp import llamacpp_comparison
+
+        llamacpp_comparison(args, model_dir, meta)
+        return 0
     vllm_python, vllm_note = None, "not needed"
     serve_vllm = (args.serve or args.serve_only) and "vllm" in args.serve_servers
     if (not args.serve_only and any(ENGINES[k][1] == "vllm" for k in keys)) or serve_vllm:
@@ -468,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
 
         levels = [int(c) for c in args.concurrency.split(",")]
         serve_comparison(args, model_dir, meta, vllm_python, vllm_note, levels)
+    if not args.no_llamacpp and args.model is None:  # the default model: its GGUF is llama.cpp's input
+        from peers_llamacpp import llamacpp_comparison
+
+        llamacpp_comparison(args, model_dir, meta)
     return 0
 
 

@@ -54,7 +54,6 @@ BLOCK = 16
 KV_BYTES = 256 << 20  # one sequence of --ppl-tokens tokens (SmolLM2 float32: 45 KiB per token)
 LLMCOMPRESSOR = "0.14.0.1"
 TORCH_CPU = "2.13.0"  # installed first into llm-compressor's venv, so pip keeps the CPU wheel
-LLAMA_CPP = "0.3.36"
 FLOORS = {"fp8": 97.0, "int8": 97.0, "int4": 90.0}
 # label -> (floor class, how it is made); the reference row comes first
 LLMC = {
@@ -86,7 +85,7 @@ def ensure_venv(name: str, packages: list[list[str]], probe: str) -> Path:
     """A peer's own venv under .peers/<name>, made on first use (each list of packages one pip install)."""
     venv = PEERS / name
     python = venv / "bin" / "python"
-    stamp = venv / ".bench-weight-accuracy-ready"
+    stamp = venv / f".installed-{name}"
     if stamp.exists():
         return python
     log = RESULTS / f"install-{name}.log"
@@ -113,7 +112,11 @@ def build_llmcompressor(src: Path, out: Path) -> None:
 
 
 def build_gguf(q4_1: Path, out: Path) -> None:
-    python = ensure_venv("llamacpp", [[f"llama-cpp-python[server]=={LLAMA_CPP}"]], "import llama_cpp")
+    from peers_llamacpp import ensure_llamacpp
+
+    python, note = ensure_llamacpp(install=True)  # the venv bench-peers' llama.cpp comparison uses
+    if python is None:
+        raise RuntimeError(note)
     out.mkdir(parents=True, exist_ok=True)
     for name, (_, ftype) in GGUF_TYPES.items():
         target = out / f"SmolLM2-135M-Instruct.{name}.gguf"

@@ -48,7 +48,9 @@ def start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     )
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 1200) -> None:
+def wait_ready(
+    proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 1200, health: str = "/health"
+) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -56,7 +58,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float 
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready; see {log_path}")
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            if httpx.get(url + health, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -78,7 +80,9 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-async def one(client, prompt: list[int], max_tokens: int) -> dict:
+async def one(client, prompt: list[int] | str, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed completion; output tokens from the usage block, or the streamed chunks (one token each)
+    where the server sends no usage (llama-cpp-python's)."""
     start = time.perf_counter()
     ttft, out_tokens, stamps = None, 0, []
     stream = await client.completions.create(
@@ -88,7 +92,7 @@ async def one(client, prompt: list[int], max_tokens: int) -> dict:
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True} if extra is None else extra,
     )
     async for chunk in stream:
         now = time.perf_counter()
@@ -99,12 +103,15 @@ async def one(client, prompt: list[int], max_tokens: int) -> dict:
         if chunk.usage:
             out_tokens = chunk.usage.completion_tokens
     e2e = time.perf_counter() - start
+    out_tokens = out_tokens or len(stamps)
     ttft = e2e if ttft is None else ttft
     tpot = (e2e - ttft) / (out_tokens - 1) if out_tokens > 1 else 0.0
     return {"ttft": ttft, "e2e": e2e, "output_tokens": out_tokens, "tpot": tpot}
 
 
-async def load(url: str, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+async def load(
+    url: str, requests: list[tuple[list[int] | str, int]], concurrency: int, extra: dict | None = None
+) -> dict:
     from openai import AsyncOpenAI
     from tqdm.auto import tqdm
 
@@ -115,7 +122,7 @@ async def load(url: str, requests: list[tuple[list[int], int]], concurrency: int
     async def gated(prompt: list[int], n: int) -> dict:
         async with gate:
             try:
-                return await one(client, prompt, n)
+                return await one(client, prompt, n, extra)
             finally:
                 bar.update(1)
 
