@@ -10,7 +10,8 @@ their shapes need no weights), every kernel variant the engine launches on every
 compiled for the GPU's architecture into the Triton cache the engine reads (`TRITON_CACHE_DIR`, or
 --cache-dir), so a pod does not compile at start-up. Defaults follow the planner's choices for that GPU
 (tensor-parallel size, KV dtype, block size); `--dtype auto` is the engine's rule; `--max-lora-rank R` adds
-the LoRA kernels. `--common` warms what deployments most often run: the KV dtype `auto` (plain `pagoda
+the LoRA kernels; a quantized checkpoint (FP8 or INT4, from its quantization_config) adds its linears'
+W4A16 or FP8 kernels. `--common` warms what deployments most often run: the KV dtype `auto` (plain `pagoda
 serve`) and the planner's, each without and (at tensor-parallel size 1) with LoRA at its default rank.
 After `--`, the flags of a `pagoda serve` command (the operator passes its engine's own): the variants that
 engine launches, read by serve's own parser, whatever the planner would choose. Every variant's shared
