@@ -119,6 +119,7 @@ def _weight_format(shape: ModelShape) -> dict[str, Any]:
         "label": shape.weight_format_label,
         "quantized_params": shape.quantized_params,
         "quantized_bytes": shape.quantized_bytes,
+        "extra_bytes": shape.quantized_extra_bytes,
     }
 
 
@@ -172,7 +173,8 @@ def given_shape(text: str) -> ModelFacts:
         try:
             shape = shape.with_weight_format(
                 WeightFormat(str(fmt["format"]), str(fmt.get("label") or fmt["format"]),
-                             int(fmt["quantized_params"]), int(fmt["quantized_bytes"]))
+                             int(fmt["quantized_params"]), int(fmt["quantized_bytes"]),
+                             int(fmt.get("extra_bytes") or 0))
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise DryRunError(f"error: --model-shape weight_format is not readable ({exc!r})") from None

@@ -76,6 +76,7 @@ class ModelShape:
     weight_format_label: str = ""
     quantized_params: int = 0
     quantized_bytes: int = 0
+    quantized_extra_bytes: int = 0  # held quantized beside the float parameters (a GGUF's tied LM head)
 
     @property
     def quantized_by_default(self) -> bool:
@@ -126,7 +127,9 @@ class ModelShape:
         keep = self.quantized_by_default if quantized is None else quantized and self.quantized_params > 0
         if self.num_params:
             dense = self.num_params - (self.quantized_params if keep else 0)
-            return dense * dtype_bytes(dtype) + (self.quantized_bytes if keep else 0)
+            return dense * dtype_bytes(dtype) + (
+                self.quantized_bytes + self.quantized_extra_bytes if keep else 0
+            )
         return self.weight_bytes * dtype_bytes(dtype) // dtype_bytes(self.dtype)
 
     def with_dtype(self, dtype: str, quantized: bool | None = None) -> ModelShape:
@@ -158,6 +161,7 @@ class ModelShape:
             weight_format_label=fmt.label,
             quantized_params=fmt.quantized_params,
             quantized_bytes=fmt.quantized_bytes,
+            quantized_extra_bytes=fmt.extra_bytes,
         )
         return replace(shape, weight_bytes=shape.weight_bytes_as(shape.dtype))
 

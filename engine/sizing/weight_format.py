@@ -3,9 +3,11 @@
 A quantized checkpoint's bytes are not its parameters times a dtype: each quantized linear holds its packed
 weights plus scales (and zero points), by the scheme (engine/quantization/scheme.py's weight_bits, the bits
 the engine holds per weight, on a GPU), or by each GGUF tensor's ggml type. Embeddings, norms, biases, MoE
-routers and the LM head stay in the compute dtype in every format (no AWQ/GPTQ checkpoint quantizes the LM
-head; compressed-tensors lists it in `ignore`; GGUF's is dequantized at load), so a shape's weight bytes are
-its dense part in the compute dtype plus the quantized linears' bytes.
+routers and the LM head stay in the compute dtype in FP8/INT4 checkpoints (no AWQ/GPTQ checkpoint quantizes the
+LM head; compressed-tensors lists it in `ignore`), so a shape's weight bytes are its dense part in the compute
+dtype plus the quantized linears' bytes. A GGUF under `--quantization gguf` also runs its LM head from the
+file's blocks (output.weight, freeing the float head; or a tied model's token_embd blocks, beside the float
+embedding its lookups read).
 
 Where the engine holds them quantized (`held_quantized`): FP8 and INT4 on a GPU (Triton kernels); on the CPU
 they are dequantized once after loading to the compute dtype and run dense, so they are sized as float. GGUF
@@ -34,6 +36,9 @@ class WeightFormat:
     label: str  # the format in words, for plans and refusals ("int4 (awq, group 128, asymmetric)")
     quantized_params: int  # weight elements of the linears held quantized
     quantized_bytes: int  # their bytes as the engine holds them, scales and zero points included
+    # bytes held quantized beside the float parameters, which stay too: a GGUF's tied LM head, kept in the
+    # token embedding's blocks while the embedding lookups read its float copy
+    extra_bytes: int = 0
 
     @property
     def bits_per_weight(self) -> float:
@@ -110,8 +115,8 @@ def scheme_format(scheme: QuantScheme, linears: list[Linear]) -> WeightFormat:
 
 
 def gguf_format(tensors: dict[str, tuple[int, ...]], types: dict[str, str]) -> WeightFormat | None:
-    """The linears a GGUF file holds in blocks the CPU kernels run (GGUF_KEPT_TYPES), at their types' bytes;
-    None when it has none (an F16/F32 file). The label counts the tensors of each type."""
+    """The linears (and LM head) a GGUF file holds in blocks the CPU kernels run (GGUF_KEPT_TYPES), at their
+    types' bytes; None when it has none (an F16/F32 file). The label counts the linear tensors of each type."""
     params = nbytes = 0
     seen: dict[str, int] = {}
     for name, dims in tensors.items():
@@ -130,4 +135,13 @@ def gguf_format(tensors: dict[str, tuple[int, ...]], types: dict[str, str]) -> W
     if not params:
         return None
     kinds = ", ".join(f"{k} x{n}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1]))
-    return WeightFormat("gguf", f"gguf ({kinds} linear tensors)", params, nbytes)
+    extra, head = 0, "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    kind, dims = types.get(head, ""), tensors.get(head, ())
+    if kind in GGUF_KEPT_TYPES and len(dims) == 2:
+        head_bytes = int(dims[0] * dims[1] * bits_per_weight_gguf(kind)) // 8
+        if head == "output.weight":
+            params, nbytes = params + dims[0] * dims[1], nbytes + head_bytes
+        else:
+            extra = head_bytes
+        kinds += f"; LM head {kind}" + (" (tied: beside the float embedding)" if extra else "")
+    return WeightFormat("gguf", f"gguf ({kinds})", params, nbytes, extra)

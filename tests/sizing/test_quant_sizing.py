@@ -106,21 +106,26 @@ def test_the_default_gguf_is_sized_dequantized_and_in_its_q4_1_blocks_with_quant
     default_gguf,
 ) -> None:
     shape = shape_from_path(default_gguf)
-    # SmolLM2-135M: 30 layers x 7 linears in Q4_1 (20 bytes per 32 weights); the Q8_0 embedding is dequantized
-    assert shape.weight_format == "gguf" and shape.weight_format_label == "gguf (Q4_1 x210 linear tensors)"
+    # SmolLM2-135M: 30 layers x 7 linears in Q4_1 (20 bytes per 32 weights); its LM head, tied to the Q8_0
+    # embedding, runs from the embedding's blocks (34 bytes per 32) while lookups read the float copy
+    assert shape.weight_format == "gguf"
+    assert shape.weight_format_label == "gguf (Q4_1 x210; LM head Q8_0 (tied: beside the float embedding))"
+    assert shape.quantized_extra_bytes == 49152 * 576 // 32 * 34 == 30_081_024
     assert shape.quantized_params == 106_168_320
     assert shape.quantized_bytes == 106_168_320 * 20 // 32 == 66_355_200
     float_plan = plan(shape, None, Hints(memory_limit_bytes=4 * GiB))
     q_plan = plan(shape, None, Hints(memory_limit_bytes=4 * GiB, quantization="gguf"))
     assert float_plan.weights_bytes_per_gpu == 4 * shape.num_params == 538_060_032
-    assert q_plan.weights_bytes_per_gpu == 4 * (shape.num_params - 106_168_320) + 66_355_200 == 179_741_952
+    assert (
+        q_plan.weights_bytes_per_gpu
+        == 4 * (shape.num_params - 106_168_320) + 66_355_200 + 30_081_024
+        == 209_822_976
+    )
     assert (
         float_plan.weight_format.endswith("dequantized to float32 at load")
         and float_plan.quantization is None
     )
-    assert q_plan.quantization == "gguf" and q_plan.weight_format.startswith(
-        "gguf (Q4_1 x210 linear tensors): "
-    )
+    assert q_plan.quantization == "gguf" and q_plan.weight_format.startswith("gguf (Q4_1 x210; LM head Q8_0")
     assert q_plan.kv_cache_bytes > float_plan.kv_cache_bytes  # the bytes saved go to the KV cache
     # the GPU engine dequantizes a GGUF whatever the flag
     assert not held_quantized("gguf", "cuda", "gguf") and held_quantized("gguf", "cpu", "gguf")
@@ -139,9 +144,10 @@ def test_gguf_counts_each_tensor_by_its_type_and_leaves_unkept_types_dense() -> 
     types = {"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K", "blk.0.attn_k.weight": "F16",
              "output.weight": "Q6_K", "blk.0.attn_norm.weight": "F32"}  # fmt: skip
     fmt = gguf_format(tensors, types)
-    assert fmt is not None and fmt.quantized_params == 256 * 256 + 512 * 256
-    assert fmt.quantized_bytes == 256 * 256 // 256 * 144 + 512 * 256 // 256 * 210
-    assert fmt.label == "gguf (Q4_K x1, Q6_K x1 linear tensors)"
+    # an untied LM head (output.weight) in blocks replaces the float one
+    assert fmt is not None and fmt.quantized_params == 256 * 256 + 512 * 256 + 256 * 1000
+    assert fmt.quantized_bytes == 256 * 256 // 256 * 144 + 512 * 256 // 256 * 210 + 256 * 1000 // 256 * 210
+    assert fmt.label == "gguf (Q4_K x1, Q6_K x1; LM head Q6_K)" and fmt.extra_bytes == 0
     assert gguf_format({"blk.0.attn_q.weight": (4, 4)}, {"blk.0.attn_q.weight": "F16"}) is None
 
 
