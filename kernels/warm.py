@@ -174,17 +174,18 @@ INT4_GROUPS = (128, -1)  # the issue's group size and per channel
 FP8_BLOCKS = (None, (128, 128))  # per row (per tensor expanded at load, or per channel) and block-wise
 
 
-def quantized_linears(plan: KernelPlan) -> list[tuple[int, int]]:
-    """(in_features, out_features) of each fused linear on a rank, as the engine holds them quantized:
-    qkv, o, gate_up, down. Tensor parallelism is read back from the rank's heads (the sizes matter only
-    through Triton's divisibility specialisation)."""
+def quantized_linears(plan: KernelPlan) -> list[tuple[int, int, bool]]:
+    """(in_features, out_features, bias) of each fused linear on a rank, as the engine holds them quantized:
+    qkv (with and without a bias: Qwen2's has one), o, gate_up, down. Tensor parallelism is read back from
+    the rank's heads (the sizes matter only through Triton's divisibility specialisation)."""
     d = plan.head_dim
     shapes = []
     for heads, kv_heads in plan.ranks:
         tp = max(1, plan.hidden_size // max(heads * d, 1))
         inter = plan.intermediate_size // tp
-        shapes += [(plan.hidden_size, (heads + 2 * kv_heads) * d), (heads * d, plan.hidden_size),
-                   (plan.hidden_size, 2 * inter), (inter, plan.hidden_size)]  # fmt: skip
+        qkv = (plan.hidden_size, (heads + 2 * kv_heads) * d)
+        shapes += [(*qkv, False), (*qkv, True), (heads * d, plan.hidden_size, False),
+                   (plan.hidden_size, 2 * inter, False), (inter, plan.hidden_size, False)]  # fmt: skip
     return list(dict.fromkeys(shapes))
 
 
@@ -195,7 +196,8 @@ def launch_quantized(plan: KernelPlan) -> None:
     from pagoda.kernels.quant_w4a16 import w4a16_linear
 
     dtype = getattr(torch, plan.dtype)
-    for k, n in quantized_linears(plan):
+    for k, n, has_bias in quantized_linears(plan):
+        bias = torch.empty(n, dtype=dtype, device=META) if has_bias else None
         for m in QUANT_STEP_ROWS:
             x = torch.empty((m, k), dtype=dtype, device=META)
             if plan.quant_format == "int4":
@@ -204,12 +206,13 @@ def launch_quantized(plan: KernelPlan) -> None:
                     groups = 1 if group <= 0 else -(-k // group)
                     scales = torch.empty((n, groups), dtype=dtype, device=META)
                     zeros = torch.empty((n, groups), dtype=torch.uint8, device=META)
-                    w4a16_linear(x, qweight, scales, zeros, group)
+                    w4a16_linear(x, qweight, scales, zeros, group, bias)
             elif plan.quant_format == "fp8":
                 weight = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=META)
                 for block in FP8_BLOCKS:
                     shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
-                    fp8_linear(x, weight, torch.empty(shape, dtype=torch.float32, device=META), block)
+                    scale = torch.empty(shape, dtype=torch.float32, device=META)
+                    fp8_linear(x, weight, scale, block, bias)
 
 
 def launch_plan(plan: KernelPlan) -> None:

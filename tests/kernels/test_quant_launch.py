@@ -99,9 +99,15 @@ def test_only_a_quantized_plan_launches_the_quantized_kernels():
 
 def test_quantized_linears_follow_the_ranks():
     tp1 = quantized_linears(_plan((9, 0), "int4"))
-    assert tp1 == [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    assert tp1 == [(4096, 6144, False), (4096, 6144, True), (4096, 4096, False), (4096, 28672, False),
+                   (14336, 4096, False)]  # fmt: skip
     tp4 = quantized_linears(_plan((9, 0), "int4", ranks=((8, 2),)))
-    assert tp4 == [(4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096)]
+    assert [(k, n) for k, n, bias in tp4 if not bias] == [
+        (4096, 1536),
+        (1024, 4096),
+        (4096, 7168),
+        (3584, 4096),
+    ]
 
 
 def test_the_warm_cli_passes_the_checkpoint_s_format():
@@ -131,3 +137,58 @@ def test_a_quantized_checkpoint_s_plan_names_its_format():
         for model in ("Qwen/Qwen3-8B-AWQ", "Qwen/Qwen3-8B-FP8", "Qwen/Qwen3-8B")
     }
     assert got == {"Qwen/Qwen3-8B-AWQ": "int4", "Qwen/Qwen3-8B-FP8": "fp8", "Qwen/Qwen3-8B": ""}
+
+
+SERVE_EQUALS_WARM = textwrap.dedent(
+    """
+    import json
+    import torch
+    from pagoda.engine.quantization.linear import quantized_linear
+    from pagoda.engine.quantization.scheme import QuantScheme
+    from pagoda.kernels.aot import recording_for
+    from pagoda.kernels.warm import KernelPlan, launch_plan
+
+    META = torch.device("meta")
+    SCHEMES = {
+        "int4": [QuantScheme("int4", "awq", 128, symmetric=False), QuantScheme("int4", "gptq", -1)],
+        "fp8": [QuantScheme("fp8", "compressed-tensors", 0), QuantScheme("fp8", "compressed-tensors", -1),
+                QuantScheme("fp8", "compressed-tensors", 128, block=(128, 128))],
+    }
+    report = {}
+    for cc in ((9, 0), (8, 0)):
+        for fmt, schemes in SCHEMES.items():
+            for bias in (False, True):  # Qwen2's qkv has one
+                plan = KernelPlan(cc, 160 * 1024, ((32, 8),), 128, 4096, 14336, 16, "bfloat16", "bfloat16",
+                                  attention=False, quant_format=fmt)
+                with recording_for(plan.limits) as warmed:
+                    launch_plan(plan)
+                with recording_for(plan.limits) as served:
+                    for scheme in schemes:
+                        linears = [quantized_linear(4096, 6144, bias, torch.bfloat16, META, scheme),
+                                   quantized_linear(4096, 4096, False, torch.bfloat16, META, scheme),
+                                   quantized_linear(4096, 28672, False, torch.bfloat16, META, scheme),
+                                   quantized_linear(14336, 4096, False, torch.bfloat16, META, scheme)]
+                        for layer in linears:
+                            layer.triton = True
+                            for tokens in (1, 3, 16, 17, 40, 64, 100, 512, 2048):
+                                layer(torch.empty((tokens, layer.in_features), dtype=torch.bfloat16, device=META))
+                report[f"{cc} {fmt} {bias}"] = [len(served), len(served - warmed)]
+    print(json.dumps(report))
+    """
+)
+
+
+def test_what_the_engine_s_quantized_linears_launch_is_warmed():
+    """QF's Int4Linear / Fp8Linear (engine/quantization/linear.py) called as a model calls them, for every
+    scheme of the format, decode to prefill token counts, a biased qkv or not, on an H100 and an A100: every
+    variant they launch (recorded, not compiled) is among those the warm of a plan with that format
+    launches."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_EQUALS_WARM], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 8
+    for case, (served, missing) in report.items():
+        assert served >= 4 and missing == 0, (case, served, missing)
