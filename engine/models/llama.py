@@ -416,6 +416,9 @@ class LlamaForCausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+        for module in self.modules():  # act-order INT4 checkpoints: columns sorted by group
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
         dequantize_linears(self)  # on the CPU, FP8 / INT4 linears run dense over weights dequantized once
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

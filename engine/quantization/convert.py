@@ -3,8 +3,8 @@ canonical layouts and names of engine/quantization/packing.py, before the model 
 
 Each tensor converts on its own (a checkpoint's shards may hold a module's tensors in any order), except a
 quantized LM head: the model keeps its head dense, so its tensors are gathered and dequantized to the compute
-dtype. Checks made here: a GPTQ / compressed-tensors g_idx must be the identity order (act-order checkpoints
-whose groups are permuted are refused: their columns would need a permutation of every input).
+dtype. A GPTQ / compressed-tensors g_idx in group order is dropped; an act-order one (desc_act, actorder
+"group") goes to the linear, which sorts its columns by group once loaded (Int4Linear.finish_loading).
 """
 
 from __future__ import annotations
@@ -38,14 +38,12 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(packed.shape[0], -1)
 
 
-def _check_g_idx(name: str, g_idx: torch.Tensor, group_size: int) -> None:
+def _g_idx(g_idx: torch.Tensor, group_size: int) -> tuple[str, torch.Tensor] | None:
+    """An act-order g_idx (columns not in group order) for the linear to sort by; None (dropped) in order."""
     k = g_idx.numel()
     expected = torch.zeros(k, dtype=torch.int64) if group_size <= 0 else torch.arange(k) // group_size
-    if not torch.equal(g_idx.to(torch.int64), expected):
-        raise ValueError(
-            f"{name}: an act-order (desc_act) checkpoint whose g_idx permutes the groups is not supported; "
-            "use a checkpoint quantized without act-order (or with static groups)"
-        )
+    g_idx = g_idx.to(torch.int64)
+    return None if torch.equal(g_idx, expected) else ("g_idx", g_idx)
 
 
 class _Converter:
@@ -75,8 +73,7 @@ class _Converter:
             if kind == "scales":
                 return "scales", t.T.contiguous()
             if kind == "g_idx":
-                _check_g_idx(f"{stem}.g_idx", t, s.group_size)
-                return None
+                return _g_idx(t, s.group_size)
             return kind, t
         if s.source == "awq":
             if kind == "qweight":  # [K, N / 8]
@@ -96,8 +93,7 @@ class _Converter:
                 return "zeros", unpack_int32_nibbles(t, 0)
             return "zeros", (t.to(torch.int16) + 8).to(torch.uint8)
         if kind == "weight_g_idx":
-            _check_g_idx(f"{stem}.weight_g_idx", t, s.group_size)
-            return None
+            return _g_idx(t, s.group_size)
         if kind == "weight_shape":
             return None
         return kind, t
@@ -152,4 +148,8 @@ def _dequantized_head(
     zeros = parts.get("zeros")
     if zeros is None:
         zeros = torch.full(parts["scales"].shape, 8, dtype=torch.uint8)
+    if "g_idx" in parts:  # act-order: each column's own group
+        q = packing.unpack_int4(parts["qweight"]).float()
+        g = parts["g_idx"]
+        return ((q - zeros.float()[:, g]) * parts["scales"].float()[:, g]).to(dtype)
     return packing.dequantize_int4(parts["qweight"], parts["scales"], zeros, dtype)

@@ -96,7 +96,7 @@ class Int4Linear(_QuantizedLinear):
     """W4A16: 4-bit weights in groups of ``group_size`` input features (-1: one group per row) with a scale and
     a zero point per group."""
 
-    kinds = ("qweight", "scales", "zeros", "bias")
+    kinds = ("qweight", "scales", "zeros", "bias", "g_idx")
 
     def __init__(
         self,
@@ -119,12 +119,18 @@ class Int4Linear(_QuantizedLinear):
         self.qweight = nn.Parameter(
             torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device), False
         )
-        self.scales = nn.Parameter(torch.empty(out_features, groups, dtype=dtype, device=device), False)
+        # the kernels read scales in the compute dtype; the CPU dequantizes once, from float32 scales
+        scale_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+        self.scales = nn.Parameter(torch.empty(out_features, groups, dtype=scale_dtype, device=device), False)
         zeros = torch.full((out_features, groups), 8, dtype=torch.uint8, device=device)
         if symmetric:  # no zero points in the checkpoint: a buffer of eights
             self.register_buffer("zeros", zeros)
         else:
             self.zeros = nn.Parameter(zeros, False)
+        # act-order (GPTQ desc_act, compressed-tensors actorder "group"): each input column's group, from the
+        # checkpoint; `finish_loading` sorts the columns by group and keeps the order in `perm`
+        self.register_buffer("g_idx", torch.empty(0, dtype=torch.int64, device=device))
+        self.perm: torch.Tensor | None = None
 
     @property
     def _group(self) -> int:
@@ -132,6 +138,8 @@ class Int4Linear(_QuantizedLinear):
 
     def load_part(self, kind: str, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
         """Copy a canonical tensor (or this rank's slice of it) into rows [offset, offset + rows)."""
+        if kind == "g_idx":
+            return self._load_g_idx(tensor, rows, part)
         dest = self._param(kind)
         if part is not None:
             dim, indices = part
@@ -146,8 +154,47 @@ class Int4Linear(_QuantizedLinear):
         self._copy_rows(dest.narrow(0, offset, rows), tensor, kind)
         return rows
 
+    def _load_g_idx(self, g_idx: torch.Tensor, rows: int, part: Part) -> int:
+        """An act-order checkpoint's column groups (the converter passes only those not in order). Fused parts
+        share their input, so their orders must agree; a row-parallel layer split over ranks is refused (its
+        groups are spread over every rank's columns)."""
+        if part is not None and part[0] == 1:
+            raise ValueError(
+                "an act-order checkpoint (g_idx not in order) cannot split o_proj / down_proj over "
+                "tensor-parallel ranks: use tensor_parallel_size 1 or a checkpoint quantized without act-order"
+            )
+        g_idx = g_idx.to(device=self.g_idx.device, dtype=torch.int64)
+        if g_idx.shape != (self.in_features,):
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({self.in_features},)")
+        if self.g_idx.numel() and not torch.equal(self.g_idx, g_idx):
+            raise ValueError(
+                "the fused parts of one linear (q/k/v or gate/up) have different act orders (g_idx)"
+            )
+        self.g_idx = g_idx
+        return rows
+
+    def finish_loading(self) -> None:
+        """Act-order: sort the packed columns by group (each group then contiguous, as the kernel reads it)
+        and keep the order, which the inputs take at run time."""
+        if not self.g_idx.numel():
+            return
+        perm = torch.sort(self.g_idx, stable=True).indices
+        if not torch.equal(
+            self.g_idx[perm], torch.arange(self.in_features, device=perm.device) // self._group
+        ):
+            raise ValueError(f"g_idx does not give each group of {self._group} columns exactly its size")
+        q = packing.unpack_int4(self.qweight.data)
+        self.qweight.data = packing.pack_int4(q.index_select(1, perm)).contiguous()
+        self.perm = perm
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return packing.dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+        """[N, K] in the checkpoint's column order."""
+        w = packing.dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda or self.triton:
@@ -156,6 +203,8 @@ class Int4Linear(_QuantizedLinear):
             except ImportError:
                 pass
             else:
+                if self.perm is not None:
+                    x = x.index_select(1, self.perm)
                 return w4a16_linear(x, self.qweight, self.scales, self.zeros, self._group, self.bias)
         return super()._matmul(x)
 

@@ -69,3 +69,24 @@ def test_quantized_linears_run_the_kernels_on_the_triton_path(tmp_path, fmt, kin
     assert got == expect
     # every linear of the layer ran the format's kernel, once per step (q/k/v, o, gate/up, down)
     assert set(calls) == {"w4a16_linear" if kind is Int4Linear else "fp8_linear"} and len(calls) >= 4 * NEW
+
+
+def test_an_act_order_linear_feeds_the_kernel_its_inputs_in_group_order():
+    """GPTQ desc_act: the columns sorted by group at load, the inputs gathered in that order per call."""
+    from pagoda.engine.quantization.convert import canonical_tensors
+    from pagoda.engine.quantization.detect import detect_quantization
+    from pagoda_testkit.quant_checkpoints import quantization_config, quantize_module
+
+    n, k = 32, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.2
+    tensors, reference = quantize_module("gptq-act-order", w)
+    scheme = detect_quantization({"quantization_config": quantization_config("gptq-act-order")})
+    lin = Int4Linear(k, n, False, torch.float32, torch.device("cpu"), 128, False)
+    for name, t in canonical_tensors(
+        [(f"m.{kind}", t) for kind, t in tensors.items()], scheme, torch.float32
+    ):
+        lin.load_part(name.split(".")[1], t, 0, n, None)
+    lin.finish_loading()
+    lin.triton = True
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lin(x), x @ reference.T, rtol=1e-4, atol=1e-4)

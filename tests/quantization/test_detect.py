@@ -19,6 +19,7 @@ LABELS = {
     "gptq": "int4 (gptq, group 128, symmetric)",
     "gptq-asym-v2": "int4 (gptq, group 128, asymmetric)",
     "gptq-channel": "int4 (gptq, per-channel, symmetric)",
+    "gptq-act-order": "int4 (gptq, group 128, asymmetric)",
     "awq": "int4 (awq, group 128, asymmetric)",
     "ct-int4-sym": "int4 (compressed-tensors, group 128, symmetric)",
     "ct-int4-asym": "int4 (compressed-tensors, group 128, asymmetric)",

@@ -39,6 +39,10 @@ def converted(fmt: str, tensors: dict[str, torch.Tensor], dtype=torch.float32) -
 def dequantized(fmt: str, canon: dict[str, torch.Tensor]) -> torch.Tensor:
     if "qweight" in canon:
         zeros = canon.get("zeros", torch.full(canon["scales"].shape, 8, dtype=torch.uint8))
+        if "g_idx" in canon:  # act-order: each column's own group
+            g = canon["g_idx"]
+            q = packing.unpack_int4(canon["qweight"]).float()
+            return (q - zeros.float()[:, g]) * canon["scales"].float()[:, g]
         return packing.dequantize_int4(canon["qweight"], canon["scales"], zeros, torch.float32)
     scheme = detect_quantization({"quantization_config": quantization_config(fmt)})
     return packing.dequantize_fp8(canon["weight"], canon["weight_scale"], scheme.block, torch.float32)
@@ -49,7 +53,8 @@ def test_each_format_converts_to_the_weight_it_stands_for(fmt) -> None:
     w = weight(1, 128, K)
     tensors, reference = quantize_module(fmt, w)
     canon = converted(fmt, tensors)
-    assert set(canon) <= {"qweight", "scales", "zeros", "weight", "weight_scale"}
+    assert set(canon) <= {"qweight", "scales", "zeros", "weight", "weight_scale", "g_idx"}
+    assert ("g_idx" in canon) == (fmt == "gptq-act-order")  # a g_idx in group order is dropped
     assert torch.equal(dequantized(fmt, canon), reference)  # exactly: same float32 products
     err = (reference - w).abs().max() / w.abs().max()
     assert 0 < err < (0.13 if "int4" in fmt or "gptq" in fmt or fmt == "awq" else 0.07)  # quantized, not lost
@@ -93,12 +98,30 @@ def test_gptq_and_awq_packing_follow_their_layouts_element_by_element() -> None:
     assert torch.equal(converted("gptq", v1)["zeros"], torch.full((N, K // 128), 8, dtype=torch.uint8))
 
 
-def test_an_act_order_g_idx_that_permutes_the_groups_is_refused() -> None:
-    tensors, _ = quantize_module("gptq", weight(5))
-    converted("gptq", tensors)  # in order: fine
-    tensors["g_idx"] = tensors["g_idx"][torch.randperm(K, generator=torch.Generator().manual_seed(0))]
-    with pytest.raises(ValueError, match="act-order .desc_act. checkpoint whose g_idx permutes the groups"):
-        converted("gptq", tensors)
+def test_an_act_order_checkpoint_runs_with_its_columns_sorted_by_group() -> None:
+    w = weight(5)
+    tensors, reference = quantize_module("gptq-act-order", w)
+    canon = converted("gptq-act-order", tensors)
+    lin = Int4Linear(K, N, False, torch.float32, torch.device("cpu"), 128, False)
+    for kind, t in canon.items():
+        lin.load_part(kind, t, 0, N, None)
+    lin.finish_loading()
+    assert lin.perm is not None and torch.equal(lin.g_idx[lin.perm], torch.arange(K) // 128)
+    assert torch.equal(lin.dequantize(torch.float32), reference)  # back in the checkpoint's column order
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lin(x), x @ reference.T)
+    # fused parts share their input, hence their order
+    other = canon["g_idx"].roll(1)
+    with pytest.raises(ValueError, match="fused parts of one linear .* different act orders"):
+        lin.load_part("g_idx", other, 0, N, None)
+    # a row-parallel layer split over ranks would spread each group over the ranks
+    split = Int4Linear(K // 2, N, False, torch.float32, torch.device("cpu"), 128, False)
+    with pytest.raises(ValueError, match="act-order checkpoint .* cannot split o_proj / down_proj"):
+        split.load_part("g_idx", canon["g_idx"], 0, N, (1, list(range(K // 2))))
+    uneven = Int4Linear(K, N, False, torch.float32, torch.device("cpu"), 128, False)
+    uneven.load_part("g_idx", torch.zeros(K, dtype=torch.int64), 0, N, None)
+    with pytest.raises(ValueError, match="does not give each group of 128 columns exactly its size"):
+        uneven.finish_loading()
 
 
 def test_a_quantized_lm_head_is_dequantized_for_the_dense_head() -> None:

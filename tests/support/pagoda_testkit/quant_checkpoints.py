@@ -40,6 +40,8 @@ FORMATS: dict[str, dict] = {
         "checkpoint_format": "gptq_v2",
     },
     "gptq-channel": {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True},
+    # act-order: groups formed over a permutation of the input columns (the same for linears sharing an input)
+    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "ct-int4-sym": {
         "ct": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}
@@ -152,7 +154,9 @@ def words(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
 
 
-def pack_gptq(q, scales, zeros, group: int, v1: bool) -> dict[str, torch.Tensor]:
+def pack_gptq(
+    q, scales, zeros, group: int, v1: bool, g_idx: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     n, k = q.shape
     qt = q.T.reshape(k // 8, 8, n).permute(0, 2, 1)  # [K/8, N, 8]: input rows 8r..8r+7
     stored = ((zeros.T.to(torch.int16) - (1 if v1 else 0)) & 0xF).reshape(zeros.shape[1], n // 8, 8)
@@ -161,8 +165,24 @@ def pack_gptq(q, scales, zeros, group: int, v1: bool) -> dict[str, torch.Tensor]
         "qweight": words(qt),
         "qzeros": words(stored),
         "scales": scales.T.contiguous().to(torch.float16),
-        "g_idx": (torch.arange(k) // g).to(torch.int32),
+        "g_idx": (torch.arange(k) // g if g_idx is None else g_idx).to(torch.int32),
     }
+
+
+def act_order(k: int) -> torch.Tensor:
+    """The column order an act-order quantizer went in (seeded by K, so linears sharing an input share it)."""
+    return torch.randperm(k, generator=torch.Generator().manual_seed(k))
+
+
+def quantize_int4_act_order(w: torch.Tensor, group: int, symmetric: bool):
+    """(q, scales, zeros, g_idx): groups of ``group`` columns taken in `act_order`; q in the original order."""
+    perm = act_order(w.shape[1])
+    qp, s, z = quantize_int4(w[:, perm], group, symmetric, torch.float16)
+    q = torch.empty_like(qp)
+    q[:, perm] = qp
+    g_idx = torch.empty(w.shape[1], dtype=torch.int64)
+    g_idx[perm] = torch.arange(w.shape[1]) // group
+    return q, s, z, g_idx
 
 
 def pack_awq(q, scales, zeros) -> dict[str, torch.Tensor]:
@@ -208,12 +228,16 @@ def quantize_module(fmt: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor],
             q, scale
         )
     group = spec["group_size"]
-    symmetric = spec.get("sym", method == "gptq" and True)
+    symmetric = spec.get("sym", True)
     if method == "awq":
         q, s, z = quantize_int4(w, group, False, torch.float16)
         return pack_awq(q, s, z), dequantize_int4(q, s, z)
-    q, s, z = quantize_int4(w, group, symmetric, torch.float16)
     v1 = spec.get("checkpoint_format", "gptq") == "gptq"
+    if spec.get("desc_act"):
+        q, s, z, g_idx = quantize_int4_act_order(w, group, symmetric)
+        reference = (q.float() - z.float()[:, g_idx]) * s.float()[:, g_idx]
+        return pack_gptq(q, s, z, group, v1, g_idx), reference
+    q, s, z = quantize_int4(w, group, symmetric, torch.float16)
     return pack_gptq(q, s, z, group, v1), dequantize_int4(q, s, z)
 
 
