@@ -10,8 +10,8 @@ Supported (the engine loads and runs these; docs/models.md "Quantized checkpoint
 - compressed-tensors pack-quantized INT4 weights (group or per-channel, symmetric or asymmetric), activations
   unquantized;
 - plain "fp8" (vLLM / transformers' FP8: per-tensor or `weight_block_size` blocks);
-- GPTQ 4-bit (any group size or -1, sym or asym; desc_act checked at load: a g_idx that is not the identity
-  order is refused there) and AWQ 4-bit GEMM (with zero points).
+- GPTQ 4-bit (any group size or -1, sym or asym, desc_act too: an act-order g_idx is sorted at load) and AWQ
+  4-bit GEMM (with zero points).
 """
 
 from __future__ import annotations
