@@ -9,9 +9,10 @@ against the dequantized Q4_1 weights, not against the model as trained). Each va
 same float32 weights in one format, built here (never committed; bench-results/quantized/):
 
 - llm-compressor 0.14 (its own venv, .peers/llmcompressor; benchmarks/quantize_llmcompressor.py): FP8
-  dynamic (per-channel weights, per-token activations, no calibration), FP8 block 128x128, W4A16 GPTQ
-  (symmetric) and W4A16 AWQ (asymmetric), both group 64 (576 inputs: 128 does not divide them), calibrated
-  on 16 paragraphs of Debian's Apache-2.0 licence;
+  dynamic (per-channel weights, per-token activations, no calibration), FP8 block 128x128, W4A16
+  round-to-nearest (symmetric, no calibration), W4A16 AWQ (asymmetric) and W4A16 GPTQ (symmetric), all
+  group 64 (576 inputs: 128 does not divide them), the last two calibrated on 4 paragraphs of Debian's
+  Apache-2.0 licence (128 tokens each);
 - GGUF, requantized from the Q4_1 file by llama.cpp's own quantizer (llama-cpp-python's
   llama_model_quantize, in .peers/llamacpp): Q8_0, Q6_K, Q4_K (Q4_K_M's mix) and Q4_0; plus the Q4_1 file
   itself, run from its blocks with `--quantization gguf` (the same weights as the reference: it measures the
@@ -51,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / ".peers"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 BLOCK = 16
+QUANTIZED = RESULTS / "quantized" / "smollm2-135m"  # the checkpoints built here (never committed)
 KV_BYTES = 256 << 20  # one sequence of --ppl-tokens tokens (SmolLM2 float32: 45 KiB per token)
 LLMCOMPRESSOR = "0.14.0.1"
 TORCH_CPU = "2.13.0"  # installed first into llm-compressor's venv, so pip keeps the CPU wheel
@@ -59,8 +61,9 @@ FLOORS = {"fp8": 97.0, "int8": 97.0, "int4": 90.0}
 LLMC = {
     "fp8-dynamic": ("fp8", "llm-compressor FP8_DYNAMIC (per-channel weights, per-token activations)"),
     "fp8-block": ("fp8", "llm-compressor FP8_BLOCK (128x128 weight blocks)"),
-    "w4a16-gptq": ("int4", "llm-compressor GPTQ W4A16, symmetric, group 64"),
+    "w4a16-rtn": ("int4", "llm-compressor W4A16 round-to-nearest, symmetric, group 64"),
     "w4a16-awq": ("int4", "llm-compressor AWQ + W4A16, asymmetric, group 64"),
+    "w4a16-gptq": ("int4", "llm-compressor GPTQ W4A16, symmetric, group 64"),
 }
 # GGUF types requantized from the Q4_1 file (llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers)
 GGUF_TYPES = {"Q8_0": ("int8", 7), "Q6_K": ("int8", 18), "Q4_K_M": ("int4", 15), "Q4_0": ("int4", 2)}
@@ -178,9 +181,9 @@ def has_quantization_flag() -> bool:
     return "quantization" in EngineConfig.__dataclass_fields__
 
 
-def variants(args: argparse.Namespace, reference: Path, q4_1: Path) -> list[dict]:
-    """Every checkpoint to score: label, floor class, path, --quantization, how it was made."""
-    out = RESULTS / "quantized" / "smollm2-135m"
+def variants(args: argparse.Namespace, reference: Path, q4_1: Path, out: Path = QUANTIZED) -> list[dict]:
+    """Every checkpoint to score (label, floor class, path, --quantization, how it was made); the ones built
+    here go to `out`."""
     gguf_flag = "gguf" if has_quantization_flag() else None
     rows = [{"label": "float32 (dequantized Q4_1)", "floor": None, "path": reference, "quantization": None,
              "made": "the engine's own GGUF conversion: the reference"}]  # fmt: skip
@@ -188,18 +191,25 @@ def variants(args: argparse.Namespace, reference: Path, q4_1: Path) -> list[dict
         return rows + [{**rows[0], "label": "float32 again (dry run)"}]
     rows.append({"label": "gguf Q4_1 (its own blocks)", "floor": "int4", "path": q4_1, "quantization": gguf_flag,
                  "made": "the default model's file" + ("" if gguf_flag else " (dequantized: no --quantization)")})  # fmt: skip
-    if not args.skip_gguf:
+    if not args.skip_gguf and not args.no_build:
         build_gguf(q4_1, out)
+    if not args.skip_gguf:
         for name, (floor, _) in GGUF_TYPES.items():
             rows.append({"label": f"gguf {name}", "floor": floor, "quantization": gguf_flag,
                          "path": out / f"SmolLM2-135M-Instruct.{name}.gguf",
                          "made": "llama.cpp requantized from the Q4_1 file"})  # fmt: skip
-    if not args.skip_llmcompressor:
+    if not args.skip_llmcompressor and not args.no_build:
         build_llmcompressor(reference, out)
+    if not args.skip_llmcompressor:
         for name, (floor, made) in LLMC.items():
             rows.append(
                 {"label": name, "floor": floor, "path": out / name, "quantization": None, "made": made}
             )
+    if args.no_build:  # only what an earlier run (or a build still going) left
+        built = [
+            r for r in rows[2:] if Path(r["path"]).is_file() or (Path(r["path"]) / "config.json").exists()
+        ]
+        rows = rows[:2] + built
     return rows
 
 
@@ -211,6 +221,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="score only these labels (and the reference)")
     ap.add_argument("--skip-gguf", action="store_true", help="no llama.cpp requantized GGUF variants")
     ap.add_argument("--skip-llmcompressor", action="store_true", help="no llm-compressor variants")
+    ap.add_argument("--no-build", action="store_true", help="score only the checkpoints already built")
     ap.add_argument("--dry-run", action="store_true", help="the reference against itself: the harness only")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the loader's per-tensor progress bars, once per checkpoint

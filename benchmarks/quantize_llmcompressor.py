@@ -11,9 +11,11 @@ quantization_config + tokenizer):
 - fp8-dynamic: FP8 e4m3 weights with one scale per output channel, activations quantized per token at run
   time (llm-compressor's FP8_DYNAMIC: no calibration data);
 - fp8-block: FP8 weights in 128 x 128 blocks, one scale each (FP8_BLOCK; no calibration data);
-- w4a16-gptq: INT4 weights, symmetric, group 64, by GPTQ on a few calibration sentences;
-- w4a16-awq: INT4 weights, asymmetric, group 64, AWQ's scale search then round-to-nearest on the same
-  sentences.
+- w4a16-rtn: INT4 weights, symmetric, group 64, round-to-nearest (no calibration data);
+- w4a16-awq: INT4 weights, asymmetric, group 64, AWQ's scale search then round-to-nearest, calibrated on a
+  few paragraphs;
+- w4a16-gptq: INT4 weights, symmetric, group 64, by GPTQ on the same paragraphs (the slowest: minutes per
+  layer on two busy cores).
 
 The INT4 groups are 64, not 128: SmolLM2-135M's projections read 576 inputs (hidden size), which 128 does not
 divide, and llm-compressor refuses a group that does not divide the columns. The LM head (tied to the
@@ -56,6 +58,8 @@ def recipe(name: str, group: int) -> list:
         return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])]
     if name == "fp8-block":
         return [QuantizationModifier(targets="Linear", scheme="FP8_BLOCK", ignore=["lm_head"])]
+    if name == "w4a16-rtn":
+        return [QuantizationModifier(config_groups=int4_group(True, group), ignore=["lm_head"])]
     if name == "w4a16-gptq":
         return [GPTQModifier(targets="Linear", config_groups=int4_group(True, group), ignore=["lm_head"])]
     if name == "w4a16-awq":
@@ -66,7 +70,7 @@ def recipe(name: str, group: int) -> list:
     raise SystemExit(f"unknown scheme {name!r}")
 
 
-SCHEMES = ("fp8-dynamic", "fp8-block", "w4a16-gptq", "w4a16-awq")
+SCHEMES = ("fp8-dynamic", "fp8-block", "w4a16-rtn", "w4a16-awq", "w4a16-gptq")
 CALIBRATED = ("w4a16-gptq", "w4a16-awq")
 
 
@@ -76,8 +80,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", nargs="*", choices=SCHEMES, default=list(SCHEMES))
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--calibration-samples", type=int, default=16)
-    ap.add_argument("--max-seq-length", type=int, default=256)
+    ap.add_argument("--calibration-samples", type=int, default=4)
+    ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 

@@ -1,0 +1,91 @@
+"""Smoke tests of issue 37's benches without their peers' venvs: the pieces that decide what is measured (the
+calibration text, the checkpoints listed, the served workload each server gets, the decode rate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+
+def test_calibration_is_a_few_apache_paragraphs_never_the_scored_gpl_text() -> None:
+    import quantize_llmcompressor as q
+
+    paragraphs = q.calibration_sentences(4)
+    assert len(paragraphs) == 4 and all(len(p) > 200 for p in paragraphs)
+    assert q.CALIBRATION.name == "Apache-2.0"
+    gpl = Path("/usr/share/common-licenses/GPL-3").read_text()
+    assert not any(p[:80] in " ".join(gpl.split()) for p in paragraphs)
+    assert q.int4_group(False, 64)["group_0"]["weights"] == {
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64, "dynamic": False,
+    }  # fmt: skip
+
+
+def test_the_accuracy_bench_lists_each_format_with_its_floor(tmp_path) -> None:
+    import bench_weight_accuracy as b
+
+    args = argparse.Namespace(dry_run=False, skip_gguf=False, skip_llmcompressor=False, no_build=True)
+    rows = b.variants(args, Path("/ref"), Path("/q4_1.gguf"), tmp_path)  # nothing built yet
+    assert [(r["label"], r["floor"]) for r in rows] == [
+        ("float32 (dequantized Q4_1)", None),  # the reference comes first
+        ("gguf Q4_1 (its own blocks)", "int4"),
+    ]
+    assert rows[1]["quantization"] == "gguf"  # the engine's flag (QC) keeps the file's blocks
+    (tmp_path / "fp8-block").mkdir()
+    (tmp_path / "fp8-block" / "config.json").write_text("{}")
+    assert [r["label"] for r in b.variants(args, Path("/ref"), Path("/q"), tmp_path)][2:] == ["fp8-block"]
+    floors = {name: floor for name, (floor, _) in b.LLMC.items()} | {
+        n: f for n, (f, _) in b.GGUF_TYPES.items()
+    }
+    assert floors == {"fp8-dynamic": "fp8", "fp8-block": "fp8", "w4a16-rtn": "int4", "w4a16-awq": "int4",
+                      "w4a16-gptq": "int4", "Q8_0": "int8", "Q6_K": "int8", "Q4_K_M": "int4", "Q4_0": "int4"}  # fmt: skip
+    assert b.FLOORS == {"fp8": 97.0, "int8": 97.0, "int4": 90.0}
+    dry = b.variants(argparse.Namespace(dry_run=True), Path("/ref"), Path("/q"))
+    assert [r["path"] for r in dry] == [Path("/ref"), Path("/ref")]
+
+
+def test_every_served_peer_gets_the_same_text_prompts() -> None:
+    import peers_llamacpp as p
+    from peers_serve import serve_workloads
+
+    class Tok:
+        vocab_size = 1000
+
+        def decode(self, ids: list[int]) -> str:
+            return " ".join(map(str, ids))
+
+    work = p._text_workloads([1, 8], 7, Tok(), 3)
+    ids = serve_workloads([1, 8], 7, 1000, 3)
+    assert {c: [(t.split(), n) for t, n in reqs] for c, reqs in work.items()} == {
+        c: [([str(i) for i in ids_], n) for ids_, n in reqs] for c, reqs in ids.items()
+    }
+    assert p._text_workloads([1, 8], 7, Tok(), 3) == work  # seeded: every server, every run
+
+
+def test_decode_rate_counts_the_tokens_after_the_first(tmp_path, monkeypatch) -> None:
+    """peers_decode's rate: (tokens - 1) / (last - first stamp), median over runs, the prefill excluded."""
+    import peers_decode
+
+    monkeypatch.setattr(
+        peers_decode, "pagoda_stream", lambda spec: ([[0.0, 1.0, 2.0], [5.0, 5.5, 6.0]], [9, 9], {})
+    )
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"engine": "pagoda", "model": "m", "tokens": 3, "threads": 1}))
+    monkeypatch.setattr(sys, "argv", ["peers_decode.py", str(spec), str(tmp_path / "out.json")])
+    assert peers_decode.main() == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["decode_tokens_per_s_runs"] == [1.0, 2.0] and out["decode_tokens_per_s"] == 1.5
+
+
+@pytest.mark.parametrize("flag", ["--llamacpp-only", "--no-llamacpp"])
+def test_bench_peers_takes_the_llamacpp_flags(flag) -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "bench_peers.py"), "--help"], capture_output=True, text=True,
+                         check=True, cwd=BENCH)  # fmt: skip
+    assert flag in out.stdout and "--decode-tokens" in out.stdout
