@@ -102,6 +102,42 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, 
     check(hf, outs)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("family", "fmt"), [("gemma3", "ct-int4-channel"), ("gemma2", "ct-fp8-channel")])
+def test_a_quantized_gemma_generates_the_dequantized_models_tokens(tmp_path, family, fmt) -> None:
+    """Gemma's GeGLU MLP takes quantized linears too (per channel: the tiny Gemma's 64-wide layers)."""
+    from pagoda_testkit import tiny_gemma
+
+    hf = tiny_gemma.hf_model(family, layers=2)
+    save_quantized(hf, tmp_path, fmt)
+    outs = pagoda_greedy(tmp_path)
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert list(out.token_ids) == tiny_gemma.hf_greedy(hf, prompt, N)
+
+
+def test_bfloat16_runs_the_dequantized_weights_rounded_once(tmp_path) -> None:
+    """In bfloat16 the engine holds the dequantized float32 weights rounded to bfloat16: the same model as the
+    float checkpoint of those weights run in bfloat16, token for token and logprob for logprob."""
+    from pagoda.engine import LLM, SamplingParams
+
+    hf = build("llama", "gptq-asym-v2", tmp_path / "q")
+    hf.save_pretrained(tmp_path / "dense", safe_serialization=True)  # the dequantized weights, float32
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+    runs = []
+    for path in (tmp_path / "q", tmp_path / "dense"):
+        llm = LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=64, skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=4 << 20)  # fmt: skip
+        try:
+            runs.append([o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        finally:
+            llm.engine.close()
+    for quantized, dense in zip(*runs, strict=True):
+        assert list(quantized.token_ids) == list(dense.token_ids)
+        assert [s[t].logprob for s, t in zip(quantized.logprobs, quantized.token_ids, strict=True)] == [
+            s[t].logprob for s, t in zip(dense.logprobs, dense.token_ids, strict=True)
+        ]
+
+
 def test_the_cpu_engine_holds_dense_linears_over_the_dequantized_weights(tmp_path) -> None:
     from pagoda.engine.attention import get_attention_backend
     from pagoda.engine.loader import load_model
