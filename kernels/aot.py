@@ -52,7 +52,7 @@ LABEL_SIZES = (
     "ALIGN",
 )
 LABEL_FLAGS = ("SPLIT", "USE_WINDOW", "SOFTCAP", "IEEE_DOT", "INT8", "QUANTIZE", "HAS_RESIDUAL", "GROUP_TILES",
-               "ACT_QUANT", "BLOCKWISE")  # fmt: skip
+               "ACT_QUANT", "BLOCKWISE", "HAS_BIAS")  # fmt: skip
 
 
 @dataclass

@@ -5,8 +5,8 @@ interpreter tests) against the canonical INT4 layout (kernels/quant_reference.py
 BLOCK_K columns it loads the weight's [BLOCK_K / 2, BLOCK_N] bytes once (adjacent in memory along K, so
 the loads vectorise), splits each into its low nibble (an even column of K) and high nibble (the odd
 column), subtracts the group's zero point, multiplies by the group's scale in float32, rounds to the
-activations' dtype and feeds two tl.dot (x's even columns times the low nibbles, odd times high) with
-float32 accumulation: no interleaving of the nibbles in registers. A step inside one
+activations' dtype and feeds two tl.dot (x's even columns times the low nibbles, odd times high; x's tile
+is loaded whole and split in registers) with float32 accumulation: no interleaving of the nibbles. A step inside one
 group (GROUP_TILES: the group is a multiple of BLOCK_K, or per channel) reads one scale and zero per column;
 otherwise each element reads its own group's. Nothing is dequantized to memory: the weight is read as
 half a byte per element, which is what makes a decode step (M of a few rows) cheaper than 16-bit.
@@ -81,8 +81,9 @@ def _w4a16_kernel(
         odd = even + 1
         even_ok = even < K
         odd_ok = odd < K
-        x_even = tl.load(x_rows + even[None, :], mask=row_ok[:, None] & even_ok[None, :], other=0.0)
-        x_odd = tl.load(x_rows + odd[None, :], mask=row_ok[:, None] & odd_ok[None, :], other=0.0)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))  # columns 2j and 2j + 1
         byte_ok = even_ok[:, None] & col_ok[None, :]
         packed = tl.load(qw_cols + pairs[:, None], mask=byte_ok, other=0).to(tl.int32)
         if GROUP_TILES:  # the whole step lies in one group
