@@ -262,3 +262,18 @@ def quant_linear_config(limits: DeviceLimits, dtype: str, kind: str, m: int) -> 
         f"no {kind} tile fits {limits.shared_memory_per_block} B of shared memory per block (compute "
         f"capability {major}.{minor})"
     )
+
+
+# The FP8 activation quantizer: one program per row (per row and group when block-wise) walks it twice (the
+# amax, then the quantized values) in steps of up to this many columns.
+FP8_QUANT_BLOCK = 1024
+INTERPRETER_FP8_QUANT_BLOCK = 32
+
+
+def fp8_act_quant_config(limits: DeviceLimits, group: int) -> RowConfig:
+    """Columns per step of the activation quantizer for groups of ``group`` columns (a whole row per token:
+    the row's width), four warps; the interpreter's small steps make tests cover groups of several."""
+    if limits.interpreter:
+        return RowConfig(INTERPRETER_FP8_QUANT_BLOCK, 1)
+    block = 1 if group <= 1 else 1 << (group - 1).bit_length()
+    return RowConfig(min(FP8_QUANT_BLOCK, max(block, DOT_MIN)), 4)

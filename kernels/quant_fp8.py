@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pagoda.kernels.launch_config import DOT_MIN, quant_linear_config
+from pagoda.kernels.launch_config import DOT_MIN, fp8_act_quant_config, quant_linear_config
 from pagoda.kernels.quant_reference import FP8_MAX, MIN_AMAX
 from pagoda.kernels.runtime import (
     COMPILING,
@@ -35,14 +35,11 @@ from pagoda.kernels.runtime import (
     dtype_name,
     interpreting,
     launch,
-    next_power_of_2,
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DOT_CAPABILITY = (8, 9)
 DYNAMIC_ARGS = ["M"]
-QUANT_BLOCK = 1024  # columns per step of the activation quantizer's walk along a row or group
-INTERPRETER_QUANT_BLOCK = 32
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
@@ -197,8 +194,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
     xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0 or groups == 0:
         return xq, xs
-    limits = device_limits(x.device)
-    block = INTERPRETER_QUANT_BLOCK if limits.interpreter else min(QUANT_BLOCK, next_power_of_2(g))
+    config = fp8_act_quant_config(device_limits(x.device), g)
     launch(
         _quantize_fp8_kernel,
         (m, groups),
@@ -210,9 +206,9 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
         g,
         x.stride(0),
         groups,
-        BLOCK=block,
-        num_warps=4,
-        shared_memory_bound=1024,
+        BLOCK=config.block,
+        num_warps=config.num_warps,
+        shared_memory_bound=config.shared_memory,
     )
     return xq, xs
 

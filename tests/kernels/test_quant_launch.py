@@ -16,6 +16,7 @@ from pagoda.kernels.launch_config import (
     INTERPRETER,
     QUANT_KINDS,
     DeviceLimits,
+    fp8_act_quant_config,
     quant_linear_config,
     quant_rows_bucket,
 )
@@ -57,6 +58,18 @@ def test_rows_pick_the_tile_and_the_interpreter_the_least():
         quant_linear_config(DeviceLimits((7, 5), 1024), "float16", "w4a16", 1)
     with pytest.raises(ValueError, match="kind must be"):
         quant_linear_config(h100, "float16", "int8", 1)
+
+
+def test_the_activation_quantizer_steps_through_a_group_at_most_1024_columns_at_a_time():
+    h100 = DeviceLimits((9, 0), 227 * 1024)
+    assert [fp8_act_quant_config(h100, g).block for g in (128, 576, 4096, 14336, 1)] == [
+        128,
+        1024,
+        1024,
+        1024,
+        16,
+    ]
+    assert fp8_act_quant_config(INTERPRETER, 4096).block == 32
 
 
 def _plan(cc, quant_format, ranks=((32, 8),)):
