@@ -9,6 +9,7 @@ dtype. A GPTQ / compressed-tensors g_idx in group order is dropped; an act-order
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -17,25 +18,37 @@ from pagoda.engine.quantization.scheme import QuantScheme
 
 # AWQ (GEMM) packs 8 output columns per int32 in this order: nibble i holds column ORDER[i] of its eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+# Every format here packs nibble i of a word in bits 4i..4i+3, so on a little-endian host a word's bytes hold
+# nibbles (0, 1), (2, 3), (4, 5), (6, 7), low nibble first: the canonical uint8 pairs. Converting reads bytes.
+assert sys.byteorder == "little", "the INT4 converters read int32 words as their little-endian bytes"
+
+
+def int32_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, 4C]: each word's bytes, the first holding nibbles 0 (low) and 1 (high)."""
+    return packed.to(torch.int32).contiguous().view(torch.uint8)
 
 
 def unpack_int32_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 [..] with eight 4-bit values per word, nibble i = bits 4i..4i+3, unpacked along ``dim``
     (0: each word holds 8 consecutive rows; 1: 8 consecutive columns) -> uint8 values 0..15."""
-    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 0xF  # [R, C, 8]
-    if dim == 1:
-        return nibbles.reshape(packed.shape[0], -1).to(torch.uint8)
-    return nibbles.permute(0, 2, 1).reshape(-1, packed.shape[1]).to(torch.uint8)
+    if dim == 0:
+        return unpack_int32_nibbles(packed.T, 1).T.contiguous()
+    return packing.unpack_int4(int32_bytes(packed))
+
+
+def _canonical_from_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [K / 8, N], 8 input rows per word (GPTQ's qweight) -> canonical uint8 [N, K / 2]: the transposed
+    words' bytes are already the canonical pairs."""
+    return int32_bytes(packed.T)
 
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's int32 [R, C / 8] -> uint8 [R, C] in column order."""
     nib = unpack_int32_nibbles(packed, 1).reshape(packed.shape[0], -1, 8)
-    order = torch.tensor(AWQ_ORDER)
-    out = torch.empty_like(nib)
-    out[:, :, order] = nib
-    return out.reshape(packed.shape[0], -1)
+    return nib[:, :, list(_AWQ_INVERSE)].reshape(packed.shape[0], -1)
+
+
+_AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c sits in nibble _AWQ_INVERSE[c]
 
 
 def _g_idx(g_idx: torch.Tensor, group_size: int) -> tuple[str, torch.Tensor] | None:
@@ -66,7 +79,7 @@ class _Converter:
             return kind, t
         if s.source == "gptq":
             if kind == "qweight":  # [K / 8, N], 8 rows (input features) per word
-                return "qweight", packing.pack_int4(unpack_int32_nibbles(t, 0).T)
+                return "qweight", _canonical_from_rows(t)
             if kind == "qzeros":  # [G, N / 8]; the original format stores zero - 1
                 z = (unpack_int32_nibbles(t, 1) + s.zero_offset) & 0xF
                 return "zeros", z.T.contiguous()
@@ -76,16 +89,17 @@ class _Converter:
                 return _g_idx(t, s.group_size)
             return kind, t
         if s.source == "awq":
-            if kind == "qweight":  # [K, N / 8]
-                return "qweight", packing.pack_int4(_awq_columns(t).T)
+            if kind == "qweight":  # [K, N / 8]: input rows paired (2j, 2j + 1) into bytes, then transposed
+                q = _awq_columns(t)
+                return "qweight", (q[0::2] | (q[1::2] << 4)).T.contiguous()
             if kind == "qzeros":
                 return "zeros", _awq_columns(t).T.contiguous()
             if kind == "scales":
                 return "scales", t.T.contiguous()
             return kind, t
         # compressed-tensors pack-quantized: signed values stored +8, so the nibbles are already 0..15
-        if kind == "weight_packed":  # [N, K / 8]
-            return "qweight", packing.pack_int4(unpack_int32_nibbles(t, 1))
+        if kind == "weight_packed":  # [N, K / 8]: its bytes are the canonical pairs
+            return "qweight", int32_bytes(t)
         if kind == "weight_scale":
             return "scales", t
         if kind == "weight_zero_point":

@@ -30,11 +30,10 @@ def dequantize_int4(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """[N, K] in ``dtype``; the group size is K over the scales' columns."""
-    q = unpack_int4(qweight).float()
-    g = q.shape[1] // scales.shape[1]
-    z = zeros.float().repeat_interleave(g, dim=1)
-    s = scales.float().repeat_interleave(g, dim=1)
-    return ((q - z) * s).to(dtype)
+    n, groups = scales.shape
+    q = unpack_int4(qweight).view(n, groups, -1).float()
+    w = (q - zeros.float().unsqueeze(2)).mul_(scales.float().unsqueeze(2))
+    return w.view(n, -1).to(dtype)
 
 
 def dequantize_fp8(
