@@ -128,6 +128,10 @@ _QUANT_KINDS = {
 }
 
 
+# Attention's static scales in checkpoints quantized with a KV-cache scheme (llm-compressor's FP8 KV, vLLM).
+_KV_CACHE_SCALES = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+
+
 def canonical_tensors(
     weights: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,6 +142,8 @@ def canonical_tensors(
     head: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         stem, _, kind = name.rpartition(".")
+        if kind in _KV_CACHE_SCALES:
+            continue  # a checkpoint's static KV-cache scales: the engine's KV cache dtype is its own setting
         if stem.endswith("lm_head") and (kind in _QUANT_KINDS or tensor.dtype == torch.float8_e4m3fn):
             out = convert(stem, kind, tensor)
             if out is not None:

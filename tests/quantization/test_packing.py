@@ -124,6 +124,12 @@ def test_an_act_order_checkpoint_runs_with_its_columns_sorted_by_group() -> None
         uneven.finish_loading()
 
 
+def test_static_kv_cache_scales_are_dropped() -> None:
+    scheme = detect_quantization({"quantization_config": quantization_config("ct-fp8-tensor")})
+    named = [("model.layers.0.self_attn.k_scale", torch.tensor(0.5)), ("model.norm.weight", torch.ones(4))]
+    assert [n for n, _ in canonical_tensors(named, scheme, torch.float32)] == ["model.norm.weight"]
+
+
 def test_a_quantized_lm_head_is_dequantized_for_the_dense_head() -> None:
     w = weight(6, 128, K)
     tensors, reference = quantize_module("gptq", w)
