@@ -29,8 +29,8 @@ FAMILIES = {
     "llama": (HFLlama, lambda: LlamaConfig(**SHAPE, tie_word_embeddings=False)),
     "qwen3": (HFQwen3, lambda: Qwen3Config(**SHAPE, tie_word_embeddings=True)),
 }
-PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 20]
-N = 6
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300] * 5]
+N = 5
 
 
 def build(family: str, fmt: str, path) -> torch.nn.Module:
