@@ -189,3 +189,24 @@ def test_tensor_parallel_slices_cut_whole_groups_only() -> None:
     cut = Int4Linear(K // 4, N, False, torch.float32, torch.device("cpu"), 64, False)
     with pytest.raises(ValueError, match="tensor parallelism cuts groups of 64 input features"):
         cut.load_part("scales", canon["scales"], 0, N, (1, list(range(32, 96))))
+
+
+def test_fp8_blocks_are_placed_and_sliced_whole() -> None:
+    tensors, reference = quantize_module("ct-fp8-block", weight(13, 256, K))
+    canon = converted("ct-fp8-block", tensors)
+    cols = Fp8Linear(K // 2, 256, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    for kind, t in canon.items():  # a row-parallel layer's second half of the columns: one block column
+        assert cols.load_part(kind, t, 0, 256, (1, list(range(K // 2, K)))) == (
+            2 if kind == "weight_scale" else 256
+        )
+    assert torch.equal(cols.dequantize(torch.float32), reference[:, K // 2 :])
+    rows = Fp8Linear(K, 128, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    for kind, t in canon.items():  # the second block row
+        rows.load_part(kind, t, 0, 128, (0, list(range(128, 256))))
+    assert torch.equal(rows.dequantize(torch.float32), reference[128:])
+    half = Fp8Linear(K, 64, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    with pytest.raises(ValueError, match="tensor parallelism cuts FP8 blocks of 128 rows"):
+        half.load_part("weight_scale", canon["weight_scale"], 0, 64, (0, list(range(64))))
+    fused = Fp8Linear(K, 192, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    with pytest.raises(ValueError, match="a fused part of rows 64..191 cuts FP8 blocks of 128 rows"):
+        fused.load_part("weight_scale", canon["weight_scale"][:1], 64, 128, None)
