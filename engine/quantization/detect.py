@@ -68,6 +68,9 @@ def _gptq(q: dict[str, Any], where: str) -> QuantScheme:
     fmt = str(q.get("checkpoint_format") or "gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
         _refuse(where, "'gptq'", f"checkpoint_format {fmt!r} (gptq and gptq_v2 are)")
+    pack = str(q.get("pack_dtype") or "int32").lower().removeprefix("torch.")
+    if pack != "int32":
+        _refuse(where, "'gptq'", f"pack_dtype {pack!r} (int32 words are)")
     if q.get("is_marlin_format") or q.get("use_exllama_v2_format"):
         _refuse(where, "'gptq'", "a Marlin-repacked GPTQ checkpoint")
     ignore = ()

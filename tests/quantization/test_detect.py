@@ -93,6 +93,7 @@ def test_ignore_lists_by_name_suffix_and_pattern() -> None:
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'-quantized .* method is not"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit GPTQ \\(only 4-bit is\\)"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zero points"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2'"),
