@@ -81,6 +81,7 @@ class GGUFLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, 0, dtype=torch.uint8), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
         self.segments: list[tuple[int, int, int]] = []
+        self._calls: list[tuple] | None = None  # the kernel calls of forward, made on first use
         self.lora = None  # pagoda.engine.lora.layers.LoRALinear when the engine serves LoRA adapters
 
     @torch.no_grad()
@@ -122,23 +123,56 @@ class GGUFLinear(nn.Module):
             self.weight.data = wider
         self.weight[offset : offset + rows, :width].copy_(tensor)
         self.segments = _merge([s for s in self.segments if s[0] != offset] + [(offset, rows, ggml_type)])
+        self._calls = None
         return rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        y = torch.empty(flat.shape[0], self.out_features)
-        if flat.shape[0]:
-            for offset, rows, ggml_type in self.segments:
-                gguf_matmul(
-                    flat, self.weight[offset : offset + rows], ggml_type, y[:, offset : offset + rows]
-                )
+        if flat.dtype != torch.float32 or flat.stride(-1) != 1:
+            flat = flat.float().contiguous()
+        m = flat.shape[0]
+        y = torch.empty(m, self.out_features)
+        if m:
+            calls = self._calls if self._calls is not None else self._prepare()
+            xp, xs, yp, n_out, k = (
+                flat.data_ptr(),
+                flat.stride(0),
+                y.data_ptr(),
+                self.out_features,
+                self.in_features,
+            )
+            threads = torch.get_num_threads()
+            for fn, w_ptr, rows, w_stride, ggml_type, offset in calls:
+                status = fn(xp, m, k, xs, w_ptr, rows, w_stride, ggml_type, yp + 4 * offset, n_out, threads)
+                if status != 0:
+                    gguf_matmul(flat, self.weight[offset : offset + rows], ggml_type)  # raises, naming why
         if self.bias is not None:
             y += self.bias
         y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.lora is not None:
             self.lora.apply(x, y)
         return y
+
+    def _prepare(self) -> list[tuple]:
+        """Each segment's kernel call (function, weight address, rows, row stride, type, first column), made
+        once: a decode step's linears are short calls, so the per-call Python is kept to one ctypes call."""
+        lib = loader.library()
+        if lib is None:
+            gguf_matmul(torch.zeros(1, self.in_features), self.weight, 0)  # raises: the kernels did not load
+        w = self.weight
+        self._calls = [
+            (
+                lib.pagoda_gguf_linear,
+                w.data_ptr() + offset * w.stride(0),
+                rows,
+                w.stride(0),
+                ggml_type,
+                offset,
+            )
+            for offset, rows, ggml_type in self.segments
+        ]
+        return self._calls
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as dense ``dtype`` [out_features, in_features] (tests, LoRA merges)."""
