@@ -91,9 +91,9 @@ def _product(lib, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, nthread
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[ref.NAMES[t] for t in TYPES])
-@pytest.mark.parametrize("m", [1, 3, 17, 70])
+@pytest.mark.parametrize("m", [1, 3, 17, 70, 130])
 def test_product_on_every_variant(ggml_type, m, cpu_variant):  # noqa: F811
-    """y = x W^T over the blocks, decode (M <= 8) and prefill (chunked) paths, an odd N (a thread's share
+    """y = x W^T over the blocks, decode (M <= 8) and prefill (chunked; k-major panels from 128 rows) paths, an odd N (a thread's share
     and the tiles end mid-way), against the float64 reference: each output within the float32 summation
     bound of K terms, (K + 2) u sum |x||w| (the weight's own rounding to float32 included)."""
     qk = ref.BLOCKS[ggml_type][0]
