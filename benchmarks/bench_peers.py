@@ -370,6 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--llamacpp-serve-only", action="store_true", help="only the served llama.cpp comparison")
     ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads (and the decode's)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="llama.cpp comparison: one-stream tokens")
+    ap.add_argument("--decode-reps", type=int, default=3, help="llama.cpp comparison: timed decode runs")
     ap.add_argument("--gguf", help="GGUF file of the llama.cpp comparison (default: the default model's)")
     ap.add_argument("--vllm-int4", help="llama.cpp comparison, served: also vLLM CPU on this INT4 checkpoint")
     return ap.parse_args(argv)

@@ -5,7 +5,7 @@ minutes of C++), run with 2 threads on the very file Pagoda loads (SmolLM2-135M-
 measurements, each engine alone, in its own process:
 
 - one-stream decode (peers_decode.py): a 32-token prompt, then --decode-tokens (256) greedy tokens, end of
-  sequence ignored; tokens/s from the first generated token to the last, median of 3 runs after a warm-up.
+  sequence ignored; tokens/s from the first generated token to the last, median of --decode-reps (3) runs after a 16-token warm-up.
   Pagoda float32 (the engine's default on the CPU: the file dequantized at load), Pagoda bfloat16, Pagoda with
   `--quantization gguf` (the file's own Q4_1 blocks, where the engine has the flag) and llama.cpp.
 - served at concurrency 1/8/32: `pagoda serve` (float32, and `--quantization gguf`) against llama-cpp-python's
@@ -100,7 +100,12 @@ def _decode(python: Path, spec: dict, label: str, timeout: float) -> dict:
 def decode_comparison(
     args, gguf: Path, model_dir: Path, llama_python: Path | None, prompt: list[int]
 ) -> list[dict]:
-    base = {"prompt": prompt, "tokens": args.decode_tokens, "reps": 3, "threads": args.llamacpp_threads}
+    base = {
+        "prompt": prompt,
+        "tokens": args.decode_tokens,
+        "reps": args.decode_reps,
+        "threads": args.llamacpp_threads,
+    }
     pagoda = {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_gib << 30}
     runs = [("Pagoda float32 (dequantized at load)", Path(sys.executable),
              {**base, "engine": "pagoda", "model": str(model_dir), "pagoda": {**pagoda, "dtype": "float32"}}),
@@ -130,11 +135,18 @@ def _decode_report(results: list[dict], meta: dict) -> dict:
         load = r["loadavg_1min"]
         v = r["decode_tokens_per_s"]
         rows.append([r["label"], f"{v:.1f}", f"{v / f32:.2f}x" if f32 else "", f"{v / llama:.2f}x" if llama else "",
-                     f"{load['before']:.1f} -> {load['after']:.1f}"])  # fmt: skip
+                     f"{r['cpu_ms_per_token']:.1f}", f"{load['before']:.1f} -> {load['after']:.1f}"])  # fmt: skip
     print_table(
-        f"One-stream decode, {meta['decode_tokens']} tokens after a 32-token prompt, greedy (median of 3), "
+        f"One-stream decode, {meta['decode_tokens']} tokens after a 32-token prompt, greedy (median of {meta['decode_reps']}), "
         f"{meta['cpu']}, {os.cpu_count()} CPUs",
-        ["engine", "decode tok/s", "vs Pagoda float32", "vs llama.cpp", "load before -> after"],
+        [
+            "engine",
+            "decode tok/s",
+            "vs Pagoda float32",
+            "vs llama.cpp",
+            "CPU ms / token",
+            "load before -> after",
+        ],
         rows,
     )
     goals = {
@@ -244,7 +256,7 @@ def llamacpp_comparison(args, model_dir: Path, meta: dict) -> None:
     from pagoda.engine.loader.resolve import default_model_gguf
 
     gguf = Path(args.gguf) if args.gguf else default_model_gguf()
-    meta = {**meta, "cpu": cpu_model(), "decode_tokens": args.decode_tokens}
+    meta = {**meta, "cpu": cpu_model(), "decode_tokens": args.decode_tokens, "decode_reps": args.decode_reps}
     llama_python, note = ensure_llamacpp(install=not args.no_install)
     say(f"llama.cpp: {note}" if llama_python else f"llama.cpp SKIPPED: {note}")
     prompt = load_tokenizer(model_dir)(PROMPT, add_special_tokens=False).input_ids[:32]

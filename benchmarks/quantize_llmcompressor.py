@@ -91,6 +91,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins its cached activations for host-to-device copies, which a CPU-only
+        # torch refuses ("Cannot access accelerator device"); with no device there is nothing to pin for.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *a, **k: None
     texts = calibration_sentences(args.calibration_samples)
     for name in args.only:
         target = args.out / name

@@ -70,11 +70,18 @@ def test_every_served_peer_gets_the_same_text_prompts() -> None:
 
 
 def test_decode_rate_counts_the_tokens_after_the_first(tmp_path, monkeypatch) -> None:
-    """peers_decode's rate: (tokens - 1) / (last - first stamp), median over runs, the prefill excluded."""
+    """peers_decode's rate: (tokens - 1) / (last - first stamp), median over runs, the prefill excluded; the
+    same for the process's CPU time per token."""
     import peers_decode
 
     monkeypatch.setattr(
-        peers_decode, "pagoda_stream", lambda spec: ([[0.0, 1.0, 2.0], [5.0, 5.5, 6.0]], [9, 9], {})
+        peers_decode,
+        "pagoda_stream",
+        lambda spec: (
+            [[(0.0, 0.0), (1.0, 0.1), (2.0, 0.2)], [(5.0, 1.0), (5.5, 1.3), (6.0, 1.6)]],
+            [9, 9],
+            {},
+        ),
     )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"engine": "pagoda", "model": "m", "tokens": 3, "threads": 1}))
@@ -82,6 +89,10 @@ def test_decode_rate_counts_the_tokens_after_the_first(tmp_path, monkeypatch) ->
     assert peers_decode.main() == 0
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["decode_tokens_per_s_runs"] == [1.0, 2.0] and out["decode_tokens_per_s"] == 1.5
+    assert out["cpu_ms_per_token_runs"] == pytest.approx(
+        [100.0, 300.0]
+    )  # CPU seconds per token after the first
+    assert out["cpu_ms_per_token"] == pytest.approx(200.0)
 
 
 @pytest.mark.parametrize("flag", ["--llamacpp-only", "--no-llamacpp"])
