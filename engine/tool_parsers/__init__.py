@@ -1,7 +1,9 @@
 """Tool calling: reading the calls out of a model's output, per model family (`--tool-call-parser`)."""
 
 from pagoda.engine.tool_parsers.parsers import (
+    FORMATS,
     PARSERS,
+    Harmony,
     NamedCall,
     RequiredCalls,
     ToolParser,
@@ -10,7 +12,9 @@ from pagoda.engine.tool_parsers.parsers import (
 from pagoda.engine.tool_parsers.stream import ToolCall, ToolCallStream, extract
 
 __all__ = [
+    "FORMATS",
     "PARSERS",
+    "Harmony",
     "NamedCall",
     "RequiredCalls",
     "ToolCall",
