@@ -82,7 +82,7 @@ def biased_experts(
     flat = ids.reshape(-1)
     if triton:
         from pagoda.kernels.fused_moe import expert_tiles, fused_moe_config, grouped_gemm
-        from pagoda.kernels.launch_config import device_limits, dtype_name
+        from pagoda.kernels.runtime import device_limits, dtype_name
 
         config = fused_moe_config(device_limits(x.device), dtype_name(x.dtype))
         tiles = expert_tiles(ids, w13.shape[0], config.block_m)
