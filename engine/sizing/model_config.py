@@ -68,6 +68,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to one
     decoder_sparse_step: int = 1  # every Nth layer is sparse (Qwen3-MoE) ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which keep a dense MLP
+    scoring_func: str = "softmax"  # router scores: softmax over the experts, or sigmoid (DeepSeek-V3 style)
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights times this
     # gpt-oss's clamped SwiGLU: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -271,6 +273,8 @@ def _experts(d: dict[str, Any], family: architectures.Architecture) -> dict[str,
         "norm_topk_prob": bool(d.get("norm_topk_prob", family.norm_topk_prob)),
         "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
         "mlp_only_layers": [int(i) for i in d.get("mlp_only_layers") or []],
+        "scoring_func": str(d.get("scoring_func") or "softmax"),
+        "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0),
         "swiglu_alpha": float(d.get("swiglu_alpha") or 1.702),
         "swiglu_limit": float(d.get("swiglu_limit") or 7.0),
     }
