@@ -6,9 +6,10 @@ assistant writes its reasoning on the `analysis` channel, its answer on `final`,
 `commentary` addressed `to=functions.{name}` with JSON arguments. Tools are declared in the developer
 message as a TypeScript-like `namespace functions`.
 
-Rendering: with PyPI `openai-harmony` (OpenAI's renderer) where its encoding loads; it downloads and hash-checks
-the o200k vocabulary on first use (or reads it from $TIKTOKEN_ENCODINGS_BASE), so an offline host without that
-file (this project's CI) uses the renderer below, which writes the same layout for the messages the API takes.
+Rendering: with PyPI `openai-harmony` (OpenAI's renderer) where it is installed and $TIKTOKEN_ENCODINGS_BASE
+names a directory holding its o200k vocabulary file (it would otherwise download the file, hash-checked, on
+first use; the engine fetches nothing at run time); elsewhere (this project's CI) with the renderer below,
+which writes the same layout for the messages the API takes.
 
 Reading (`HarmonyStream`): the output's text with the special tokens kept, fed as it grows, gives the deltas
 of `reasoning_content` (the analysis channel, as vLLM's gpt-oss reasoning parser returns it), `content` (final,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,7 +141,7 @@ def render_with_openai_harmony(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, reasoning_effort: str | None
 ) -> str | None:
     """The prompt as openai-harmony renders it (decoded, special tokens kept), or None where its encoding does
-    not load (no vocabulary offline)."""
+    not load (not installed, or no local vocabulary)."""
     encoding = _encoding()
     if encoding is None:
         return None
@@ -204,7 +206,11 @@ _ENCODING: list[Any] = []
 
 
 def _encoding() -> Any:
+    """openai-harmony's gpt-oss encoding, loaded once, where its vocabulary is local; else None."""
     if not _ENCODING:
+        if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+            _ENCODING.append(None)  # no local vocabulary: openai-harmony would download it
+            return None
         try:
             import openai_harmony as oh
 
