@@ -10,7 +10,7 @@ value to float32 per product anyway, and the weights would be re-read every step
 have no FP4 tensor cores either (Hopper's MXFP4 kernels widen to bf16/fp8 in registers, which needs a kernel of
 its own). Dequantized, the experts run the same grouped GEMMs as every other MoE model. The price is memory:
 4.25 bits per weight on disk (4 bits plus an 8-bit scale per 32) become 16 in bfloat16, 3.8x the experts'
-bytes (gpt-oss-20b: 41.8 GB in memory, about 13 GB on disk; gpt-oss-120b: 233.6 GB against about 65 GB; see
+bytes (gpt-oss-20b: 41.8 GB in memory, about 14 GB on disk; gpt-oss-120b: 233.6 GB against about 65 GB; see
 docs/models.md, "gpt-oss").
 """
 
