@@ -43,6 +43,7 @@ from pagoda.engine.tool_parsers import (
     extract,
     harmony,
     parser_for_template,
+    writes_harmony,
 )
 
 log = logging.getLogger("pagoda.server")
@@ -98,8 +99,9 @@ class OpenAIServing:
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize")
         name = settings.tool_call_parser
-        if name == "auto":
-            name = parser_for_template(self.inputs.template_source if self.inputs.knows_tools else None)
+        if name == "auto":  # a Harmony template (gpt-oss's) is Harmony with or without tools
+            source = self.inputs.template_source
+            name = parser_for_template(source if self.inputs.knows_tools or writes_harmony(source) else None)
         self.tool_parser: ToolParser = FORMATS[name]()
         # gpt-oss: prompts rendered and outputs read in Harmony (reasoning_content, content, tool_calls)
         self.harmony = isinstance(self.tool_parser, Harmony)

@@ -8,6 +8,7 @@ from pagoda.engine.tool_parsers.parsers import (
     RequiredCalls,
     ToolParser,
     parser_for_template,
+    writes_harmony,
 )
 from pagoda.engine.tool_parsers.stream import ToolCall, ToolCallStream, extract
 
@@ -22,4 +23,5 @@ __all__ = [
     "ToolParser",
     "extract",
     "parser_for_template",
+    "writes_harmony",
 ]

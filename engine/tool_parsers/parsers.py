@@ -113,10 +113,15 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Hermes, Llama3Json, 
 FORMATS: dict[str, type[ToolParser]] = {**PARSERS, Harmony.name: Harmony}
 
 
+def writes_harmony(template: str | None) -> bool:
+    """Whether a chat template writes gpt-oss's Harmony format (its messages' channels)."""
+    return "<|channel|>" in (template or "")
+
+
 def parser_for_template(template: str | None) -> str:
     """The parser a chat template's own tool format needs; hermes (Pagoda's rendering) when it has none."""
     text = template or ""
-    if "<|channel|>" in text:  # gpt-oss's template writes Harmony
+    if writes_harmony(text):
         return "harmony"
     if "[TOOL_CALLS]" in text:
         return "mistral"
