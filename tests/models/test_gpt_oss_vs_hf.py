@@ -175,6 +175,8 @@ def test_greedy_tokens_and_logprobs_match_hf(built):
         llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, skip_tokenizer_init=True,
                   kv_cache_memory_bytes=4 << 20, **extra)  # fmt: skip
         try:
+            reason = llm.engine.core.window_cache_reason
+            assert reason.startswith("window group") == (not extra), reason
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
             outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
