@@ -5,8 +5,7 @@ one prefill, one unsplit and one split decode (whose merge kernel follows). Thei
 constexprs, dtypes and launch configuration only (see pagoda.kernels.runtime), so these four launches cover
 every step of a deployment with this shape. A model's layers may differ in what the attention kernels
 specialise on (a sliding window or none, Gemma 2's logit soft-cap): each kind of layer is a shape of its own
-(`KernelPlan.attention_shapes`); the window's length and the cap's value are run-time arguments (gpt-oss's sinks, a tensor, too: only
-whether a model has them makes variants). The decoder layer's element-wise kernels (RMSNorm with and
+(`KernelPlan.attention_shapes`); the window's length and the cap's value are run-time arguments. The decoder layer's element-wise kernels (RMSNorm with and
 without the residual add, rotary on q and k, silu-and-mul) follow: their variants depend on the dtype and
 head dim, and on whether rows are whole 16-byte vectors, which every catalogue model's hidden and
 intermediate sizes are (the sizes below are too). With LoRA on, each fused linear's shrink and expand
@@ -41,7 +40,7 @@ class AttentionShape:
     kv_dtype: torch.dtype  # the cache
     sliding_window: int | None = None
     logit_softcap: float | None = None  # Gemma 2's attention soft-cap (the SOFTCAP variants)
-    sinks: bool = False  # learned per-head sink logits (gpt-oss: the SINKS variants)
+    sinks: bool = False  # learned per-head sink logits (gpt-oss: the SINKS variants; their values run-time)
 
 
 def launch_all(shape: AttentionShape) -> None:
@@ -104,6 +103,29 @@ def launch_layer_ops(shape: AttentionShape, qkv: torch.Tensor) -> None:
     silu_mul(torch.empty((tokens, 2 * hidden), dtype=shape.dtype, device=META))
 
 
+def launch_moe(plan: KernelPlan) -> None:
+    """The experts' grouped GEMMs as the MoE layers launch them (engine/models/moe.py, gpt_oss.py): gate and up
+    over the gathered token rows; down scaled by the routing weights into float32 after silu-and-mul, or for
+    biased experts (gpt-oss, whose activation and biases are torch ops) unscaled into float32."""
+    from pagoda.kernels.activation import silu_mul
+    from pagoda.kernels.fused_moe import expert_tiles, fused_moe_config, grouped_gemm
+
+    dtype, tokens, k = getattr(torch, plan.dtype), 4, min(2, plan.experts)
+    e, h, i = plan.experts, plan.hidden_size, plan.moe_intermediate
+    x = torch.empty((tokens, h), dtype=dtype, device=META)
+    w13 = torch.empty((e, 2 * i, h), dtype=dtype, device=META)
+    w2 = torch.empty((e, h, i), dtype=dtype, device=META)
+    ids = torch.empty((tokens, k), dtype=torch.int64, device=META)
+    tiles = expert_tiles(ids, e, fused_moe_config(plan.limits, plan.dtype).block_m)
+    gate_up = grouped_gemm(x, w13, tiles, a_rows=tiles.order // k)
+    if plan.expert_bias:
+        act = torch.empty((tokens * k, i), dtype=dtype, device=META)
+        grouped_gemm(act, w2, tiles, out_dtype=torch.float32)
+    else:
+        scale = torch.empty(tokens * k, dtype=torch.float32, device=META)
+        grouped_gemm(silu_mul(gate_up), w2, tiles, scale=scale, out_dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Everything that decides which Triton kernel variants one engine (all its ranks) launches."""
@@ -121,12 +143,6 @@ class KernelPlan:
     lora_rank: int | None = None  # --max-lora-rank when LoRA is on (every slot is this wide)
     attention: bool = True  # False with --attention-backend torch: no attention or layer kernels, LoRA only
     logit_softcap: float | None = None  # the model's attn_logit_softcapping (Gemma 2), on every layer
-    attention_sinks: bool = False  # learned sink logits on every layer (gpt-oss)
-    experts: int = 0  # a mixture of experts' expert count (0: dense MLPs): the grouped-GEMM variants
-    moe_intermediate: int = 0  # each expert's intermediate size on one rank
-    expert_bias: bool = (
-        False  # biased experts, activation outside the kernels (gpt-oss): its down GEMM's variant
-    )
 
     @property
     def limits(self) -> DeviceLimits:
@@ -148,11 +164,18 @@ class KernelPlan:
                 kv,
                 window,
                 self.logit_softcap,
-                self.attention_sinks,
+                sinks=self.attention_sinks,
             )  # fmt: skip
             for heads, kv_heads in self.ranks
             for window in windows
         ]
+
+    # Mixtures of experts and gpt-oss's attention: declared after the other fields (plans are built
+    # positionally up to those; pagoda.engine.cli.kernels sets these by name).
+    attention_sinks: bool = False  # learned sink logits on every layer (gpt-oss: the SINKS variants)
+    experts: int = 0  # a mixture of experts' expert count (0: dense MLPs): the grouped-GEMM variants
+    moe_intermediate: int = 0  # each expert's intermediate size on one rank
+    expert_bias: bool = False  # gpt-oss's biased experts: an unscaled down GEMM (activation in torch)
 
 
 def launch_lora(plan: KernelPlan) -> None:
@@ -180,29 +203,6 @@ def launch_lora(plan: KernelPlan) -> None:
             b = torch.empty((slots, r, size), dtype=dtype, device=META)
             lora_expand(h, b, y[:, offset : offset + size], *seg, tokens, h_offset=i * r)
             offset += size
-
-
-def launch_moe(plan: KernelPlan) -> None:
-    """The experts' grouped GEMMs as the MoE layers launch them (engine/models/moe.py, gpt_oss.py): gate and up
-    over the gathered token rows; down scaled by the routing weights into float32 after silu-and-mul, or for
-    biased experts (gpt-oss, whose activation and biases are torch ops) unscaled into float32."""
-    from pagoda.kernels.activation import silu_mul
-    from pagoda.kernels.fused_moe import expert_tiles, fused_moe_config, grouped_gemm
-
-    dtype, tokens, k = getattr(torch, plan.dtype), 4, min(2, plan.experts)
-    e, h, i = plan.experts, plan.hidden_size, plan.moe_intermediate
-    x = torch.empty((tokens, h), dtype=dtype, device=META)
-    w13 = torch.empty((e, 2 * i, h), dtype=dtype, device=META)
-    w2 = torch.empty((e, h, i), dtype=dtype, device=META)
-    ids = torch.empty((tokens, k), dtype=torch.int64, device=META)
-    tiles = expert_tiles(ids, e, fused_moe_config(plan.limits, plan.dtype).block_m)
-    gate_up = grouped_gemm(x, w13, tiles, a_rows=tiles.order // k)
-    if plan.expert_bias:
-        act = torch.empty((tokens * k, i), dtype=dtype, device=META)
-        grouped_gemm(act, w2, tiles, out_dtype=torch.float32)
-    else:
-        scale = torch.empty(tokens * k, dtype=torch.float32, device=META)
-        grouped_gemm(silu_mul(gate_up), w2, tiles, scale=scale, out_dtype=torch.float32)
 
 
 def launch_plan(plan: KernelPlan) -> None:

@@ -231,26 +231,26 @@ def unit_for(
         shared_memory_per_block=spec.shared_memory_per_block, dtype=resolved,
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype, resolved), tensor_parallel_size=tensor_parallel_size,
         block_size=block_size, lora_rank=lora_rank or None, attention=attention,
-        logit_softcap=shape.attn_logit_softcapping, **_moe_and_sinks(shape, tensor_parallel_size),
+        logit_softcap=shape.attn_logit_softcapping,
     )  # fmt: skip
+    kernel = _with_moe_and_sinks(kernel, shape, tensor_parallel_size)
     return Unit((spec.name,), model, tensor_parallel_size, kernel)
 
 
-def _moe_and_sinks(shape: ModelShape, tp: int) -> dict:
-    """kernel_plan's fields of a model's experts (each rank's slice of an expert's intermediate size) and its
-    family's attention sinks and biased experts (the architecture table's gpt-oss)."""
+def _with_moe_and_sinks(kernel: KernelPlan, shape: ModelShape, tp: int) -> KernelPlan:
+    """The plan with a model's experts (each rank's slice of an expert's intermediate size: the grouped-GEMM
+    variants) and its family's attention sinks and biased experts (the architecture table's gpt-oss)."""
+    from dataclasses import replace
+
     from pagoda.engine.sizing.architectures import architecture
 
     sinks = bool(shape.architecture) and architecture(shape.architecture).attention_sinks
     if not shape.num_experts:
-        return {"attention_sinks": sinks}
+        return replace(kernel, attention_sinks=sinks)
     lo, hi = shard_range(shape.moe_intermediate_size, 0, tp)
-    return {
-        "attention_sinks": sinks,
-        "experts": shape.num_experts,
-        "moe_intermediate": hi - lo,
-        "expert_bias": sinks,
-    }
+    return replace(
+        kernel, attention_sinks=sinks, experts=shape.num_experts, moe_intermediate=hi - lo, expert_bias=sinks
+    )
 
 
 def kernel_plan(
@@ -270,10 +270,6 @@ def kernel_plan(
     lora_rank: int | None,
     attention: bool = True,
     logit_softcap: float | None = None,
-    attention_sinks: bool = False,
-    experts: int = 0,
-    moe_intermediate: int = 0,
-    expert_bias: bool = False,
 ) -> KernelPlan:
     """The kernel plan of an engine with these settings (dtypes resolved: torch names): its ranks' heads as
     the engine shards them; `logit_softcap` is the model's attention soft-cap (Gemma 2). Pure; `pagoda
@@ -289,7 +285,7 @@ def kernel_plan(
     return KernelPlan(
         tuple(compute_capability), shared_memory_per_block, tuple(dict.fromkeys(ranks)), head_dim, hidden_size,
         intermediate_size, block_size, dtype, kv_cache_dtype, sliding_window, lora_rank, attention,
-        logit_softcap or None, attention_sinks, experts, moe_intermediate, expert_bias,
+        logit_softcap or None,
     )  # fmt: skip
 
 

@@ -88,7 +88,7 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be, an
         UnsupportedModelError where the model is one the engine does not run."""
-        d = _without_load_time_quantization(d)
+        d = dequantized_at_load(d)
         model_type = d.get("model_type") or ""
         _refuse_quantized(d, where)  # a wrapper's quantization_config is not in its text_config
         family = architectures.from_hf_config(d)
@@ -280,7 +280,7 @@ def _experts(d: dict[str, Any], family: architectures.Architecture) -> dict[str,
     }
 
 
-def _without_load_time_quantization(d: dict[str, Any]) -> dict[str, Any]:
+def dequantized_at_load(d: dict[str, Any]) -> dict[str, Any]:
     """config.json without a quantization_config the loader undoes itself: the MXFP4 experts of a family whose
     table entry lists the "mxfp4" weight format (gpt-oss), dequantized at load (engine/models/mxfp4.py), so the
     model runs, and is sized, as its float weights."""

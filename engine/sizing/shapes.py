@@ -277,7 +277,6 @@ def well_known_config(model_id: str) -> dict | None:
         row, quant = variant
     if row is None:
         return None
-    quant = quant or row.published_quant
     quantized = {"quantization_config": {"quant_method": quant}} if quant else {}
     family = architectures.architecture(row.family)
     text = {
@@ -289,6 +288,8 @@ def well_known_config(model_id: str) -> dict | None:
     if row.experts:
         text |= {"num_experts": row.experts, "num_experts_per_tok": row.experts_per_tok,
                  "moe_intermediate_size": row.moe_intermediate, "norm_topk_prob": True}  # fmt: skip
+    if row.published_quant and not quantized:  # gpt-oss's MXFP4, as published (the engine dequantizes it)
+        quantized = {"quantization_config": {"quant_method": row.published_quant}}
     if row.published_as is None:
         return text | quantized
     return {
