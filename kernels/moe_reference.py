@@ -11,13 +11,30 @@ import torch
 import torch.nn.functional as F
 
 
-def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64): softmax over the experts in float32, the k largest,
-    divided by their sum when ``renormalize`` (Mixtral, Qwen3-MoE with norm_topk_prob)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+def route_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64), one token at a time: softmax over the experts in
+    float32 (or 1 / (1 + exp(-logit)) per expert for sigmoid scoring), the k best by score (plus the correction
+    bias where given), their scores divided by their sum when ``renormalize``, times ``scale``."""
+    t = logits.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    for i in range(t):
+        row = logits[i].double()
+        probs = torch.softmax(row, dim=-1) if scoring == "softmax" else 1.0 / (1.0 + torch.exp(-row))
+        rank = probs + (correction_bias.double() if correction_bias is not None else 0.0)
+        chosen = sorted(range(row.numel()), key=lambda e: -float(rank[e]))[:top_k]
+        w = probs[chosen]
+        if renormalize:
+            w = w / w.sum()
+        weights[i] = (w * scale).float()
+        ids[i] = torch.tensor(chosen)
     return weights, ids
 
 

@@ -39,6 +39,7 @@ DYNAMIC_ARGS = [
     "window", "q_row_heads", "out_row_heads", "stride_bt", "num_blocks", "num_kv_heads", "num_heads", "num_splits",
 ]  # fmt: skip
 MERGE_DYNAMIC_ARGS = ["out_row_heads", "num_heads", "num_splits"]
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
@@ -53,6 +54,7 @@ def _paged_decode_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_ids_ptr,  # [n] which sequences of the batch this launch serves
+    sinks_ptr,  # [num_heads] float32 learned sink logits (used when SINKS, unsplit; split: the merge adds them)
     qk_scale_log2,  # softmax scale * k_scale * log2(e); with SOFTCAP: softmax scale * k_scale / cap
     v_scale,
     softcap_log2,  # cap * log2(e) (used when SOFTCAP)
@@ -75,6 +77,7 @@ def _paged_decode_kernel(
     IEEE_DOT: tl.constexpr,
     INT8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,6 +152,11 @@ def _paged_decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
+    if SINKS and not SPLIT:  # each head's sink: one more softmax column (log2 domain), weighing no value
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * LOG2E
+        m_f = tl.maximum(m_i, sink)
+        c = tl.exp2(m_i - m_f)  # 0 where nothing was seen
+        o = acc * (c * v_scale / (l_i * c + tl.exp2(sink - m_f)))[:, None]
     if SPLIT:
         row = (i.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
@@ -166,11 +174,13 @@ def _merge_splits_kernel(
     part_lse_ptr,
     query_start_loc_ptr,
     seq_ids_ptr,
+    sinks_ptr,  # [num_heads] float32 (used when SINKS)
     out_row_heads,
     num_heads,
     num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     # One pass over the splits with a running maximum (online softmax over their log-sum-exps).
     i = tl.program_id(0)
@@ -181,6 +191,9 @@ def _merge_splits_kernel(
     first = (i.to(tl.int64) * num_heads + h) * num_splits
     m = tl.full([], float("-inf"), tl.float32)
     w_sum = tl.zeros([], tl.float32)
+    if SINKS:  # the sink starts the merge as a split of weight exp2(sink) and no value
+        m = tl.load(sinks_ptr + h) * LOG2E
+        w_sum = tl.full([], 1.0, tl.float32)
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     for sp in range(num_splits):
         lse = tl.load(part_lse_ptr + first + sp)
@@ -220,6 +233,7 @@ def paged_decode_attention(
     kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,  # Gemma 2's c: scores c * tanh(score / c); None or 0 = off
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's learned sink logit per query head
     num_splits: int | None = None,  # None = heuristic; tests force values
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -265,6 +279,7 @@ def paged_decode_attention(
         seq_lens,
         query_start_loc,
         seq_ids,
+        sinks if sinks is not None else out,
         qk_scale,
         v_scale,
         softcap_log2,
@@ -287,6 +302,7 @@ def paged_decode_attention(
         IEEE_DOT=q.dtype == torch.float32,
         INT8=int8,
         SOFTCAP=bool(logit_softcap),
+        SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         shared_memory_bound=config.shared_memory,
@@ -300,11 +316,13 @@ def paged_decode_attention(
             part_lse,
             query_start_loc,
             seq_ids,
+            sinks if sinks is not None else out,
             out.stride(0) // head_dim,
             num_heads,
             num_splits,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_pad,
+            SINKS=sinks is not None,
             num_warps=config.merge_warps,
             shared_memory_bound=SCRATCH_SHARED_MEMORY,
         )

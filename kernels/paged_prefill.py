@@ -28,6 +28,7 @@ from pagoda.kernels.scores import head_lanes, softcap_scales, tanh
 
 # Integers kept out of Triton's specialization, as in paged_decode.
 DYNAMIC_ARGS = ["window", "q_row_heads", "out_row_heads", "stride_bt", "num_blocks", "num_kv_heads"]
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
@@ -40,6 +41,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_ids_ptr,
+    sinks_ptr,  # [num_heads] float32 learned sink logits (used when SINKS)
     qk_scale_log2,  # softmax scale * k_scale * log2(e); with SOFTCAP: softmax scale * k_scale / cap
     v_scale,
     softcap_log2,  # cap * log2(e) (used when SOFTCAP)
@@ -59,6 +61,7 @@ def _paged_prefill_kernel(
     IEEE_DOT: tl.constexpr,
     INT8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -137,8 +140,14 @@ def _paged_prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc * (v_scale / l_safe)[:, None]
+    if SINKS:  # the head's sink: one more softmax column (log2 domain), weighing no value
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m_f = tl.maximum(m_i, sink)
+        c = tl.exp2(m_i - m_f)  # 0 where the row saw no key
+        o = acc * (c * v_scale / (l_i * c + tl.exp2(sink - m_f)))[:, None]
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * (v_scale / l_safe)[:, None]
     dst = out_ptr + (rows[:, None] * out_row_heads + head) * HEAD_DIM + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -159,6 +168,7 @@ def paged_prefill_attention(
     kv_scales: torch.Tensor | None = None,  # INT8 caches: [2, num_blocks, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,  # Gemma 2's c: scores c * tanh(score / c); None or 0 = off
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's learned sink logit per query head
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -192,6 +202,7 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         seq_ids,
+        sinks if sinks is not None else out,
         qk_scale,
         v_scale,
         softcap_log2,
@@ -211,6 +222,7 @@ def paged_prefill_attention(
         IEEE_DOT=q.dtype == torch.float32,
         INT8=int8,
         SOFTCAP=bool(logit_softcap),
+        SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         shared_memory_bound=config.shared_memory,

@@ -122,6 +122,7 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: a learned logit per head, one more softmax column (gpt-oss)
 ) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -135,7 +136,11 @@ def _attend(
     if sliding_window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v)
+    column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
 def paged_prefill_attention_ref(
@@ -150,6 +155,7 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     kv_scales: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token against its sequence's cache (prefix and new tokens)."""
     out = torch.empty_like(q)
@@ -160,7 +166,8 @@ def paged_prefill_attention_ref(
             continue
         k, v = gather_sequence_kv(kv_cache, block_tables[s], seq_len, k_scale, v_scale, kv_scales)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window, logit_softcap).to(q.dtype)
+        att = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window, logit_softcap, sinks)
+        out[lo:hi] = att.to(q.dtype)
     return out
 
 
@@ -175,12 +182,13 @@ def paged_decode_attention_ref(
     sliding_window: int | None = None,
     kv_scales: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode case of the prefill twin: the query is the last token of its sequence."""
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_prefill_attention_ref(
         q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale, sliding_window,
-        kv_scales, logit_softcap,
+        kv_scales, logit_softcap, sinks,
     )  # fmt: skip
 
 

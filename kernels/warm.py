@@ -42,6 +42,7 @@ class AttentionShape:
     kv_dtype: torch.dtype  # the cache
     sliding_window: int | None = None
     logit_softcap: float | None = None  # Gemma 2's attention soft-cap (the SOFTCAP variants)
+    sinks: bool = False  # learned per-head sink logits (gpt-oss: the SINKS variants; their values run-time)
 
 
 def launch_all(shape: AttentionShape) -> None:
@@ -65,9 +66,11 @@ def launch_all(shape: AttentionShape) -> None:
     seq_lens = torch.empty(tokens, dtype=torch.int32, device=META)
     qsl = torch.empty(tokens + 1, dtype=torch.int32, device=META)
     ids = torch.empty(tokens, dtype=torch.int32, device=META)
+    sinks = torch.empty(h, dtype=torch.float32, device=META) if shape.sinks else None
     common = dict(
-        kv_scales=scales, sliding_window=shape.sliding_window, logit_softcap=shape.logit_softcap, seq_ids=ids
-    )
+        kv_scales=scales, sliding_window=shape.sliding_window, logit_softcap=shape.logit_softcap, seq_ids=ids,
+        sinks=sinks,
+    )  # fmt: skip
     reshape_and_cache(k, v, kv_cache, slots, kv_scales=scales)
     paged_prefill_attention(q, kv_cache, qsl, seq_lens, tables, 0.1, max_query_len=tokens, **common)
     for splits in (1, 2):
@@ -102,6 +105,29 @@ def launch_layer_ops(shape: AttentionShape, qkv: torch.Tensor) -> None:
     silu_mul(torch.empty((tokens, 2 * hidden), dtype=shape.dtype, device=META))
 
 
+def launch_moe(plan: KernelPlan) -> None:
+    """The experts' grouped GEMMs as the MoE layers launch them (engine/models/moe.py, gpt_oss.py): gate and up
+    over the gathered token rows; down scaled by the routing weights into float32 after silu-and-mul, or for
+    biased experts (gpt-oss, whose activation and biases are torch ops) unscaled into float32."""
+    from pagoda.kernels.activation import silu_mul
+    from pagoda.kernels.fused_moe import expert_tiles, fused_moe_config, grouped_gemm
+
+    dtype, tokens, k = getattr(torch, plan.dtype), 4, min(2, plan.experts)
+    e, h, i = plan.experts, plan.hidden_size, plan.moe_intermediate
+    x = torch.empty((tokens, h), dtype=dtype, device=META)
+    w13 = torch.empty((e, 2 * i, h), dtype=dtype, device=META)
+    w2 = torch.empty((e, h, i), dtype=dtype, device=META)
+    ids = torch.empty((tokens, k), dtype=torch.int64, device=META)
+    tiles = expert_tiles(ids, e, fused_moe_config(plan.limits, plan.dtype).block_m)
+    gate_up = grouped_gemm(x, w13, tiles, a_rows=tiles.order // k)
+    if plan.expert_bias:
+        act = torch.empty((tokens * k, i), dtype=dtype, device=META)
+        grouped_gemm(act, w2, tiles, out_dtype=torch.float32)
+    else:
+        scale = torch.empty(tokens * k, dtype=torch.float32, device=META)
+        grouped_gemm(silu_mul(gate_up), w2, tiles, scale=scale, out_dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Everything that decides which Triton kernel variants one engine (all its ranks) launches."""
@@ -133,11 +159,26 @@ class KernelPlan:
         dtype, kv = getattr(torch, self.dtype), getattr(torch, self.kv_cache_dtype)
         return [
             AttentionShape(
-                heads, kv_heads, self.head_dim, self.block_size, dtype, kv, window, self.logit_softcap
-            )
+                heads,
+                kv_heads,
+                self.head_dim,
+                self.block_size,
+                dtype,
+                kv,
+                window,
+                self.logit_softcap,
+                sinks=self.attention_sinks,
+            )  # fmt: skip
             for heads, kv_heads in self.ranks
             for window in windows
         ]
+
+    # Mixtures of experts and gpt-oss's attention: declared after the other fields (plans are built
+    # positionally up to those; pagoda.engine.cli.kernels sets these by name).
+    attention_sinks: bool = False  # learned sink logits on every layer (gpt-oss: the SINKS variants)
+    experts: int = 0  # a mixture of experts' expert count (0: dense MLPs): the grouped-GEMM variants
+    moe_intermediate: int = 0  # each expert's intermediate size on one rank
+    expert_bias: bool = False  # gpt-oss's biased experts: an unscaled down GEMM (activation in torch)
 
 
 def launch_lora(plan: KernelPlan) -> None:
@@ -219,6 +260,8 @@ def launch_plan(plan: KernelPlan) -> None:
     """One launch of every variant of the plan (inside `compiling_for(plan.limits)`)."""
     for shape in dict.fromkeys(plan.attention_shapes() if plan.attention else []):
         launch_all(shape)
+    if plan.attention and plan.experts:
+        launch_moe(plan)
     if plan.lora_rank:
         launch_lora(plan)
     if plan.quant_format in ("int4", "fp8"):

@@ -85,7 +85,10 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of q
         """Write the new K/V, then attend. With `logit_softcap` c (Gemma 2) every score becomes
-        `c * tanh(scale * q.k / c)` before the causal / window mask and the softmax; None or 0 = off."""
+        `c * tanh(scale * q.k / c)` before the causal / window mask and the softmax; None or 0 = off. With
+        `sinks` each query head's row of the softmax has one more logit, its sink, whose weight goes to no
+        value (gpt-oss's learned attention sinks)."""
         ...

@@ -66,9 +66,11 @@ def paged_decode(
     rows: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one new token per sequence over its cached keys (its own K/V already written), scores
-    soft-capped to c * tanh(score / c) with ``logit_softcap`` c (Gemma 2).
+    soft-capped to c * tanh(score / c) with ``logit_softcap`` c (Gemma 2); ``sinks`` [H] float32 (gpt-oss):
+    one learned logit per query head that joins the softmax's denominator and adds no value.
 
     q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, or int8 with ``scales``
     [2, num_blocks, block_size, Hkv] float32 (per token and head); block_tables [S, max_blocks] int32 and
@@ -88,6 +90,9 @@ def paged_decode(
     ):
         assert t is None or (t.is_contiguous() and t.dtype == dtype)
     assert out.stride(2) == 1 and out.stride(1) == out.shape[2]
+    assert sinks is None or (
+        sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == q.shape[1]
+    )
     _, _, bs, hkv, d = kv.shape
     if kv.dtype == torch.int8:
         fn = lib.pagoda_paged_decode_i8
@@ -113,6 +118,7 @@ def paged_decode(
         scale,
         sliding_window or 0,
         logit_softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:

@@ -85,10 +85,11 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every prefill chunk's tokens over its sequence's cached keys up to each token
     (the chunk's own K/V already written), scores soft-capped to c * tanh(score / c) with ``logit_softcap``
-    (Gemma 2). q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16;
+    (Gemma 2); ``sinks`` [H] float32: gpt-oss's learned per-head logits in the denominator. q, out: [T, H, D] float32; kv: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16;
     block_tables [S, max_blocks] int32 contiguous. Caller checks `supports`."""
     lib = library()
     assert lib is not None, "paged_prefill called without the native library"
@@ -96,6 +97,9 @@ def paged_prefill(
         return
     assert block_tables.is_contiguous() and block_tables.dtype == torch.int32
     assert out.stride(2) == 1 and out.stride(1) == out.shape[2]
+    assert sinks is None or (
+        sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == q.shape[1]
+    )
     _, _, bs, hkv, d = kv.shape
     threads = torch.get_num_threads()
     scratch, per = chunks.scratch(d, threads)
@@ -121,6 +125,7 @@ def paged_prefill(
         scale,
         sliding_window or 0,
         logit_softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         scratch.data_ptr(),
         per,
         threads,

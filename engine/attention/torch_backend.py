@@ -22,6 +22,11 @@ Mistral / Hugging Face convention.
 Logit soft-cap `c` (Gemma 2): scores become `c * tanh(scale * q.k / c)` before the mask and the softmax.
 The native kernels take `c`; SDPA has no such hook, so the torch paths then compute the scores explicitly
 (`_attend`).
+
+Sinks (gpt-oss): one learned logit per query head joins each row's softmax denominator as a column with no
+value (it takes probability mass from the keys; it is not a StreamingLLM sink token, nothing is kept in the
+cache for it). The native kernels fold it into their last normalisation; the torch paths add the column to
+explicit scores.
 """
 
 from __future__ import annotations
@@ -124,10 +129,13 @@ def _attend(
     mask: torch.Tensor | None,  # broadcastable to [B, H, n, L], True = visible; None = causal, n == L
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor
+    | None = None,  # broadcastable to [B, H, n, 1] float32: gpt-oss's per-head sink logits
 ) -> torch.Tensor:
-    """SDPA, or without it when a soft-cap is set: explicit float32 scores, capped, masked, softmaxed."""
+    """SDPA, or without it when a soft-cap or sinks are set: explicit float32 scores, capped, masked,
+    softmaxed (a sink is one more column of the softmax, dropped before the product with V)."""
     gqa = q.shape[1] != k.shape[1]
-    if not softcap:
+    if not softcap and sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -135,12 +143,17 @@ def _attend(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         n = q.shape[2]
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 class TorchAttentionBackend:
@@ -213,6 +226,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode rows by the reference formulation: gather every decode's blocks (padded to the longest),
         one masked SDPA call. Returns [Sd, H, D]."""
@@ -240,6 +254,7 @@ class TorchAttentionBackend:
             mask,
             scale,
             softcap,
+            None if sinks is None else sinks.view(1, kv_heads, num_heads // kv_heads, 1),
         ).reshape(sd, num_heads, head_dim)
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
@@ -262,8 +277,11 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size = cache.kv.shape[2]
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         softcap = logit_softcap or None
         self.write_kv(k, v, cache, meta.slot_mapping)
         plan = self._get_plan(meta, block_size)
@@ -297,18 +315,27 @@ class TorchAttentionBackend:
                     rows=plan.decode_rows,
                     scales=cache.scales,
                     logit_softcap=softcap,
+                    sinks=sinks,
                 )
                 if not plan.prefills:
                     return out.to(dtype)
             else:
-                od = self._gathered_decode(q, cache, plan, scale, sliding_window, softcap)
+                od = self._gathered_decode(q, cache, plan, scale, sliding_window, softcap, sinks)
                 if out is None:
                     return od.to(dtype)
                 out.index_copy_(0, plan.decode_rows, od)
 
         if native_prefill:
             cpu_prefill.paged_prefill(
-                q, cache.kv, plan.block_tables, plan.prefill_chunks, out, scale, sliding_window, softcap
+                q,
+                cache.kv,
+                plan.block_tables,
+                plan.prefill_chunks,
+                out,
+                scale,
+                sliding_window,
+                softcap,
+                sinks,
             )
             return out.to(dtype)
         for i, p in enumerate(plan.prefills):
@@ -332,6 +359,6 @@ class TorchAttentionBackend:
                     if sliding_window is not None:
                         mask &= kpos > qpos - sliding_window
                     plan.masks[key] = mask
-            op = _attend(qp, kp, vp, mask, scale, softcap)
+            op = _attend(qp, kp, vp, mask, scale, softcap, None if sinks is None else sinks.view(1, -1, 1, 1))
             out[p.start : p.end] = op[0].transpose(0, 1)
         return out.to(dtype)

@@ -87,6 +87,7 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv = cache.kv
         self._write(k, v, kv, meta.slot_mapping, cache.k_scale, cache.v_scale, cache.scales)
@@ -99,6 +100,7 @@ class TritonAttentionBackend:
             kv_scales=cache.scales,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            sinks=None if sinks is None else sinks.float().contiguous(),
         )
         if plan.decode_ids is not None:
             self._decode(

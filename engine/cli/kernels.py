@@ -234,7 +234,24 @@ def unit_for(
         block_size=block_size, lora_rank=lora_rank or None, attention=attention,
         logit_softcap=shape.attn_logit_softcapping, quant_format=getattr(shape, "weight_format", ""),
     )  # fmt: skip
+    kernel = _with_moe_and_sinks(kernel, shape, tensor_parallel_size)
     return Unit((spec.name,), model, tensor_parallel_size, kernel)
+
+
+def _with_moe_and_sinks(kernel: KernelPlan, shape: ModelShape, tp: int) -> KernelPlan:
+    """The plan with a model's experts (each rank's slice of an expert's intermediate size: the grouped-GEMM
+    variants) and its family's attention sinks and biased experts (the architecture table's gpt-oss)."""
+    from dataclasses import replace
+
+    from pagoda.engine.sizing.architectures import architecture
+
+    sinks = bool(shape.architecture) and architecture(shape.architecture).attention_sinks
+    if not shape.num_experts:
+        return replace(kernel, attention_sinks=sinks)
+    lo, hi = shard_range(shape.moe_intermediate_size, 0, tp)
+    return replace(
+        kernel, attention_sinks=sinks, experts=shape.num_experts, moe_intermediate=hi - lo, expert_bias=sinks
+    )
 
 
 def kernel_plan(

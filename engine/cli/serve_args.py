@@ -23,7 +23,7 @@ from pagoda.engine.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerSettings,
 )
-from pagoda.engine.tool_parsers.parsers import PARSERS as TOOL_PARSERS
+from pagoda.engine.tool_parsers.parsers import FORMATS as TOOL_PARSERS
 
 
 def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +136,7 @@ def build_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
         "--tool-call-parser",
         default="auto",
         choices=["auto", *TOOL_PARSERS],
-        help="how tool calls are read from outputs; auto: from the chat template (hermes when it has none)",
+        help="how tool calls are read from outputs; auto: from the chat template (harmony for gpt-oss's, hermes when it has none)",
     )
     s.add_argument(
         "--allow-runtime-lora-updating",

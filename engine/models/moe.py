@@ -1,7 +1,8 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router, top-k experts per token, grouped GEMMs.
 
-Routing: router logits -> softmax over the experts in float32 -> the k largest, renormalised to sum to one
-where the config says (`norm_topk_prob`; Mixtral always). The (token, expert) slots are then sorted by
+Routing: router logits -> softmax over the experts in float32 (or a sigmoid per expert where config.json's
+scoring_func says, as DeepSeek-V3-style routers score) -> the k largest, renormalised to sum to one where the
+config says (`norm_topk_prob`; Mixtral always), times routed_scaling_factor where set. The (token, expert) slots are then sorted by
 expert and each projection is one grouped computation over the sorted rows: on the GPU the Triton kernel
 (pagoda.kernels.fused_moe), on the CPU torch's grouped matmul (`torch._grouped_mm`, one call per projection
 over the whole step), or where it is missing or refuses the shape (rows must be a multiple of 16 bytes long,
@@ -44,13 +45,37 @@ _EXPERT_PARTS = {
 MOE_PREFIXES = ("mlp.", "block_sparse_moe.")  # where a layer's sparse block lives in the checkpoint
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) from router logits [T, E]."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) from router logits [T, E].
+
+    ``scoring``: softmax over the experts, or sigmoid per expert (DeepSeek-V3-style routers, whose scores do
+    not compete, so they are renormalised over the chosen k where the config says). ``correction_bias`` [E]
+    (DeepSeek-V3's e_score_correction_bias) shifts which experts are chosen, not their weights; ``scale``
+    (routed_scaling_factor) multiplies the final weights."""
+    if scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif scoring == "sigmoid":
+        probs = torch.sigmoid(logits.float())
+    else:
+        raise ValueError(f"scoring_func {scoring!r} is not supported ({', '.join(SCORING_FUNCS)})")
+    if correction_bias is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        ids = torch.topk(probs + correction_bias.float(), top_k, dim=-1).indices
+        weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return (weights * scale if scale != 1.0 else weights), ids
 
 
 def experts_cpu(
@@ -132,6 +157,8 @@ class SparseMoE(nn.Module):
         experts, hidden = config.num_experts, config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.scoring = config.scoring_func
+        self.routed_scale = config.routed_scaling_factor
         self.full_intermediate = config.moe_intermediate_size
         self.inter_lo, self.inter_hi = shard_range(config.moe_intermediate_size)
         self.intermediate = self.inter_hi - self.inter_lo
@@ -145,7 +172,8 @@ class SparseMoE(nn.Module):
         self.triton = triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        logits = F.linear(x, self.router)
+        weights, ids = route(logits, self.top_k, self.renormalize, self.scoring, scale=self.routed_scale)
         if self.triton:
             from pagoda.kernels.fused_moe import fused_experts
 

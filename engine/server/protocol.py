@@ -341,6 +341,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # the model's reasoning, where its format separates it (gpt-oss's analysis channel), as vLLM returns it
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 

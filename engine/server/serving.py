@@ -34,13 +34,16 @@ from pagoda.engine.server.settings import ServerSettings
 from pagoda.engine.server.structured import requested_spec, tool_choice_spec
 from pagoda.engine.structured_output import GrammarSpec, check_spec
 from pagoda.engine.tool_parsers import (
-    PARSERS,
+    FORMATS,
+    Harmony,
     NamedCall,
     RequiredCalls,
     ToolCallStream,
     ToolParser,
     extract,
+    harmony,
     parser_for_template,
+    writes_harmony,
 )
 
 log = logging.getLogger("pagoda.server")
@@ -96,9 +99,12 @@ class OpenAIServing:
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize")
         name = settings.tool_call_parser
-        if name == "auto":
-            name = parser_for_template(self.inputs.template_source if self.inputs.knows_tools else None)
-        self.tool_parser: ToolParser = PARSERS[name]()
+        if name == "auto":  # a Harmony template (gpt-oss's) is Harmony with or without tools
+            source = self.inputs.template_source
+            name = parser_for_template(source if self.inputs.knows_tools or writes_harmony(source) else None)
+        self.tool_parser: ToolParser = FORMATS[name]()
+        # gpt-oss: prompts rendered and outputs read in Harmony (reasoning_content, content, tool_calls)
+        self.harmony = isinstance(self.tool_parser, Harmony)
         self._hints_logged: set[str] = set()
 
     def close(self) -> None:
@@ -188,11 +194,17 @@ class OpenAIServing:
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             req.chat_template_kwargs,
         )
-        if keep is None:
+        if self.harmony:  # gpt-oss: Harmony's own rendering (tools as its functions namespace)
+            text = harmony.render_prompt(args[0], args[3], args[1], req.reasoning_effort)
+        elif keep is None:
             ids, text = self.inputs.chat_token_ids(*args)
             return Prepared(ids, text)
-        text = self.inputs.render_chat(*args)
+        else:
+            text = self.inputs.render_chat(*args)
         ids = self.encode(text, "messages", add_special_tokens=False)
+        if keep is None:
+            self.check_prompt(ids, "messages")
+            return Prepared(ids, text)
         kept = self.truncate(ids, keep)
         self.check_prompt(kept, "messages")
         return Prepared(kept, text if len(kept) == len(ids) else self.decode(kept))
@@ -718,6 +730,11 @@ class OpenAIServing:
             total_tokens=prompt_tokens + completion_tokens,
         ).model_dump(exclude_none=True)
 
+    def harmony_output(self, parser: ToolParser | None) -> bool:
+        """Whether this chat's output is read as Harmony channels: a gpt-oss model's, unless a tool_choice
+        constrains the output to a grammar (required, a named function)."""
+        return self.harmony and not isinstance(parser, (NamedCall, RequiredCalls))
+
     def tool_setup(
         self, req: P.ChatCompletionRequest
     ) -> tuple[ToolParser | None, GrammarSpec | None, str | None]:
@@ -759,6 +776,8 @@ class OpenAIServing:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         names = {"logprobs": "top_logprobs", "max_tokens": mt_name, "prompt": "messages"}
         params = self.sampling_params(req, len(prepared.token_ids), max_tokens, k, names, spec)
+        if self.harmony_output(parser):
+            params.skip_special_tokens = False  # the channels' markers are special tokens
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, [prepared], params, req.priority, names, lora)
         created, model = int(time.time()), lora or self.model_name
@@ -773,7 +792,12 @@ class OpenAIServing:
         usage = P.UsageInfo(prompt_tokens=len(prepared.token_ids))
         for c in sorted(final.outputs, key=lambda c: c.index):
             usage.completion_tokens += len(c.token_ids)
-            content, calls = (c.text, []) if parser is None else whole_tool_calls(parser, c.text)
+            reasoning = None
+            if self.harmony_output(parser):
+                reasoning, content, calls = harmony.parse(c.text)
+                calls = calls if parser is not None else []
+            else:
+                content, calls = (c.text, []) if parser is None else whole_tool_calls(parser, c.text)
             if calls and req.parallel_tool_calls is False:
                 calls = calls[:1]
             finish = c.finish_reason
@@ -784,6 +808,7 @@ class OpenAIServing:
                     index=c.index,
                     message=P.ChatResponseMessage(
                         content=content if content or not calls else None,
+                        reasoning_content=reasoning,
                         tool_calls=calls,
                     ),
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
@@ -811,7 +836,14 @@ class OpenAIServing:
         continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_prompt = len(prepared.token_ids)
         choices = _ChoiceDeltas(want_logprobs=k is not None)
-        tool_streams = {i: ToolCallStream(parser) for i in range(req.n)} if parser is not None else {}
+        harmony_streams = (
+            {i: harmony.HarmonyStream() for i in range(req.n)} if self.harmony_output(parser) else {}
+        )
+        tool_streams = (
+            {i: ToolCallStream(parser) for i in range(req.n)}
+            if parser is not None and not harmony_streams
+            else {}
+        )
         cached = 0
         try:
             for index in range(req.n):
@@ -836,7 +868,17 @@ class OpenAIServing:
                     delta: dict[str, Any] = {"content": text} if text else {}
                     finish = c.finish_reason
                     calls = tool_streams.get(c.index)
-                    if calls is not None:
+                    channels = harmony_streams.get(c.index)
+                    if channels is not None:
+                        d = channels.feed(text, final=bool(finish))
+                        delta = {"reasoning_content": d.reasoning} if d.reasoning else {}
+                        if d.content:
+                            delta["content"] = d.content
+                        if d.tool_calls and parser is not None:
+                            delta["tool_calls"] = d.tool_calls
+                        if parser is not None and channels.num_calls and finish == "stop":
+                            finish = "tool_calls"
+                    elif calls is not None:
                         content, tool_deltas = calls.feed(text, final=bool(finish))
                         delta = {"content": content} if content else {}
                         if tool_deltas:

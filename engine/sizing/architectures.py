@@ -115,6 +115,17 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         experts=True,
     ),
     Architecture(
+        "gpt_oss",
+        ("GptOssForCausalLM",),
+        ("gpt_oss",),
+        module="gpt_oss",
+        model_class="GptOssForCausalLM",
+        rope_scalings=("yarn",),
+        attention_sinks=True,
+        experts=True,
+        weight_formats=("float32", "float16", "bfloat16", "mxfp4"),  # MXFP4 experts dequantized at load
+    ),
+    Architecture(
         "phi3",
         ("Phi3ForCausalLM",),
         ("phi3",),

@@ -70,6 +70,11 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to one
     decoder_sparse_step: int = 1  # every Nth layer is sparse (Qwen3-MoE) ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which keep a dense MLP
+    scoring_func: str = "softmax"  # router scores: softmax over the experts, or sigmoid (DeepSeek-V3 style)
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights times this
+    # gpt-oss's clamped SwiGLU: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # config.json is a multimodal checkpoint (model_type the wrapper's, e.g. "gemma3") whose language model
     # alone is served: its text_config read, the vision tower's tensors skipped at load, images refused.
     multimodal_checkpoint: bool = False
@@ -87,6 +92,7 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read a config.json dict; a SizingError (a ValueError) naming the field where it cannot be, an
         UnsupportedModelError where the model is one the engine does not run."""
+        d = dequantized_at_load(d)
         model_type = d.get("model_type") or ""
         quantization = _refuse_quantized(d, where)  # a wrapper's is not in its text_config
         family = architectures.from_hf_config(d)
@@ -267,7 +273,27 @@ def _experts(d: dict[str, Any], family: architectures.Architecture) -> dict[str,
         "norm_topk_prob": bool(d.get("norm_topk_prob", family.norm_topk_prob)),
         "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
         "mlp_only_layers": [int(i) for i in d.get("mlp_only_layers") or []],
+        "scoring_func": str(d.get("scoring_func") or "softmax"),
+        "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0),
+        "swiglu_alpha": float(d.get("swiglu_alpha") or 1.702),
+        "swiglu_limit": float(d.get("swiglu_limit") or 7.0),
     }
+
+
+def dequantized_at_load(d: dict[str, Any]) -> dict[str, Any]:
+    """config.json without a quantization_config the loader undoes itself: the MXFP4 experts of a family whose
+    table entry lists the "mxfp4" weight format (gpt-oss), dequantized at load (engine/models/mxfp4.py), so the
+    model runs, and is sized, as its float weights."""
+    quant = d.get("quantization_config")
+    family = architectures.from_hf_config(d)
+    if (
+        isinstance(quant, dict)
+        and quant.get("quant_method") == "mxfp4"
+        and family is not None
+        and "mxfp4" in family.weight_formats
+    ):
+        return {k: v for k, v in d.items() if k != "quantization_config"}
+    return d
 
 
 def _per_layer_type_rope(d: dict[str, Any]) -> tuple[dict[str, Any], float | None]:

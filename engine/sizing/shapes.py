@@ -230,6 +230,9 @@ class _Known:
     experts: int = 0  # num_experts (num_local_experts): every layer sparse
     experts_per_tok: int = 0
     moe_intermediate: int = 0
+    # quantization_config.quant_method of the published checkpoint where the engine undoes it at load (gpt-oss's
+    # MXFP4 experts): the row's bytes are then what the engine holds, the dequantized bfloat16 weights
+    published_quant: str | None = None
 
 
 def _gemma3(name: str, layers: int, heads: int, kv: int, hd: int, hidden: int, inter: int) -> _Known:
@@ -271,6 +274,11 @@ _WELL_KNOWN = {row.name.lower(): row for row in (
            experts_per_tok=8, moe_intermediate=768),
     _Known("Mixtral-8x7B", "mixtral", 32, 32, 8, 128, 4096, 14336, 32000, 32768, experts=8, experts_per_tok=2,
            moe_intermediate=14336),
+    # gpt-oss: every other layer (the even ones) a 128-token window; experts published as MXFP4, held dequantized
+    _Known("gpt-oss-20b", "gpt_oss", 24, 64, 8, 64, 2880, 2880, 201088, 131072, 128, 12, qkv_bias=True,
+           experts=32, experts_per_tok=4, moe_intermediate=2880, published_quant="mxfp4"),
+    _Known("gpt-oss-120b", "gpt_oss", 36, 64, 8, 64, 2880, 2880, 201088, 131072, 128, 18, qkv_bias=True,
+           experts=128, experts_per_tok=4, moe_intermediate=2880, published_quant="mxfp4"),
 )}  # fmt: skip
 _ALIASES = {
     "mistral-7b": "mistral-7b-v0.3",
@@ -365,6 +373,8 @@ def well_known_config(model_id: str) -> dict | None:
     if row.experts:
         text |= {"num_experts": row.experts, "num_experts_per_tok": row.experts_per_tok,
                  "moe_intermediate_size": row.moe_intermediate, "norm_topk_prob": True}  # fmt: skip
+    if row.published_quant and not quantized:  # gpt-oss's MXFP4, as published (the engine dequantizes it)
+        quantized = {"quantization_config": {"quant_method": row.published_quant}}
     if row.published_as is None:
         return text | quantized
     return {

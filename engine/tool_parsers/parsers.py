@@ -10,6 +10,9 @@ that could still turn out to start its marker.
 - llama3_json: the output is the call object itself, `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>`; several are separated by `;` (Llama 3.1-3.3).
 - mistral: `[TOOL_CALLS]` followed by a JSON list of `{"name", "arguments"}` objects.
+- harmony: gpt-oss's channels (engine/tool_parsers/harmony.py): the server renders the prompt in Harmony and
+  reads reasoning, answer and calls from the output's messages; chosen for a chat template that writes
+  `<|channel|>`.
 
 `tool_choice` "required" and a named function do not parse the model's format: their output is grammar-
 constrained to a JSON list of calls (`RequiredCalls`) or to the function's arguments (`NamedCall`).
@@ -89,6 +92,14 @@ class NamedCall(ToolParser):
         return "", text
 
 
+class Harmony(ToolParser):
+    """gpt-oss's Harmony format: calls, reasoning and answer are channels of its messages. The server reads
+    them with engine/tool_parsers/harmony.py (and renders the prompt with it); this entry names the format."""
+
+    name = "harmony"
+    marker = "<|channel|>"
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that starts ``marker`` (what a stream must hold back)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -98,11 +109,20 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Hermes, Llama3Json, Mistral)}
+# every --tool-call-parser: the text parsers above and the channel formats, which the server reads its own way
+FORMATS: dict[str, type[ToolParser]] = {**PARSERS, Harmony.name: Harmony}
+
+
+def writes_harmony(template: str | None) -> bool:
+    """Whether a chat template writes gpt-oss's Harmony format (its messages' channels)."""
+    return "<|channel|>" in (template or "")
 
 
 def parser_for_template(template: str | None) -> str:
     """The parser a chat template's own tool format needs; hermes (Pagoda's rendering) when it has none."""
     text = template or ""
+    if writes_harmony(text):
+        return "harmony"
     if "[TOOL_CALLS]" in text:
         return "mistral"
     if "<|python_tag|>" in text or "ipython" in text:

@@ -36,7 +36,7 @@ static inline __attribute__((always_inline)) void load_row(vfloat *dst, const vo
 static inline __attribute__((always_inline)) void task_vec(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
     int len, float *os, int h, int Hkv, const int D, const int G, int bs, float scale, int window, float cap,
-    const int CT)
+    const float *snk, const int CT)
 {
     const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int DV = D / VLEN;
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void task_vec(
         }
     }
     for (int g = 0; g < G; g++) {
-        const vfloat inv = vset1(1.0f / l[g]);
+        const vfloat inv = vset1(snk ? sink_norm(m[g], l[g], snk[g]) : 1.0f / l[g]);
         for (int i = 0; i < DV; i++) vstoreu(os + g * D + VLEN * i, vmul(acc[g][i], inv));
     }
 }
@@ -120,7 +120,8 @@ static inline __attribute__((always_inline)) void task_vec(
 /* Portable version of the same task (any D up to MAXD). */
 static inline __attribute__((always_inline)) void task_portable(
     const float *qs, const void *kc, const void *vc, const float *ksc, const float *vsc, const int32_t *bt_row,
-    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, float cap, const int CT)
+    int len, float *os, int h, int Hkv, int D, int G, int bs, float scale, int window, float cap, const float *snk,
+    const int CT)
 {
     const int I8 = CT == CT_I8, BF = CT == CT_BF16;
     const int start = window_start(len, window);
@@ -186,8 +187,10 @@ static inline __attribute__((always_inline)) void task_portable(
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) os[g * D + d] = acc[g][d] / l[g];
+    for (int g = 0; g < G; g++) {
+        const float inv = snk ? sink_norm(m[g], l[g], snk[g]) : 1.0f / l[g];
+        for (int d = 0; d < D; d++) os[g * D + d] = acc[g][d] * inv;
+    }
 }
 
 /* q/out: [tokens, H, D] rows at q_stride/out_stride floats; caches: [num_blocks, bs, Hkv, D] float32, or
@@ -197,7 +200,7 @@ static inline __attribute__((always_inline)) int paged_decode(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int64_t *seq_idx, const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv,
-    int D, int bs, float scale, int window, float cap, int nthreads, const int CT)
+    int D, int bs, float scale, int window, float cap, const float *sinks, int nthreads, const int CT)
 {
     const int G = H / Hkv;
     if (G * Hkv != H || G > MAXG || D > MAXD || bs > MAXBS) return 1;
@@ -211,9 +214,10 @@ static inline __attribute__((always_inline)) int paged_decode(
         float *os = out + row * out_stride + (int64_t)h * G * D;
         const int32_t *bt_row = block_tables + s * bt_stride;
         const int len = seq_lens[s];
+        const float *snk = sinks ? sinks + h * G : 0;
 #ifdef VLEN
 #define TASK(DD, GG) task_vec(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, DD, GG, bs, \
-                              scale, window, cap, CT)
+                              scale, window, cap, snk, CT)
         if (D == 64 && G == 3) TASK(64, 3);
         else if (D == 64 && G == 4) TASK(64, 4);
         else if (D == 64 && G == 1) TASK(64, 1);
@@ -224,7 +228,7 @@ static inline __attribute__((always_inline)) int paged_decode(
 #undef TASK
 #endif
         task_portable(qs, k_cache, v_cache, k_scales, v_scales, bt_row, len, os, h, Hkv, D, G, bs, scale, window,
-                      cap, CT);
+                      cap, snk, CT);
     }
     return 0;
 }
@@ -233,9 +237,9 @@ static inline __attribute__((always_inline)) int paged_decode(
 #define DECODE_ARGS_DECL const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, const int64_t *seq_idx, \
     const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale, \
-    int window, float logit_softcap, int nthreads
+    int window, float logit_softcap, const float *sinks, int nthreads
 #define DECODE_ARGS q, q_stride, k_cache, v_cache, 0, 0, block_tables, bt_stride, seq_lens, seq_idx, tok_rows, n, \
-    out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, nthreads
+    out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, sinks, nthreads
 
 int pagoda_paged_decode_f32(DECODE_ARGS_DECL) { return paged_decode(DECODE_ARGS, CT_F32); }
 /* bfloat16 cache (a bfloat16 model's): values widened to float32 in registers. */
@@ -246,9 +250,10 @@ int pagoda_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cac
                            const float *k_scales, const float *v_scales, const int32_t *block_tables,
                            int64_t bt_stride, const int32_t *seq_lens, const int64_t *seq_idx,
                            const int64_t *tok_rows, int n, float *out, int64_t out_stride, int H, int Hkv, int D,
-                           int bs, float scale, int window, float logit_softcap, int nthreads)
+                           int bs, float scale, int window, float logit_softcap, const float *sinks,
+                           int nthreads)
 {
     return paged_decode(q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables, bt_stride, seq_lens,
-                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, nthreads,
+                        seq_idx, tok_rows, n, out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap, sinks, nthreads,
                         CT_I8);
 }

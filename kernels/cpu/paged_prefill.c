@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void pf_tile(
 static inline __attribute__((always_inline)) void pf_task(
     const float *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *bt_row, int ctx,
     int i0, int i1, float *out, int64_t out_stride, int h, int Hkv, const int D, int G, int bs, float scale,
-    int window, float cap, float *kt, const int BF)
+    int window, float cap, const float *sinks, float *kt, const int BF)
 {
     const int64_t tok_stride = (int64_t)Hkv * D;
     const int kend = ctx + i1;
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void pf_task(
         }
         pf_tile(qs, pos, ws, PF_R, kt, c0, c1, vc, bt_row, bs, tok_stride, h, kend, O, m, l, cap, D, BF);
         for (int r = 0; r < R; r++) {
-            const float inv = 1.0f / l[r];
+            const float inv = sinks ? sink_norm(m[r], l[r], sinks[h * G + r % G]) : 1.0f / l[r];
             for (int d = 0; d < D; d++) orow[r][d] = O[r * D + d] * inv;
         }
     }
@@ -159,7 +159,8 @@ static inline __attribute__((always_inline)) int paged_prefill(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
     int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, const int64_t *qlens,
     const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, int bs, float scale,
-    int window, float cap, float *scratch, int64_t scratch_per_thread, int nthreads, const int BF)
+    int window, float cap, const float *sinks, float *scratch, int64_t scratch_per_thread, int nthreads,
+    const int BF)
 {
 #ifdef PF_W
     const int G = H / Hkv;
@@ -193,10 +194,10 @@ static inline __attribute__((always_inline)) int paged_prefill(
             const int32_t *bt = block_tables + seq_idx[i] * bt_stride;
             if (D == 64)
                 pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, 64, G,
-                        bs, scale, window, cap, kt, BF);
+                        bs, scale, window, cap, sinks, kt, BF);
             else
                 pf_task(qi, q_stride, k_cache, v_cache, bt, (int)ctx_lens[i], i0, i1, oi, out_stride, h, Hkv, D, G,
-                        bs, scale, window, cap, kt, BF);
+                        bs, scale, window, cap, sinks, kt, BF);
         }
     }
     return 0;
@@ -208,9 +209,10 @@ static inline __attribute__((always_inline)) int paged_prefill(
 #define PF_ARGS_DECL const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
     const int32_t *block_tables, int64_t bt_stride, const int64_t *seq_idx, const int64_t *starts, \
     const int64_t *qlens, const int64_t *ctx_lens, int n, float *out, int64_t out_stride, int H, int Hkv, int D, \
-    int bs, float scale, int window, float logit_softcap, float *scratch, int64_t scratch_per_thread, int nthreads
+    int bs, float scale, int window, float logit_softcap, const float *sinks, float *scratch, \
+    int64_t scratch_per_thread, int nthreads
 #define PF_ARGS q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_idx, starts, qlens, ctx_lens, n, out, \
-    out_stride, H, Hkv, D, bs, scale, window, logit_softcap, scratch, scratch_per_thread, nthreads
+    out_stride, H, Hkv, D, bs, scale, window, logit_softcap, sinks, scratch, scratch_per_thread, nthreads
 
 int pagoda_paged_prefill_f32(PF_ARGS_DECL) { return paged_prefill(PF_ARGS, 0); }
 /* bfloat16 cache (a bfloat16 model's): keys widened into the transposed scratch, values in registers. */

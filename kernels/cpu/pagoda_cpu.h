@@ -57,6 +57,17 @@ static inline float exp_neg(float x)
 /* Gemma 2's logit soft-cap of one score: cap * tanh(x / cap), inv = 1 / cap. tanh as Cephes' tanhf: an odd
    polynomial below 0.625, (1 - e) / (1 + e) with e = exp(-2|y|) above (no cancellation there), both computed
    and one selected so loops over scores vectorise (vsoftcap is the same on vector lanes). */
+/* The factor that normalises a row's accumulated P.V once its softmax denominator also holds a learned sink
+   logit (gpt-oss: one per query head, a column of the softmax with no value): with m the row's running
+   maximum and l its sum of exp(score - m), out = acc * c / (l * c + exp(sink - mf)), mf = max(m, sink),
+   c = exp(m - mf), which neither overflows nor divides by zero. */
+static inline float sink_norm(float m, float l, float sink)
+{
+    const float mf = m > sink ? m : sink;
+    const float c = m == -INFINITY ? 0.0f : expf(m - mf);
+    return c / (l * c + expf(sink - mf));
+}
+
 static inline float softcap(float x, float cap, float inv)
 {
     const float y = x * inv, a = fabsf(y), z = y * y;

@@ -11,12 +11,13 @@ import ctypes
 P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float  # noqa: E741
 
 # q, q_stride, k_cache, v_cache, [k_scales, v_scales,] block_tables, bt_stride, seq_lens, seq_idx, tok_rows,
-# n, out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap (0 = off), nthreads
-_DECODE = [P, I64, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, F, I]
-_DECODE_I8 = [P, I64, P, P, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, F, I]
+# n, out, out_stride, H, Hkv, D, bs, scale, window, logit_softcap (0 = off), sinks ([H] float32 or NULL), nthreads
+_DECODE = [P, I64, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, F, P, I]
+_DECODE_I8 = [P, I64, P, P, P, P, P, I64, P, P, P, I, P, I64, I, I, I, I, F, I, F, P, I]
 # q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_idx, starts, qlens, ctx_lens, n, out, out_stride,
-# H, Hkv, D, bs, scale, window, logit_softcap (0 = off), scratch, scratch_per_thread, nthreads
-_PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I, P, I64, I, I, I, I, F, I, F, P, I64, I]
+# H, Hkv, D, bs, scale, window, logit_softcap (0 = off), sinks ([H] float32 or NULL), scratch,
+# scratch_per_thread, nthreads
+_PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I, P, I64, I, I, I, I, F, I, F, P, P, I64, I]
 # out, residual, x, w, T, n, x_stride, out_stride, res_stride, eps, nthreads
 _RMS_NORM = [P, P, P, P, I64, I64, I64, I64, I64, F, I]
 # x, T, x_stride, nheads, D, cos, sin, nthreads

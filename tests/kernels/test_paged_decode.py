@@ -89,6 +89,28 @@ def test_logit_softcap(paged, head_dim, group, window, num_splits, dtype):
     assert (outs[0.7].float() - outs[None].float()).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize(
+    ("group", "window", "num_splits", "dtype"),
+    [(4, None, 1, torch.float32), (4, 7, 4, torch.float32), (2, None, 2, torch.float16), (8, 20, 1, torch.float16)],
+)  # fmt: skip
+def test_attention_sinks(paged, group, window, num_splits, dtype):
+    """gpt-oss's learned sinks (a logit per query head in the denominator), split or not (the merge adds them
+    once), with and without a window: the kernel matches the twin, and the sinks change the answer."""
+    case = paged.make([3, 16, 45], block_size=16, group=group, num_kv_heads=2, head_dim=64, dtype=dtype,
+                      seed=group + (window or 0))  # fmt: skip
+    heads = case.q.shape[1]
+    sinks = torch.linspace(-3.0, 4.0, heads, dtype=torch.float32)
+    sinks[0] = 30.0  # far above every score: the sink takes (almost) all the weight, nothing overflows
+    outs = {}
+    for name, s in (("none", None), ("sinks", sinks)):
+        outs[name] = _run(case, out=paged.poisoned_like(case.q), num_splits=num_splits, sliding_window=window,
+                          sinks=s)  # fmt: skip
+        ref = paged_decode_attention_ref(case.q, case.kv_cache, case.seq_lens, case.block_tables, case.scale,
+                                         sliding_window=window, sinks=s)  # fmt: skip
+        torch.testing.assert_close(outs[name], ref, **paged.tolerance(dtype))
+    assert (outs["sinks"].float() - outs["none"].float()).abs().max() > 1e-2
+
+
 def test_serves_a_subset_of_a_mixed_batch_and_leaves_other_rows_alone(paged):
     # sequence 1 is a 3-token prefill chunk in the flat batch; the decode launch must skip its rows
     case = paged.make([9, 20, 17], query_lens=[1, 3, 1], block_size=8, group=4, seed=3)

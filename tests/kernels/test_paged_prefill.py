@@ -29,6 +29,7 @@ def _check(paged, case, **kw):
         kw.get("v_scale", 1.0),
         kw.get("sliding_window"),
         logit_softcap=kw.get("logit_softcap"),
+        sinks=kw.get("sinks"),
     )
     torch.testing.assert_close(out, ref, **paged.tolerance(case.q.dtype))
     return out
@@ -118,3 +119,18 @@ def test_logit_softcap(paged, head_dim, group, window, dtype):
     capped = _check(paged, case, sliding_window=window, logit_softcap=0.7)
     plain = _check(paged, case, sliding_window=window)
     assert (capped.float() - plain.float()).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("group", "window", "dtype"), [(4, None, torch.float32), (2, 5, torch.float16), (8, 9, torch.float32)]
+)
+def test_attention_sinks(paged, group, window, dtype):
+    """gpt-oss's learned sinks, chunks behind a cached prefix, with and without a window: the kernel matches
+    the twin with the sinks, and they change the answer."""
+    case = paged.make([21, 40], [21, 7], block_size=16, group=group, num_kv_heads=2, head_dim=64, dtype=dtype,
+                      seed=group)  # fmt: skip
+    sinks = torch.linspace(-3.0, 4.0, case.q.shape[1], dtype=torch.float32)
+    sinks[-1] = 30.0
+    with_sinks = _check(paged, case, sliding_window=window, sinks=sinks)
+    plain = _check(paged, case, sliding_window=window)
+    assert (with_sinks.float() - plain.float()).abs().max() > 1e-2

@@ -11,9 +11,10 @@ from pagoda.engine.attention.base import LayerKVCache
 from pagoda.engine.attention.torch_backend import TorchAttentionBackend
 
 
-def dense_reference(q_all, k_all, v_all, ctx, ql, window, softcap=None):
+def dense_reference(q_all, k_all, v_all, ctx, ql, window, softcap=None, sinks=None):
     """Attention of the new tokens [ctx, ctx+ql) of one sequence over its whole K/V history, one by one
-    (scores soft-capped to softcap * tanh(score / softcap) when softcap is given)."""
+    (scores soft-capped to softcap * tanh(score / softcap) when softcap is given; with sinks [H], each head's
+    sink logit one more softmax column whose weight is dropped)."""
     heads, kv_heads, d = q_all.shape[1], k_all.shape[1], q_all.shape[2]
     rep = heads // kv_heads
     outs = []
@@ -24,7 +25,11 @@ def dense_reference(q_all, k_all, v_all, ctx, ql, window, softcap=None):
         scores = torch.einsum("hd,khd->hk", q_all[p].double(), k) / math.sqrt(d)
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+        if sinks is not None:
+            probs = torch.cat((scores, sinks.double()[:, None]), dim=-1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hk,khd->hd", probs, v))
     return torch.stack(outs).float()
 
 
@@ -49,8 +54,9 @@ def schedule(bs):
 
 
 def run_schedule(
-    backend, block_size, heads, kv_heads, window, cache_dtype, paged, scale=1.0, seed=0, softcap=None, d=16
-):
+    backend, block_size, heads, kv_heads, window, cache_dtype, paged, scale=1.0, seed=0, softcap=None, d=16,
+    sinks=None,
+):  # fmt: skip
     torch.manual_seed(seed)
     batches = paged(num_blocks=64, block_size=block_size, seed=seed)
     cache = LayerKVCache(torch.zeros(2, 64, block_size, kv_heads, d, dtype=cache_dtype), scale, scale)
@@ -73,9 +79,12 @@ def run_schedule(
             ks.append(k)
             vs.append(v)
         out = backend.forward(
-            torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5, window, logit_softcap=softcap
+            torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5, window, logit_softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip
+        ref = torch.cat(
+            [dense_reference(*hist[sid], ctx, ql, window, softcap, sinks) for sid, ctx, ql in step]
         )
-        ref = torch.cat([dense_reference(*hist[sid], ctx, ql, window, softcap) for sid, ctx, ql in step])
         assert out.shape == ref.shape
         worst = max(worst, (out - ref).abs().max().item())
     return worst
@@ -134,6 +143,41 @@ def test_logit_softcap_changes_the_result(paged):
     assert (outs[0.5] - outs[None]).abs().max() > 1e-2
     assert (outs[1e6] - outs[None]).abs().max() < 1e-5
     assert torch.allclose(outs[0.5], dense_reference(q, k, v, 0, 20, None, 0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,window,native,cache_dtype",
+    [
+        (4, 4, 16, None, False, torch.float32),
+        (8, 2, 64, 5, None, torch.float32),
+        (8, 2, 64, None, None, torch.bfloat16),
+        (8, 1, 64, 3, None, torch.float32),
+        (4, 2, 32, 6, False, torch.float32),
+    ],
+)
+def test_attention_sinks(heads, kv_heads, d, window, native, cache_dtype, paged):
+    """gpt-oss's learned sinks (one logit per query head in the softmax's denominator), with and without a
+    window, GQA, on the native kernels (decode and prefill) and the torch formulation: every new token
+    matches the dense reference with the sinks, and differs from it without them."""
+    sinks = torch.tensor([2.0, -1.0, 0.5, 30.0, -30.0, 1.5, 0.0, 3.0][:heads])
+    backend = TorchAttentionBackend(native=native)
+    worst = run_schedule(backend, 8, heads, kv_heads, window, cache_dtype, paged, d=d, sinks=sinks)
+    assert worst < (2e-2 if cache_dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("native", [None, False])
+def test_attention_sinks_change_the_result(native, paged):
+    """The sinks really apply: large sinks take most of the weight (the output shrinks), tiny ones none."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(20, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    outs = {}
+    for name, sinks in (("none", None), ("big", torch.full((4,), 5.0)), ("tiny", torch.full((4,), -80.0))):
+        batches = paged(num_blocks=8, block_size=8)
+        cache = LayerKVCache(torch.zeros(2, 8, 8, 2, 16))
+        backend = TorchAttentionBackend(native=native)
+        outs[name] = backend.forward(q, k, v, cache, batches.step([(0, 0, 20)]), 0.25, sinks=sinks)
+    assert outs["big"].abs().mean() < 0.5 * outs["none"].abs().mean()
+    assert (outs["tiny"] - outs["none"]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
