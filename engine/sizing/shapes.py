@@ -448,7 +448,11 @@ def shape_from_config(
 
 def quantization_scheme(config: dict, where: str = "config.json") -> QuantScheme | None:
     """The checkpoint's quantization (config.json's quantization_config, a multimodal wrapper's or its
-    text_config's) by the engine's own detection; None for float weights."""
+    text_config's) by the engine's own detection; None for float weights (and for MXFP4 experts, which the
+    loader dequantizes)."""
+    from pagoda.engine.sizing.model_config import dequantized_at_load
+
+    config = dequantized_at_load(config)
     quant = config.get("quantization_config")
     if quant is None and isinstance(config.get("text_config"), dict):
         quant = config["text_config"].get("quantization_config")
