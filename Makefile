@@ -88,6 +88,7 @@ bench-serve: install
 	$(PY) benchmarks/bench_serve.py
 
 # GPU kernels where a GPU is visible, else the CPU kernels on every variant; ARGS="--cpu --quick --compare-rev 0916ea2"
+# Both end with the fused MoE layer against a per-expert loop and a dense MLP (bench_moe.py; ARGS="--skip-moe")
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py $(ARGS)
 

@@ -14,6 +14,10 @@ fraction of the device-to-device copy bandwidth measured in the same run. Side b
 twin, SDPA over contiguous KV, and FlashInfer's BatchDecodeWithPagedKVCacheWrapper when importable.
 Prefill: 512..8192 tokens, causal, against SDPA (flash). End to end: a ~1B random Llama, greedy tokens
 with triton vs torch backends, and decode tokens/s of each. Writes bench-results/kernels.json and .png.
+
+Both runs end with the fused mixture-of-experts layer (bench_moe.py: the experts as the engine runs them, the
+Triton grouped GEMM on a GPU and grouped torch ops on the CPU, against a per-expert loop and a dense MLP of the
+active size), written to moe.json beside the kernels' JSON; --skip-moe leaves it out.
 """
 
 from __future__ import annotations
@@ -314,14 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels' rows instead (what runs without a "
                         "GPU): bench_kernels_cpu.py, which takes --tiny, --compare OLD_LIB_DIR, --compare-rev REV, "
                         "--variants, --threads, --repeats, --out too")  # fmt: skip
+    parser.add_argument(
+        "--skip-moe", action="store_true", help="skip the fused MoE layer's rows (bench_moe.py)"
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
+    skip_moe = "--skip-moe" in argv
+    argv = [a for a in argv if a != "--skip-moe"]
     if "--cpu" in argv or not torch.cuda.is_available():
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_kernels_cpu
 
         if "--cpu" not in argv:
             print("no CUDA GPU visible: the CPU kernels' rows (bench_kernels_cpu.py)")
-        return bench_kernels_cpu.main([a for a in argv if a != "--cpu"])
+        rc = bench_kernels_cpu.main([a for a in argv if a != "--cpu"])
+        return rc or (0 if skip_moe else run_moe(argv, _out_dir(argv, RESULTS)))
     args = parser.parse_args(argv)
     try:
         import flashinfer  # noqa: F401
@@ -365,7 +375,31 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "kernels.json").write_text(json.dumps(report, indent=2))
     plot(decode_rows, prefill_rows, copy_bw, RESULTS / "kernels.png")
     print(f"wrote {RESULTS / 'kernels.json'} and {RESULTS / 'kernels.png'}")
-    return 0
+    return 0 if args.skip_moe else run_moe(argv, RESULTS)
+
+
+def _out_dir(argv: list[str], default: Path) -> Path:
+    """The folder of the CPU run's --out (so a test's run writes moe.json into its own folder)."""
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return Path(argv[i + 1]).parent
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1]).parent
+    return default
+
+
+def run_moe(argv: list[str], out_dir: Path) -> int:
+    """The fused MoE layer's rows (bench_moe.py) after the attention kernels': --tiny and --quick carry over."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_moe
+
+    moe_args = ["--out", str(out_dir / "moe.json")]
+    if "--tiny" in argv:
+        moe_args.append("--tiny")
+    elif "--quick" in argv:
+        moe_args += ["--repeats", "5"]
+    print("\nfused mixture-of-experts layer (bench_moe.py):")
+    return bench_moe.main(moe_args)
 
 
 if __name__ == "__main__":
