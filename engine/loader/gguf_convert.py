@@ -2,13 +2,15 @@
 
 Weights are dequantized with the `gguf` package and stored as float32 (lossless for every GGML type), under
 the names of the family's Hugging Face checkpoints; what llama.cpp changed is undone where the architecture
-table says so (the rotary permutation of q/k rows, Gemma's +1 on norm weights). Config and tokenizer come
-from transformers' GGUF readers plus gguf_metadata (no model forward involved); a file without a chat
-template gets the one its turn markers spell (chat_templates).
+table says so (the rotary permutation of q/k rows, Gemma's +1 on norm weights); a mixture of experts'
+stacked expert tensors become transformers 5's 3-D ones, which transformers and the engine load as they are.
+Config and tokenizer come from transformers' GGUF readers plus gguf_metadata (no model forward involved); a
+file without a chat template gets the one its turn markers spell (chat_templates).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +32,7 @@ from pagoda.engine.loader.gguf_metadata import (
     hf_config,
     transformers_reads,
 )
-from pagoda.engine.sizing.architectures import Architecture, from_gguf
+from pagoda.engine.sizing.architectures import Architecture, architecture, from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ _SANDWICH_NORMS = {
 }
 # A family whose checkpoints fuse q/k/v and gate/up (Phi-3): llama.cpp keeps them fused under these names.
 _FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# A mixture of experts: the router, and llama.cpp's stacked experts [E, rows, cols], which become transformers
+# 5's 3-D tensors (experts.gate_up_proj [E, 2I, H] with gate rows first, experts.down_proj [E, H, I]).
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}
+_STACKED_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -66,7 +72,32 @@ _TOP_NAMES = {
 
 def _layer_names(family: Architecture) -> dict[str, str]:
     names = {**_LAYER_NAMES, **(_SANDWICH_NORMS if family.post_norms else _PLAIN_NORMS)}
+    if family.experts:
+        names.update(_ROUTER)
     return {**names, **_FUSED} if family.fused_checkpoint else names
+
+
+def gguf_family(reader: object, arch: str, where: str) -> Architecture:
+    """The family of a GGUF file: its general.architecture's entry, except that llama.cpp writes Mixtral as a
+    Llama with experts (`llama.expert_count`), with the Llama's interleaved q/k rows."""
+    family = from_gguf(arch, where)
+    if arch == "llama" and int(field(reader, "llama.expert_count") or 0) > 0:
+        return dataclasses.replace(architecture("mixtral"), gguf_permuted_qk=True)
+    return family
+
+
+def _stacked_experts(layers: dict[int, dict[str, np.ndarray]], where: str) -> dict[str, torch.Tensor]:
+    """Each layer's stacked gate, up and down experts as experts.gate_up_proj and experts.down_proj."""
+    out: dict[str, torch.Tensor] = {}
+    for layer, parts in sorted(layers.items()):
+        missing = [k for k in _STACKED_EXPERTS if k not in parts]
+        if missing:
+            raise ValueError(f"GGUF file {where!r}: layer {layer} lacks {', '.join(missing)}")
+        gate_up = np.concatenate([parts["ffn_gate_exps"], parts["ffn_up_exps"]], axis=1)
+        prefix = f"model.layers.{layer}.mlp.experts"
+        out[f"{prefix}.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(gate_up))
+        out[f"{prefix}.down_proj"] = torch.from_numpy(np.ascontiguousarray(parts["ffn_down_exps"]))
+    return out
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
@@ -124,13 +155,14 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch = field(reader, "general.architecture")
-    family = from_gguf(arch, str(gguf_path))
+    family = gguf_family(reader, arch, str(gguf_path))
     heads = int(field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(field(reader, f"{arch}.attention.head_count_kv") or heads)
     layer_names = _layer_names(family)
 
     tensors: dict[str, torch.Tensor] = {}
     rope_factors: dict[str, list[float]] = {}
+    experts: dict[int, dict[str, np.ndarray]] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         if t.name == "rope_freqs.weight":
             raise ValueError(
@@ -141,6 +173,10 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if t.name in ROPE_FACTOR_TENSORS:  # Phi-3's LongRoPE factors: configuration, not weights
             rope_factors[ROPE_FACTOR_TENSORS[t.name]] = [float(x) for x in w.reshape(-1)]
             continue
+        parts = t.name.split(".")
+        if family.experts and len(parts) == 4 and parts[2] in _STACKED_EXPERTS and parts[3] == "weight":
+            experts.setdefault(int(parts[1]), {})[parts[2]] = w
+            continue
         name = _hf_name(t.name, layer_names)
         if name is None:
             raise ValueError(f"GGUF file {str(gguf_path)!r} has an unexpected tensor {t.name!r}")
@@ -149,6 +185,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if family.gguf_norm_shift and name.endswith("norm.weight"):
             w -= family.gguf_norm_shift
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    tensors.update(_stacked_experts(experts, str(gguf_path)))
+    del experts
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors

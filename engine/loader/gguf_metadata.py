@@ -43,6 +43,15 @@ _EXTRA_KEYS = {
     "residual_scale": "residual_multiplier",
     "logit_scale": "logits_scaling",
 }
+# A mixture of experts' counts and sizes (transformers reads the first two for Qwen3-MoE, none for Mixtral,
+# which llama.cpp writes as a Llama). num_local_experts is the name every MoE config class answers to.
+_EXPERT_KEYS = {
+    "expert_count": "num_local_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
+# general.architecture -> the name transformers' GGUF tables use, where the two differ.
+_TRANSFORMERS_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
 # Tensors that are configuration, not weights.
 ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
@@ -68,6 +77,8 @@ def hf_config(
     arch = field(reader, "general.architecture")
     d = _base_config(reader, gguf_path, family, arch)
     _add_extras(d, reader, arch, rope_factors)
+    if family.experts:
+        _add_experts(d, reader, arch, family)
     if d["num_hidden_layers"] in family.gguf_width_scaled_layers:  # Gemma 2/3 27B, as llama.cpp runs them
         d["query_pre_attn_scalar"] = d["hidden_size"] // d["num_attention_heads"]
     model_type = d.pop("model_type")
@@ -85,7 +96,25 @@ def transformers_reads(arch: str) -> bool:
     """Whether transformers' GGUF readers know this general.architecture (Granite: not yet)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    return arch in GGUF_CONFIG_MAPPING
+    return _TRANSFORMERS_ARCH.get(arch, arch) in GGUF_CONFIG_MAPPING
+
+
+def _add_experts(d: dict[str, Any], reader: Any, arch: str, family: Architecture) -> None:
+    """The expert counts and sizes, under the family's model_type (Mixtral's file says llama). llama.cpp routes
+    Qwen3-MoE with renormalised top-k weights whatever the source config said, so the file means that."""
+    if d.get("model_type") not in family.model_types:
+        d["model_type"] = family.model_types[0]
+    d.pop("num_experts", None)
+    for key, name in _EXPERT_KEYS.items():
+        value = field(reader, f"{arch}.{key}")
+        if value is not None:
+            d[name] = int(value)
+    if "moe_intermediate_size" in d and "mixtral" in family.model_types:
+        d["intermediate_size"] = d.pop(
+            "moe_intermediate_size"
+        )  # Mixtral's experts are intermediate_size wide
+    if not family.norm_topk_prob:
+        d["norm_topk_prob"] = True
 
 
 def _base_config(reader: Any, gguf_path: Path, family: Architecture, arch: str) -> dict[str, Any]:

@@ -102,6 +102,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "qwen3_moe",
         ("Qwen3MoeForCausalLM",),
         ("qwen3_moe",),
+        gguf_arch="qwen3moe",
         sliding_window="opt_in",
         rope_scalings=("llama3", "linear", "yarn"),
         qk_norm=True,

@@ -24,9 +24,11 @@ from transformers import (
     Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
@@ -69,6 +71,7 @@ _GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 _GEMMA_NAMES = {
     "post_attention_layernorm": "post_attention_norm",
@@ -94,9 +97,15 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch in ("qwen3", *_GEMMA):
+    if arch in ("qwen3", "qwen3moe", *_GEMMA):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    experts = getattr(cfg, "num_local_experts", 0)
+    if experts:  # llama.cpp writes Mixtral as a Llama with these keys
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch in _GEMMA or (arch == "phi3" and cfg.sliding_window):
         writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -144,6 +153,12 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
         else:
             _, _, layer, *rest = name.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
+            if module == "mlp.experts":  # transformers 5's [E, 2I, H] / [E, H, I]: llama.cpp stacks each part
+                halves = np.split(w, 2, axis=1) if kind == "gate_up_proj" else [w]
+                parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
+                for part, half in zip(parts, halves, strict=True):
+                    writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(half))
+                continue
             out = f"blk.{layer}.{names[module]}.{kind}"
             if arch in _PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
@@ -277,6 +292,21 @@ NEW_FAMILIES = {
         original_max_position_embeddings=64,
         sliding_window=6,  # Phi-3-mini's config has one (2047)
         pad_token_id=0,
+        tie_word_embeddings=False,
+    ),
+    "qwen3moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,  # what llama.cpp runs (Qwen3-30B-A3B's config sets it too)
+        tie_word_embeddings=False,
+    ),
+    "llama-mixtral": lambda: MixtralConfig(
+        **COMMON,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
     "granite": lambda: GraniteConfig(
