@@ -92,6 +92,11 @@ bench-serve: install
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py $(ARGS)
 
+# a tiny random Qwen3-MoE (built into bench-results/moe-tiny) served at concurrency 1, 8, 32: tok/s grows
+.PHONY: bench-moe
+bench-moe: install
+	$(PY) benchmarks/bench_moe_serve.py $(ARGS)
+
 bench-tp: install
 	$(PY) benchmarks/bench_tp.py
 
