@@ -555,6 +555,8 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         family = architectures.from_gguf(arch, str(path))
     except ValueError:
         family = architectures.GENERIC  # sized as a Llama-shaped decoder; the engine refuses it
+    if arch == "llama" and field("expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
+        family = architectures.architecture("mixtral")
     # llama.cpp's keys as config.json's, read by the engine's own reader (windows per layer by the family)
     config = {
         "model_type": family.model_types[0] if family.model_types else arch,
@@ -565,6 +567,9 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         "attn_logit_softcapping": field("attn_logit_softcapping"),
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "torch_dtype": "float16" if family.float16 else "bfloat16",  # what the engine dequantises to
+        # a mixture of experts: all experts weigh, the used ones set the speed
+        "num_local_experts": field("expert_count"), "num_experts_per_tok": field("expert_used_count"),
+        "moe_intermediate_size": field("expert_feed_forward_length"),
     }  # fmt: skip
     # the file name, not general.name (often a training-run name): the file name is what users typed. Sized
     # dequantized (what the engine holds by default); its blocks are counted for `--quantization gguf`.

@@ -17,6 +17,7 @@ from pagoda.engine.attention import get_attention_backend
 from pagoda.engine.loader import load_model, load_tokenizer, resolve_model
 from pagoda.engine.loader.gguf_cache import converted_dir
 from pagoda.engine.sizing.model_config import ModelConfig
+from pagoda.engine.sizing.shapes import shape_from_path
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -353,6 +354,14 @@ def test_gguf_new_families(name, tmp_path, monkeypatch, paged, caches):
     for key in _ENGINE_ONLY:
         ours.pop(key), source.pop(key)
     assert ours == source
+    # The planner sizes the file itself (before any conversion) as the same family with the same experts.
+    shape = shape_from_path(src)
+    assert shape.architecture == source["architecture"]
+    assert (shape.num_experts, shape.experts_per_token, shape.moe_intermediate_size) == (
+        source["num_experts"],
+        source["num_experts_per_tok"],
+        source["moe_intermediate_size"],
+    )
 
     # transformers on the converted directory computes what the source model computes: nothing the
     # architecture reads from its config (caps, multipliers, rotary, windows) was lost on the way.
