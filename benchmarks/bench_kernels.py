@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--cpu" not in argv:
             print("no CUDA GPU visible: the CPU kernels' rows (bench_kernels_cpu.py)")
         rc = bench_kernels_cpu.main([a for a in argv if a != "--cpu"])
-        return rc or (0 if skip_moe else run_moe(argv, _out_dir(argv, RESULTS)))
+        return rc or (0 if skip_moe else run_moe(argv, _out_dir(argv, RESULTS), cpu=True))
     args = parser.parse_args(argv)
     try:
         import flashinfer  # noqa: F401
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "kernels.json").write_text(json.dumps(report, indent=2))
     plot(decode_rows, prefill_rows, copy_bw, RESULTS / "kernels.png")
     print(f"wrote {RESULTS / 'kernels.json'} and {RESULTS / 'kernels.png'}")
-    return 0 if args.skip_moe else run_moe(argv, RESULTS)
+    return 0 if args.skip_moe else run_moe(argv, RESULTS, cpu=False)
 
 
 def _out_dir(argv: list[str], default: Path) -> Path:
@@ -388,12 +388,18 @@ def _out_dir(argv: list[str], default: Path) -> Path:
     return default
 
 
-def run_moe(argv: list[str], out_dir: Path) -> int:
-    """The fused MoE layer's rows (bench_moe.py) after the attention kernels': --tiny and --quick carry over."""
+def run_moe(argv: list[str], out_dir: Path, cpu: bool) -> int:
+    """The fused MoE layer's rows (bench_moe.py) after the attention kernels': --tiny and --quick carry over.
+
+    On a CPU at one thread (the first of --threads when given): on the shared 2-core host the two-thread rows
+    swing by 10x with the load (an OpenMP team waits on a descheduled thread), the one-thread rows do not."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_moe
 
     moe_args = ["--out", str(out_dir / "moe.json")]
+    if cpu:
+        threads = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--threads"), "1")
+        moe_args += ["--threads", threads.split(",")[0]]
     if "--tiny" in argv:
         moe_args.append("--tiny")
     elif "--quick" in argv:

@@ -55,5 +55,5 @@ def test_cpu_rows_time_every_kernel_on_every_variant_against_a_second_build(tmp_
     assert "| kernel" in done.stdout and "new/old" in done.stdout
     # then the fused MoE layer's rows (bench_moe.py --tiny), beside --out
     moe = json.loads((tmp_path / "moe.json").read_text())
-    assert moe["mode"] == "tiny" and [r["tokens"] for r in moe["rows"]] == [1, 8]
+    assert moe["mode"] == "tiny" and moe["threads"] == 1 and [r["tokens"] for r in moe["rows"]] == [1, 8]
     assert all(r["fused_ms"] > 0 and r["loop_ms"] > 0 and r["dense_active_ms"] > 0 for r in moe["rows"])
