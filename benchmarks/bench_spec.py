@@ -87,6 +87,51 @@ class Accept:
             self.accepted += it.spec_decoding.num_accepted_tokens
 
 
+def run_vllm(args: argparse.Namespace, rows: list[list]) -> dict | None:
+    """The same rounds through vLLM's CPU build (its own venv, a subprocess); adds its rows to ``rows``."""
+    import subprocess
+    import tempfile
+
+    from pagoda.engine.loader import resolve_model
+
+    rounds = {f"{w}@{c}": prompts(w, c) for w in args.workloads for c in args.concurrency}
+    spec = {
+        "model_dir": str(resolve_model(None)),
+        "max_tokens": args.max_tokens,
+        "speculative_config": json.loads(args.spec),
+        "rounds": rounds,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    worker = Path(__file__).resolve().parent / "peers_spec_worker.py"
+    proc = subprocess.run([str(args.vllm), str(worker), f.name], capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {"error": proc.stderr[-3000:]}
+    out = json.loads(line[len("RESULT ") :])
+    for key in rounds:
+        w, c = key.split("@")
+        off, on = out["off"][key], out["on"][key]
+        same = on.pop("tokens") == off.pop("tokens")
+        rows.append(
+            [
+                f"vllm {w}",
+                int(c),
+                off["tok_s"],
+                on["tok_s"],
+                on["tok_s"] / off["tok_s"],
+                "-",
+                "-",
+                "-",
+                same,
+                "-",
+            ]
+        )
+    return out
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -104,6 +149,13 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=["edit", "chat"])
     ap.add_argument("--spec", default=json.dumps(SPEC), help="the --speculative-config JSON to compare")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--vllm",
+        type=Path,
+        default=None,
+        help="the vLLM CPU venv's python (.peers/vllm/bin/python): run the same rounds through vLLM with the "
+        "same --speculative-config",
+    )
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -147,6 +199,10 @@ def main() -> int:
                 "-" if acc is None else f"{acc:.0%}", res["proposed"], same, f"{load:.1f}",
             ])  # fmt: skip
             print(rows[-1], flush=True)
+    if args.vllm is not None:
+        results_vllm = run_vllm(args, rows)
+    else:
+        results_vllm = None
     headers = [
         "workload", "conc", "off tok/s", "on tok/s", "speedup (wall)", "speedup (CPU time)", "accepted",
         "proposed", "same output", "load avg",
@@ -161,6 +217,7 @@ def main() -> int:
             "max_tokens": args.max_tokens,
             "spec": json.loads(args.spec),
             "results": results,
+            "vllm": results_vllm,
         },
     )
     print(f"wrote {path}")

@@ -98,9 +98,9 @@ def test_greedy_with_speculation_is_greedy_without_on_the_default_model(smol):
     greedy = dict(temperature=0.0, ignore_eos=True)
     prompts = [EDIT_PROMPT, MIXED_PROMPTS[2], EDIT_PROMPT]
     params = [
-        SamplingParams(max_tokens=16, **greedy),
-        SamplingParams(max_tokens=12, min_tokens=6, **greedy),
-        SamplingParams(max_tokens=16, stop_token_ids=[2887], **greedy),
+        SamplingParams(max_tokens=12, **greedy),
+        SamplingParams(max_tokens=10, min_tokens=6, **greedy),
+        SamplingParams(max_tokens=12, stop_token_ids=[2887], **greedy),
     ]
     plain = run(smol[False], prompts, params, every=2)
     spec = run(smol[True], prompts, params, every=2)
@@ -120,14 +120,14 @@ def test_requests_that_cannot_be_verified_opt_out(smol):
     eng = smol[True]
     before = eng.counts.drafts
     opted_out = [
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.2),
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["zzz"]),
-        SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, n=2, seed=3),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, stop=["zzz"]),
+        SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, n=2, seed=3),
     ]
     got = run(eng, [EDIT_PROMPT] * 4, opted_out)
     assert eng.counts.drafts == before
-    assert got[:3] == run(smol[False], [EDIT_PROMPT] * 3, opted_out[:3])
+    assert got[:1] == run(smol[False], [EDIT_PROMPT], opted_out[:1])
 
 
 # ---- a tiny model: random prompts, preemption, prefix caching -----------------------------------------------
@@ -176,7 +176,7 @@ def workloads(draw):
     return prompts, params
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workloads(), st.integers(1, 3))
 def test_greedy_equality_property_with_preemption_and_prefix_caching(tiny_engines, workload, every):
     prompts, params = workload
@@ -206,7 +206,7 @@ def test_sampled_tokens_keep_their_distribution(tiny_engines):
     both accepted and rejected. Every token occurs in the prompt, so every sampled token finds a match and
     a proposal follows."""
     prompt = list(range(3, TINY_VOCAB)) + list(range(3, 12))
-    trials = 200
+    trials = 160
     samples = {}
     for mode, eng in tiny_engines.items():
         params = [
