@@ -26,7 +26,6 @@ _KNOWN = {
     "prompt_lookup_min",
     "prompt_lookup_max",
     "num_speculative_tokens_per_batch_size",
-    "draft_num_layers",
 }
 
 
@@ -37,8 +36,6 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     model: str | None = None
-    # Draft model made of the target checkpoint's first layers (Pagoda's key; None: the draft's own depth).
-    draft_num_layers: int | None = None
     # (first batch size, last batch size, k): k tokens while the running batch size lies in the range.
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
 
@@ -108,7 +105,6 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     if k is None:
         raise ValueError("speculative config: num_speculative_tokens is required")
     low, high = _int(obj, "prompt_lookup_min", 1), _int(obj, "prompt_lookup_max", 1)
-    layers = _int(obj, "draft_num_layers", 1)
     if method == "ngram":
         if low is None and high is None:
             low = high = DEFAULT_LOOKUP
@@ -118,8 +114,6 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
             raise ValueError(
                 f"speculative config: prompt_lookup_min={low} must be <= prompt_lookup_max={high}"
             )
-        if layers is not None:
-            raise ValueError("speculative config: draft_num_layers is for method draft_model")
         model = None
     else:
         if not isinstance(model, str) or not model:
@@ -133,6 +127,5 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         prompt_lookup_min=low,
         prompt_lookup_max=high,
         model=model,
-        draft_num_layers=layers,
         per_batch_size=_schedule(obj.get("num_speculative_tokens_per_batch_size"), k),
     )
