@@ -6,10 +6,11 @@
 
 Each configuration runs in this process on the default model (SmolLM2-135M-Instruct, float32, CPU),
 greedy with ignore_eos, every request of a round submitted at once (concurrency = requests in flight =
-max_num_seqs); decode tok/s = generated tokens / wall time of the round (prefill included, the same in both
-modes), and tokens per process CPU second (steadier on a shared machine). Greedy output is identical with and without speculation (checked here too). The speculative
-config is --speculative-config's default from this script: ngram, 4 tokens, n-gram sizes 2-5, turned off
-above 8 running sequences (the engine's default schedule). Writes bench-results/spec.json and spec.png.
+max_num_seqs); tok/s = generated tokens / wall time of the round (prefill included, the same in both
+modes), and tokens per process CPU second (steadier on a shared machine): medians of --rounds rounds per
+mode, run alternately. Greedy output is identical with and without speculation (checked here too). The
+speculative config is this script's --spec: ngram, 4 tokens, n-gram sizes 2-5, turned off above 8 running
+sequences (the engine's default schedule). Writes bench-results/spec.json and spec.png.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=["edit", "chat"])
     ap.add_argument("--spec", default=json.dumps(SPEC), help="the --speculative-config JSON to compare")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode (alternating); medians reported")
     ap.add_argument(
         "--vllm",
         type=Path,
@@ -173,22 +175,24 @@ def main() -> int:
         for conc in args.concurrency:
             texts = prompts(workload, conc)
             load = os.getloadavg()[0]
-            res = {}
+            res, runs = {}, {"off": [], "on": []}
+            before = (accept.proposed, accept.accepted)
+            for r in range(args.rounds):  # alternating, so a change in the machine's load hits both modes
+                for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    elapsed, cpu, n_tokens, tokens = run_round(engines[mode], texts, args.max_tokens)
+                    runs[mode].append((elapsed, cpu, n_tokens))
+                    res.setdefault(mode, {"outputs": tokens})
             for mode in ("off", "on"):
-                before = (accept.proposed, accept.accepted)
-                elapsed, cpu, n_tokens, tokens = run_round(engines[mode], texts, args.max_tokens)
-                res[mode] = {
-                    "seconds": elapsed,
-                    "cpu_seconds": cpu,
-                    "tokens": n_tokens,
-                    "tok_s": n_tokens / elapsed,
-                    "tok_per_cpu_s": n_tokens / cpu,
-                }
-                res[mode]["outputs"] = tokens
-                if mode == "on":
-                    proposed, accepted = accept.proposed - before[0], accept.accepted - before[1]
-                    res["acceptance"] = accepted / proposed if proposed else None
-                    res["proposed"] = proposed
+                walls = sorted(n / e for e, _, n in runs[mode])
+                cpus = sorted(n / c for _, c, n in runs[mode])
+                res[mode].update(
+                    tok_s=walls[len(walls) // 2],
+                    tok_per_cpu_s=cpus[len(cpus) // 2],
+                    runs=[{"seconds": e, "cpu_seconds": c, "tokens": n} for e, c, n in runs[mode]],
+                )
+            proposed, accepted = accept.proposed - before[0], accept.accepted - before[1]
+            res["acceptance"] = accepted / proposed if proposed else None
+            res["proposed"] = proposed // args.rounds
             same = res["on"].pop("outputs") == res["off"].pop("outputs")
             speedup = res["on"]["tok_s"] / res["off"]["tok_s"]
             cpu_speedup = res["on"]["tok_per_cpu_s"] / res["off"]["tok_per_cpu_s"]
@@ -215,6 +219,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "threads": args.threads or None,
             "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
             "spec": json.loads(args.spec),
             "results": results,
             "vllm": results_vllm,
