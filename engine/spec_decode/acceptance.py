@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 
-def accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
-    """``logits``: [len(draft) + 1, vocab], row i predicting the token after draft[:i]. Returns the tokens
-    emitted: the accepted prefix of ``draft`` and one token of the target's own (1 to len(draft) + 1)."""
-    target = logits.argmax(dim=-1).tolist()
+def accept_greedy(target: list[int], draft: list[int]) -> list[int]:
+    """``target``: the target model's argmax at each of len(draft) + 1 positions (position i predicting the
+    token after draft[:i]). Returns the tokens emitted: the accepted prefix of ``draft`` and one token of
+    the target's own (1 to len(draft) + 1)."""
     out = []
     for i, tok in enumerate(draft):
         if target[i] != tok:

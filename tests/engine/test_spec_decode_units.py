@@ -94,12 +94,11 @@ def test_ngram_proposes_what_followed_the_earliest_match():
 
 # ---- acceptance ------------------------------------------------------------------------------------------
 def test_greedy_acceptance_keeps_the_matching_prefix_and_the_targets_next_token():
-    logits = torch.full((4, 10), -5.0)
-    for row, tok in enumerate([3, 4, 7, 1]):
-        logits[row, tok] = 5.0
-    assert accept_greedy(logits, [3, 4, 5]) == [3, 4, 7]  # 5 rejected: the target's 7 instead
-    assert accept_greedy(logits, [3, 4, 7]) == [3, 4, 7, 1]  # all accepted, plus the bonus token
-    assert accept_greedy(logits, [9, 4, 7]) == [3]
+    target = [3, 4, 7, 1]  # the argmax at each scored position
+    assert accept_greedy(target, [3, 4, 5]) == [3, 4, 7]  # 5 rejected: the target's 7 instead
+    assert accept_greedy(target, [3, 4, 7]) == [3, 4, 7, 1]  # all accepted, plus the bonus token
+    assert accept_greedy(target, [9, 4, 7]) == [3]
+    assert accept_greedy(target[:1], []) == [3]
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
