@@ -97,6 +97,10 @@ class Scheduler:
         (seq, k) -> up to k tokens makes them (default: n-gram prompt lookup with the config's sizes)."""
         self.speculative = speculative
         self.proposer = proposer
+        # Per decoding sequence, the most tokens its next proposal may have: down to one past the accepted
+        # ones after a rejection, up by one after a proposal accepted whole (a sequence whose proposals
+        # miss costs one scored position a step, not k).
+        self._spec_room: dict[str, int] = {}
         if speculative is not None and proposer is None:
             lo, hi = speculative.prompt_lookup_min, speculative.prompt_lookup_max
             self.proposer = lambda seq, k: propose_ngram(seq.token_ids, k, lo, hi)
@@ -210,6 +214,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def _free_seq(self, seq: Sequence) -> None:
+        self._spec_room.pop(seq.seq_id, None)
         if seq.has_blocks:
             self.kv.free(seq.seq_id)
             seq.has_blocks = False
@@ -338,6 +343,7 @@ class Scheduler:
         n_out = seq.num_output_tokens
         if n_out < req.params.min_tokens or opt_out_reason(req) is not None:
             return []
+        k = min(k, self._spec_room.get(seq.seq_id, k))
         room = min(k, req.max_tokens - n_out - 1, self.config.max_model_len - seq.num_tokens - 1, budget - 1)
         return self.proposer(seq, room)[:room] if room > 0 else []
 
@@ -496,6 +502,7 @@ class Scheduler:
         per_pos.extend([0] * (len(sched.draft) - len(per_pos)))
         for pos in range(accepted):
             per_pos[pos] += 1
+        self._spec_room[seq.seq_id] = len(sched.draft) + 1 if accepted == len(sched.draft) else accepted + 1
         seq.num_computed_tokens = sched.start + 1 + accepted
         update = None
         for j, tok in enumerate(tokens):

@@ -109,8 +109,6 @@ def test_greedy_with_speculation_is_greedy_without_on_the_default_model(smol):
     assert counts.drafts > 0 and 0 < counts.accepted <= counts.draft_tokens
     assert counts.accepted == sum(counts.per_pos)
     assert all(a >= b for a, b in zip(counts.per_pos, counts.per_pos[1:], strict=False))
-    # the editing prompt copies its sentence: many proposals are right
-    assert counts.accepted / counts.draft_tokens > 0.15
     tokenizer = smol[True].tokenizer
     full = [tokenizer.encode(p) + out for p, out in zip(prompts, spec, strict=True)]
     assert assert_cache_holds_only_real_tokens(smol[True], full) > 0
