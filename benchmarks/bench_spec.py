@@ -9,7 +9,7 @@ greedy with ignore_eos, every request of a round submitted at once (concurrency 
 max_num_seqs); tok/s = generated tokens / wall time of the round (prefill included, the same in both
 modes), and tokens per process CPU second (steadier on a shared machine): medians of --rounds rounds per
 mode, run alternately. Greedy output is identical with and without speculation (checked here too). The
-speculative config is this script's --spec: ngram, 4 tokens, n-gram sizes 2-5, turned off above 8 running
+speculative config is this script's --spec: ngram, 4 tokens, n-gram sizes 2-5, turned off above 4 running
 sequences (the engine's default schedule). Writes bench-results/spec.json and spec.png.
 """
 

@@ -186,7 +186,7 @@ class EngineConfig:
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup, no extra weights); greedy output '
         "is unchanged token for token, sampled output keeps its distribution; requests with penalties, "
-        "logit_bias, logprobs, a grammar, n > 1 or stop strings decode without it; off above 8 running "
+        "logit_bias, logprobs, a grammar, n > 1 or stop strings decode without it; off above 4 running "
         "sequences unless num_speculative_tokens_per_batch_size says otherwise; not with "
         "--async-scheduling, tensor parallelism or LoRA",
     )

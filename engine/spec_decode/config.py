@@ -17,7 +17,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 DEFAULT_LOOKUP = 5  # vLLM's default n-gram size when neither bound is given
-DEFAULT_MAX_BATCH = 8  # speculation is off above this many running sequences unless a schedule says otherwise
+DEFAULT_MAX_BATCH = 4  # speculation is off above this many running sequences unless a schedule says otherwise
 MAX_SPECULATIVE_TOKENS = 16
 _KNOWN = {
     "method",
