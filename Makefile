@@ -124,6 +124,11 @@ bench-lora: install
 bench-structured: install
 	$(PY) benchmarks/bench_structured.py
 
+# speculative decoding (n-gram) on and off: an editing and a chat workload at concurrency 1/8/32 (docs/benchmarks.md)
+.PHONY: bench-spec
+bench-spec: install
+	$(PY) benchmarks/bench_spec.py $(ARGS)
+
 bench-operator: install
 	$(PY) benchmarks/bench_operator.py
 

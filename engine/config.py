@@ -15,6 +15,7 @@ from typing import Any
 
 from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
 from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
+from pagoda.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV cache block
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
@@ -190,6 +191,15 @@ class EngineConfig:
         "without; steps whose tokens decide the next (grammars, n > 1 forks, prompt logprobs, attention "
         "sinks) are planned after them; not with tensor parallelism or LoRA",
     )
+    speculative_config: str | None = _opt(
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup, no extra weights); greedy output '
+        "is unchanged token for token, sampled output keeps its distribution; requests with penalties, "
+        "logit_bias, logprobs, a grammar, n > 1 or stop strings decode without it; off above 4 running "
+        "sequences unless num_speculative_tokens_per_batch_size says otherwise; not with "
+        "--async-scheduling, tensor parallelism or LoRA",
+    )
     profile_on_cpu: bool = _opt(
         False,
         "run the start-up profiling forward on CPU too (every rank, as on CUDA); nothing is measured there "
@@ -286,6 +296,33 @@ class EngineConfig:
         ):
             bad("kv_window_tokens", f"must be an integer of at least 2 blocks ({2 * self.block_size})")
         self._validate_lora(bad)
+        self._validate_speculative(bad)
+
+    def _validate_speculative(self, bad: Any) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = json.dumps(self.speculative_config)
+        try:
+            spec = parse_speculative_config(self.speculative_config)
+        except ValueError as exc:
+            bad("speculative_config", f"is invalid: {exc}")
+        if spec is None:
+            return
+        if spec.method == "draft_model":
+            bad(
+                "speculative_config", "asks for method draft_model, which Pagoda does not have yet: use ngram"
+            )
+        for other, on in (
+            ("async_scheduling", self.async_scheduling),
+            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+            ("enable_lora", self.enable_lora),
+        ):
+            if on:
+                bad("speculative_config", f"is not supported with {other} yet")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config, parsed (None: no speculative decoding)."""
+        return parse_speculative_config(self.speculative_config)
 
     def _validate_lora(self, bad: Any) -> None:
         if not isinstance(self.max_loras, int) or self.max_loras < 1:

@@ -33,10 +33,18 @@ class ScheduledSeq:
     position_offset: int = 0
     # Tokens this chunk starts from (the sequence's computed count when scheduled).
     start: int = field(init=False)
+    # Speculative decoding: tokens proposed after the sequence's last one, scored in the same forward (their
+    # slots are part of num_new_tokens; the runner returns logits at every one of them).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_new_tokens == self.seq.num_cache_tokens
+
+    def add_draft(self, draft: list[int]) -> None:
+        """Score ``draft`` after this decode's token in the same forward."""
+        self.draft = list(draft)
+        self.num_new_tokens += len(draft)
 
 
 @dataclass
@@ -56,6 +64,11 @@ class SchedulerOutput:
     token_bitmask: TokenBitmask | None = None
     # Requests whose grammar failed to compile this step (finished with "abort"; the engine reports them).
     grammar_failed: list[Request] = field(default_factory=list)
+    # Speculative decoding, filled when the step's results are taken in: proposals verified, tokens
+    # proposed, tokens accepted at each proposal position (vLLM's spec_decode counters).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -74,3 +87,7 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[int, list[dict[int, Logprob]]]] = field(default_factory=list)
     saved: list[tuple[BlockHash, object]] = field(default_factory=list)
     save_seconds: float = 0.0
+    # Speculative decoding: per sampling row that verified a draft (its index among token_ids), every token
+    # it emits (the accepted proposals and one of the target's own) and their logprobs.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[int, list[float]] = field(default_factory=dict)

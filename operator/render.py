@@ -158,6 +158,7 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         "enable_prefix_caching": spec.engine.enable_prefix_caching,
         "kv_offload_disk_dir": KV_DIR if plan.kv_offload_disk_bytes else None,
         "shutdown_grace_seconds": spec.drain_seconds,
+        "speculative_config": spec.engine.speculative.to_json() if spec.engine.speculative else None,
     }
     if spec.adapters:
         settings.update(

@@ -8,6 +8,7 @@ servers, `pagoda render` with no server): a violation names its field.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,29 @@ def _strings(value: list[Any]) -> None:
 
 
 @dataclass
+class SpeculativeSpec:
+    """Speculative decoding (the engine's --speculative-config): n-gram prompt lookup, which needs no extra
+    weights. Greedy output is unchanged token for token; it pays off where outputs copy their input
+    (editing, summarising, code) and turns itself off as the batch fills."""
+
+    method: str = prop(Str(enum=("ngram",)), "method", default="ngram")
+    num_speculative_tokens: int = prop(
+        Int(1, 16), "numSpeculativeTokens", "Tokens proposed per sequence and step.", default=4
+    )
+    prompt_lookup_min: int | None = prop(Int(1), "promptLookupMin", "Shortest n-gram matched (default 5).")
+    prompt_lookup_max: int | None = prop(Int(1), "promptLookupMax", "Longest n-gram matched (default 5).")
+
+    def to_json(self) -> str:
+        """The engine's --speculative-config value (vLLM's keys)."""
+        obj = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.prompt_lookup_min is not None:
+            obj["prompt_lookup_min"] = self.prompt_lookup_min
+        if self.prompt_lookup_max is not None:
+            obj["prompt_lookup_max"] = self.prompt_lookup_max
+        return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
 class EngineSpec:
     max_model_len: int | None = prop(IntOrAuto(minimum=16), "maxModelLen", default="auto")
     block_size: int | None = prop(IntOrAuto(choices=BLOCK_SIZES), "blockSize", default="auto")
@@ -352,6 +376,7 @@ class EngineSpec:
         "of a higher rank stops the engine at start with a message naming this field.",
         default=16,
     )
+    speculative: SpeculativeSpec | None = prop(Obj(SpeculativeSpec, optional=True), "speculative")
     extra_args: list[str] = prop(
         Raw({"type": "array", "items": {"type": "string"}}, list, check=_strings),
         "extraArgs",

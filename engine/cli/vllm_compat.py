@@ -287,7 +287,6 @@ _ANSWERS: dict[str, Answer] = {
     "--scheduler-cls": _refused(_NO_PLUGINS),
     "--stream-interval": _ignored("streams send every step's tokens", only=("1",)),
     # vllm
-    "--speculative-config": _refused("speculative decoding is not in Pagoda yet; leave it out"),
     "--kv-transfer-config": _refused(
         "KV transfer between engines is not in Pagoda; its KV tiers are --kv-offload-host-bytes and "
         "--kv-offload-disk-dir"
@@ -428,7 +427,9 @@ _ANSWERS: dict[str, Answer] = {
     "--logging-config": _ignored("Pagoda logs with Python's default logging set-up"),
     "--log-level": _ignored("Pagoda logs at INFO; --uvicorn-log-level sets the HTTP server's level"),
     # observability
-    "--per-request-spec-decode-metrics": _ignored("speculative decoding is not in Pagoda"),
+    "--per-request-spec-decode-metrics": _ignored(
+        "speculative decoding's metrics are per server (vllm:spec_decode_*), not per request"
+    ),
     "--kv-cache-metrics-sample": _ignored("KV cache metrics are always in /metrics"),
     "--custom-histogram-buckets": _ignored("/metrics histograms have fixed buckets (vLLM's defaults)"),
     "--cudagraph-metrics": _ignored("CUDA graph use is not exported as metrics", _SWITCH),
@@ -439,7 +440,7 @@ _ANSWERS: dict[str, Answer] = {
     "--jit-monitor-verbose": _ignored(_NO_COMPILE, _SWITCH),
     # scheduler
     "--max-num-scheduled-tokens": _ignored(
-        "a step schedules up to --max-num-batched-tokens (no speculative tokens to leave room for)"
+        "a step schedules up to --max-num-batched-tokens, proposed tokens included"
     ),
     "--max-num-active-seqs": _refused("--max-num-seqs is the number of running sequences"),
     "--max-num-queued-tokens": _refused("Pagoda bounds the queue by requests: --max-num-queued-reqs"),
@@ -460,9 +461,9 @@ _ANSWERS: dict[str, Answer] = {
     "--sparse-indexer-topk-backend": _ignored(_OWN_KERNELS),
     "--kernel-config": _ignored(_OWN_KERNELS),
     # vllm
-    "--spec-method": _refused("speculative decoding is not in Pagoda yet; leave it out"),
-    "--spec-model": _refused("speculative decoding is not in Pagoda yet; leave it out"),
-    "--spec-tokens": _refused("speculative decoding is not in Pagoda yet; leave it out"),
+    "--spec-method": _refused("use --speculative-config's JSON (method, model, num_speculative_tokens)"),
+    "--spec-model": _refused("use --speculative-config's JSON (method, model, num_speculative_tokens)"),
+    "--spec-tokens": _refused("use --speculative-config's JSON (method, model, num_speculative_tokens)"),
     "--watermark-config": _refused("Pagoda does not watermark its outputs"),
     "--diffusion-config": _refused("Pagoda runs autoregressive text models only"),
     "--ec-manager-config": _ignored(_TEXT_ONLY),

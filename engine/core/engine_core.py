@@ -26,7 +26,12 @@ from pagoda.engine.core.async_steps import InFlight, StepThread
 from pagoda.engine.core.info import EngineInfo, LoRAAdapterInfo
 from pagoda.engine.core.messages import CoreOutput, EngineCoreOutputs, EngineCoreRequest, SeqDelta
 from pagoda.engine.core.scheduler import CacheConfig, Scheduler, SchedulerConfig, SeqUpdate
-from pagoda.engine.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagoda.engine.core.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagoda.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -213,6 +218,7 @@ class EngineCore:
             ),
             offload,
             self._structured_outputs(tokenizer),
+            speculative=config.speculative,
         )
         self.streaming_defaults = StreamingDefaults(
             config.kv_eviction,
@@ -657,11 +663,11 @@ class EngineCore:
 
     # ---- outputs and stats --------------------------------------------------------------------------
     def _outputs(self, updates: list[SeqUpdate]) -> list[CoreOutput]:
-        by_request: dict[str, tuple[Request, list[Sequence], dict[int, int], dict[int, dict]]] = {}
+        by_request: dict[str, tuple[Request, list[Sequence], dict[int, list[int]], dict[int, dict]]] = {}
         for u in updates:
             req, seqs, tokens, tops = by_request.setdefault(u.request.request_id, (u.request, [], {}, {}))
             seqs.append(u.seq)
-            tokens[u.seq.index] = u.token_id
+            tokens[u.seq.index] = [u.token_id, *u.more_token_ids]
             if u.top_logprobs is not None:
                 tops[u.seq.index] = u.top_logprobs
         outputs = []
@@ -672,14 +678,15 @@ class EngineCore:
         return outputs
 
     def _make_output(
-        self, req: Request, seqs: list[Sequence], tokens: dict[int, int], tops: dict[int, dict]
+        self, req: Request, seqs: list[Sequence], tokens: dict[int, list[int]], tops: dict[int, dict]
     ) -> CoreOutput:
-        """What ``seqs`` got this step: the token each got (if any), how each stands."""
+        """What ``seqs`` got this step: the tokens each got (if any; several with speculative decoding),
+        how each stands."""
         want_logprobs = req.params.logprobs is not None
         deltas = [
             SeqDelta(
                 seq.index,
-                [tokens[seq.index]] if seq.index in tokens else [],
+                tokens.get(seq.index, []),
                 seq.cumulative_logprob,
                 tops.get(seq.index) if want_logprobs else None,
                 seq.finish_reason,
@@ -716,7 +723,11 @@ class EngineCore:
         for s in sched.scheduled:
             prompt = s.seq.num_prompt_tokens
             it.num_prompt_tokens += max(0, min(prompt, s.start + s.num_new_tokens) - s.start)
-        it.num_generation_tokens = len(updates)
+        it.num_generation_tokens = sum(1 + len(u.more_token_ids) for u in updates)
+        if sched.spec_num_drafts:
+            it.spec_decoding = SpecDecodingStats(
+                sched.spec_num_drafts, sched.spec_num_draft_tokens, list(sched.spec_accepted_per_pos)
+            )
         for u in updates:
             if u.seq.index != 0:
                 continue

@@ -36,7 +36,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one sequence got in one step: at most one token (none for an abort)."""
+    """What one sequence got in one step: a token, several with speculative decoding (none for an abort)."""
 
     index: int
     token_ids: list[int]

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda.engine.core.waiting_queue import waiting_queue
 from pagoda.engine.kv_cache.manager import KVCacheManager
 from pagoda.engine.outputs import Logprob
 from pagoda.engine.request import Request, SeqStatus, Sequence, now
+from pagoda.engine.spec_decode.config import SpeculativeConfig
+from pagoda.engine.spec_decode.eligibility import opt_out_reason
+from pagoda.engine.spec_decode.ngram import propose_ngram
 from pagoda.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger("pagoda.engine.core.scheduler")
@@ -73,13 +76,34 @@ class SeqUpdate:
     token_id: int
     top_logprobs: dict[int, Logprob] | None = None
     gap: float | None = None  # seconds since the sequence's previous token; None for its first
+    # Speculative decoding: the tokens the sequence got after token_id in the same step.
+    more_token_ids: list[int] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, offload=None, structured=None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        offload=None,
+        structured=None,
+        speculative: SpeculativeConfig | None = None,
+        proposer=None,
+    ) -> None:
         """``offload``: a pagoda.engine.offload.OffloadManager or None. Lower tiers extend prefix hits;
         swap preemption saves a preempted sequence's blocks to them instead of leaving them to recompute.
-        ``structured``: a StructuredOutputManager (None: requests with a grammar are refused)."""
+        ``structured``: a StructuredOutputManager (None: requests with a grammar are refused).
+        ``speculative``: decoding sequences get proposed tokens scored with their next one; ``proposer``
+        (seq, k) -> up to k tokens makes them (default: n-gram prompt lookup with the config's sizes)."""
+        self.speculative = speculative
+        self.proposer = proposer
+        # Per decoding sequence, the most tokens its next proposal may have: down to one past the accepted
+        # ones after a rejection, up by one after a proposal accepted whole (a sequence whose proposals
+        # miss costs one scored position a step, not k).
+        self._spec_room: dict[str, int] = {}
+        if speculative is not None and proposer is None:
+            lo, hi = speculative.prompt_lookup_min, speculative.prompt_lookup_max
+            self.proposer = lambda seq, k: propose_ngram(seq.token_ids, k, lo, hi)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -190,6 +214,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def _free_seq(self, seq: Sequence) -> None:
+        self._spec_room.pop(seq.seq_id, None)
         if seq.has_blocks:
             self.kv.free(seq.seq_id)
             seq.has_blocks = False
@@ -206,6 +231,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.waiting.order_running(self.running)
         preempted_now = False
+        spec_k = self.speculative.tokens_for_batch(self.num_running_seqs) if self.speculative else 0
 
         for req in list(self.running):
             if req not in self.running:  # preempted earlier in this step
@@ -218,6 +244,15 @@ class Scheduler:
                     continue
                 if req.kv_streaming is not None:
                     self._evict_middle(req, seq, num_new)
+                draft = self._propose(req, seq, num_new, budget, spec_k) if spec_k else []
+                if draft and self.kv.allocate_slots(
+                    seq.seq_id, seq.num_computed_tokens + num_new + len(draft)
+                ):
+                    sched = ScheduledSeq(req, seq, num_new)
+                    sched.add_draft(draft)
+                    out.scheduled.append(sched)
+                    budget -= sched.num_new_tokens
+                    continue
                 while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
                     victim = self._pick_victim(exclude=req)
                     if victim is None:
@@ -299,6 +334,18 @@ class Scheduler:
         out.kv_ops = self.kv.take_ops()
         self._bitmask(out)
         return out
+
+    def _propose(self, req: Request, seq: Sequence, num_new: int, budget: int, k: int) -> list[int]:
+        """Tokens to score after a decoding sequence's next one ([] for a prefill chunk, an opted-out
+        request, or no room: the proposal stays within max_tokens, max_model_len and the step's budget)."""
+        if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_cache_tokens or seq.kv_dropped:
+            return []
+        n_out = seq.num_output_tokens
+        if n_out < req.params.min_tokens or opt_out_reason(req) is not None:
+            return []
+        k = min(k, self._spec_room.get(seq.seq_id, k))
+        room = min(k, req.max_tokens - n_out - 1, self.config.max_model_len - seq.num_tokens - 1, budget - 1)
+        return self.proposer(seq, room)[:room] if room > 0 else []
 
     def _bitmask(self, out: SchedulerOutput) -> None:
         """The token masks of the sampling rows that have a grammar, by row (None: no such row)."""
@@ -401,7 +448,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = req.first_scheduled_time
                 if req.num_cached_tokens == 0:
                     req.num_cached_tokens = sched.start
-            if not advanced and not seq.finished:
+            if not advanced and not seq.finished and not sched.draft:
                 self._computed(sched)
         for sched in out.scheduled:
             req = sched.request
@@ -419,10 +466,15 @@ class Scheduler:
                 tok = result.token_ids[i]
                 top = result.top_logprobs[i] if result.top_logprobs else None
                 lp = result.logprobs[i] if result.logprobs else 0.0
+                spec = result.spec_token_ids.get(i) if sched.draft else None
+                spec_lps = result.spec_logprobs.get(i)
                 i += 1
                 if advanced and seq.token_ids[-1] == PLACEHOLDER:
                     seq.token_ids.pop()
                 if seq.finished:
+                    continue
+                if spec is not None:
+                    updates.append(self._verified(out, sched, spec, spec_lps, t_now))
                     continue
                 updates.append(self._append(sched.request, seq, tok, lp, top, t_now))
         finished = {id(u.request): u.request for u in updates if u.request.finished}
@@ -430,6 +482,42 @@ class Scheduler:
             if req.request_id in self.requests:
                 self._finish_request(req)
         return updates
+
+    def _verified(
+        self,
+        out: SchedulerOutput,
+        sched: ScheduledSeq,
+        tokens: list[int],
+        logprobs: list[float] | None,
+        t_now: float,
+    ) -> SeqUpdate:
+        """Take in a verified proposal: ``tokens`` are the accepted proposals and the target's own next
+        token. Only the accepted tokens' KV counts as computed (and reaches the prefix cache); the slots of
+        the rejected ones are given back. Stops apply token by token: what follows a stop is dropped."""
+        seq, req = sched.seq, sched.request
+        accepted = len(tokens) - 1
+        out.spec_num_drafts += 1
+        out.spec_num_draft_tokens += len(sched.draft)
+        per_pos = out.spec_accepted_per_pos
+        per_pos.extend([0] * (len(sched.draft) - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
+        self._spec_room[seq.seq_id] = len(sched.draft) + 1 if accepted == len(sched.draft) else accepted + 1
+        seq.num_computed_tokens = sched.start + 1 + accepted
+        update = None
+        for j, tok in enumerate(tokens):
+            lp = logprobs[j] if logprobs else 0.0
+            if update is None:
+                update = self._append(req, seq, tok, lp, None, t_now)
+            else:
+                self._append(req, seq, tok, lp, None, t_now)
+                update.more_token_ids.append(tok)
+            if seq.finished:
+                break
+        if not seq.finished:
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        return update
 
     def _computed(self, sched: ScheduledSeq) -> None:
         """The chunk's tokens are (or, in flight, will be) in the cache: count them, register full blocks."""
@@ -452,6 +540,8 @@ class Scheduler:
             if req.kv_streaming is not None or req.needs_prompt_logprobs:
                 return False
             if sched.samples and (len(sched.sample_seqs) != 1 or seq.grammar is not None):
+                return False
+            if sched.draft:  # how many tokens it gets is what verification decides
                 return False
         return True
 

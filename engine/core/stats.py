@@ -49,6 +49,20 @@ class FinishedRequestStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """One step's speculative decoding (vLLM's counters): proposals verified, tokens proposed, and how
+    many proposals had their token at each position accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.num_accepted_tokens_per_pos)
+
+
+@dataclass
 class IterationStats:
     """What happened during one step (deltas)."""
 
@@ -65,6 +79,7 @@ class IterationStats:
     # Offload tiers, one step's worth: tier -> {"load_seconds": [...], "store_seconds": [...]}.
     offload: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     step_seconds: float = 0.0  # the step's own duration (schedule, forward, update), measured by the core
+    spec_decoding: SpecDecodingStats | None = None  # None: no proposal was verified this step
 
 
 class StatLogger(Protocol):

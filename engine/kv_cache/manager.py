@@ -459,6 +459,28 @@ class KVCacheManager:
         state.num_tokens = max(state.num_tokens, num_tokens)
         return True
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Give back the slots past ``num_tokens`` (speculative decoding: the rejected proposals'): whole
+        blocks past the last one still needed return to the pool unhashed (none of them is full of computed
+        tokens, so none was ever offered to the cache index); the next write starts at ``num_tokens``."""
+        state = self._state(seq_id)
+        if num_tokens >= state.num_tokens:
+            return
+        keep = _cdiv(num_tokens, self.block_size)
+        if num_tokens < state.num_cached * self.block_size:
+            raise ValueError(f"cannot truncate {seq_id!r} into its cached blocks")
+        extra = state.blocks[keep:]
+        if extra:
+            del state.blocks[keep:]
+            self.block_pool.free_blocks(reversed(extra))
+            self._ops.drop_copies_into({b.block_id for b in extra if b.ref_cnt == 0})
+        if state.win and len(state.win) > keep:
+            win = [b for b in state.win[keep:] if b is not None]
+            del state.win[keep:]
+            self.window_pool.free_blocks(reversed(win))
+            self._ops.drop_copies_into({b.block_id for b in win if b.ref_cnt == 0}, window=True)
+        state.num_tokens = num_tokens
+
     def _allocate_window(self, state: _SeqState, num_tokens: int) -> None:
         """The window group's side of ``allocate_slots`` (room already checked)."""
         pool = self.window_pool

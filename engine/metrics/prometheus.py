@@ -21,7 +21,12 @@ from collections import deque
 from typing import Any
 
 import prometheus_client
-from pagoda.engine.core.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagoda.engine.core.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagoda.engine.metrics import buckets
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -148,6 +153,21 @@ class PrometheusStatLogger:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         ).labels(**lb)
+        # speculative decoding (vLLM's names; zero without --speculative-config)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.").labels(
+            **lb
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        ).labels(**lb)
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        ).labels(**lb)
+        self._spec_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft (speculative token) position.",
+            ("position",),
+        )
         success = counter(
             "vllm:request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
@@ -294,6 +314,8 @@ class PrometheusStatLogger:
         _inc(self.preemptions, it.num_preemptions)
         _inc(self.prompt_tokens, it.num_prompt_tokens)
         _inc(self.generation_tokens, it.num_generation_tokens)
+        if it.spec_decoding is not None:
+            self._record_spec(it.spec_decoding)
         for source, n in it.cached_tokens_by_source.items():
             child = self.cached_by_source.get(source) or self._cached_family.labels(
                 **self.labels, source=source
@@ -311,6 +333,13 @@ class PrometheusStatLogger:
         self._update_hit_ratio(it)
         self._record_offload(s, it)
         self._record_lora(s)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        _inc(self.spec_drafts, spec.num_drafts)
+        _inc(self.spec_draft_tokens, spec.num_draft_tokens)
+        _inc(self.spec_accepted, spec.num_accepted_tokens)
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            _inc(self._spec_per_pos.labels(**self.labels, position=str(pos)), n)
 
     def _record_lora(self, s: SchedulerStats) -> None:
         """One vllm:lora_requests_info series: the current adapters, stamped now (old sets are dropped)."""

@@ -25,6 +25,7 @@ from pagoda.engine.worker import host_allocator
 from pagoda.engine.worker.decode_graphs import Capture, DecodeGraphs, capture_sizes, cuda_capture
 from pagoda.engine.worker.rank_messages import CaptureGraphs, Profile, Step
 from pagoda.engine.worker.sampler import SamplingRow, logprob_entries, sample
+from pagoda.engine.worker.spec_verify import verify
 from pagoda.engine.worker.step_input import StepInput, prepare_step, prompt_logprob_rows
 from pagoda.engine.worker.uploads import upload
 
@@ -49,7 +50,10 @@ class PreparedStep:
     step: StepInput | None  # None: nothing to compute (ops only)
     prompt_rows: list[tuple[int, list[int]]]  # prompt-logprob rows (prompt_logprob_rows)
     rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
-    row_index: list[int]  # each sampling row's row among the step's logits
+    row_index: list[int]  # each sampling row's (first) row among the step's logits
+    # speculative decoding: (sampling row, proposed tokens) of each row that verifies a proposal; its
+    # logits are rows row_index[row] .. row_index[row] + len(proposed tokens)
+    spec: list[tuple[int, list[int]]] = ()
 
 
 @dataclass(frozen=True)
@@ -448,10 +452,15 @@ class ModelRunner:
         prompt_rows = prompt_logprob_rows(out.scheduled, step, order) if step is not None else []
         rows: list[SamplingRow] = []
         row_index: list[int] = []
+        spec: list[tuple[int, list[int]]] = []
         if step is not None:
-            # each sampling sequence's logits row: the step's rows follow `order`
-            sampling = [i for i in (order or range(len(out.scheduled))) if out.scheduled[i].samples]
-            logits_row = {i: r for r, i in enumerate(sampling)}
+            # each sampling sequence's (first) logits row: the step's rows follow `order`; a drafted
+            # sequence has one row more per proposed token
+            logits_row, r = {}, 0
+            for i in order or range(len(out.scheduled)):
+                if out.scheduled[i].samples:
+                    logits_row[i] = r
+                    r += 1 + len(out.scheduled[i].draft)
             for i, sched in enumerate(out.scheduled):
                 if not sched.samples:
                     continue
@@ -468,7 +477,9 @@ class ModelRunner:
                         )
                     )
                     row_index.append(logits_row[i])
-        return PreparedStep(step, prompt_rows, rows, row_index)
+                    if sched.draft:
+                        spec.append((len(rows) - 1, list(sched.draft)))
+        return PreparedStep(step, prompt_rows, rows, row_index, spec)
 
     def run_prepared(self, out: SchedulerOutput, prep: PreparedStep) -> RunnerOutput:
         """The device side of a step `prepare` planned: ops, forward, sampling. Reads no request state but
@@ -492,12 +503,16 @@ class ModelRunner:
             logits = logits[:num_sample]
         rows, row_index = prep.rows, prep.row_index
         if rows:
+            logits_rows = logits
             if row_index != list(range(logits.shape[0])):
-                logits = logits[upload([np.asarray(row_index, dtype=np.int64)], logits.device)[0]]
-            sampled = sample(logits, rows, out.token_bitmask)
+                idx = upload([np.asarray(row_index, dtype=np.int64)], logits.device)[0]
+                logits_rows = logits[idx]
+            sampled = sample(logits_rows, rows, out.token_bitmask)
             result.token_ids = sampled.token_ids
             result.logprobs = sampled.logprobs
             result.top_logprobs = sampled.top_logprobs
+        if prep.spec:
+            verify(logits, prep.rows, prep.row_index, prep.spec, result)
         return result
 
     def _batch_order(self, scheduled: list[ScheduledSeq]) -> tuple[list[int] | None, np.ndarray | None]:

@@ -126,6 +126,12 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs
 
 
+def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a random row samples from (temperature, top-k, top-p, min-p), one row each:
+    what speculative decoding's rejection sampling must keep."""
+    return _filter(logits, rows)
+
+
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
 

@@ -19,7 +19,9 @@ class StepInput:
     query_lens: np.ndarray  # [S] int64, new tokens per sequence
     context_lens: np.ndarray  # [S] int64, tokens already cached per sequence
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
-    sample_idx: np.ndarray  # [R] int64, flat index of the last token of each sampling sequence
+    # [R] int64, flat index of the last token of each sampling sequence (speculative decoding: of its last
+    # token and of each proposed token after it)
+    sample_idx: np.ndarray
     lora_rows: np.ndarray | None = None  # [T] int64, each token's LoRA slot (-1: base model); None: no LoRA
     # [L] int64, flat index of each token whose next-token logprobs the prompt's logprobs need
     logprob_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -38,15 +40,16 @@ def prepare_step(
     tokens, positions, qlens, ctx, sample_idx = [], [], [], [], []
     offset = 0
     for sched in scheduled:
-        start, n = sched.start, sched.num_new_tokens
-        tokens.extend(sched.seq.cache_tokens(start, n))
+        start, n, draft = sched.start, sched.num_new_tokens, sched.draft
+        tokens.extend(sched.seq.cache_tokens(start, n - len(draft)))
+        tokens.extend(draft)  # speculative decoding: scored after the sequence's last token
         # rotary positions: cache positions, plus the tokens attention sinks evicted before them
         positions.append(np.arange(start, start + n, dtype=np.int64) + sched.position_offset)
         qlens.append(n)
         ctx.append(start)
         offset += n
-        if sched.samples:
-            sample_idx.append(offset - 1)
+        if sched.samples:  # a drafted sequence: logits at its last token and at every proposed one
+            sample_idx.extend(range(offset - 1 - len(draft), offset))
     max_blocks = max((len(s.block_table) for s in scheduled), default=1)
     tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
     for i, sched in enumerate(scheduled):

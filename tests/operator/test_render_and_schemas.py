@@ -12,10 +12,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from pagoda.engine.spec_decode.config import parse_speculative_config
 from pagoda.operator.discovery import node_gpus, pools
 from pagoda.operator.objects import DEFAULT_IMAGE_REPO, cpu_flavour
 from pagoda.operator.planning import decide
-from pagoda.operator.render import KV_DIR, children, default_image
+from pagoda.operator.render import KV_DIR, children, default_image, engine_args
 from pagoda.operator.render_cli import main as render_main
 from pagoda.operator.spec import SpecError, parse_spec
 from pagoda_testkit import CRD_FILE, EXAMPLES, example, node
@@ -377,3 +378,41 @@ def test_docs_and_crd_state_what_the_operator_renders() -> None:
     ]
     grace = render.PRESTOP_SECONDS + render.GRACE_MARGIN_SECONDS
     assert f"this plus {grace}" in props["drain"]["properties"]["timeoutSeconds"]["description"]
+
+
+# ---- spec.engine.speculative: the engine's --speculative-config (vLLM's JSON) ----
+H100_POOLS = pools(g for g in (node_gpus(node("n-h100", "h100")),) if g)
+
+
+def _spec(speculative: dict | None) -> dict:
+    body = example("llama-3.1-8b-h100-nvme.yaml")
+    if speculative is not None:
+        body["spec"].setdefault("engine", {})["speculative"] = speculative
+    return body
+
+
+def test_speculative_renders_the_engines_flag():
+    body = _spec({"numSpeculativeTokens": 3, "promptLookupMin": 2, "promptLookupMax": 4})
+    spec = parse_spec(body["spec"])
+    args = engine_args(spec, decide(spec, H100_POOLS))
+    value = args[args.index("--speculative-config") + 1]
+    assert json.loads(value) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+    assert parse_speculative_config(value).prompt_lookup_max == 4
+    plain = parse_spec(_spec(None)["spec"])
+    assert "--speculative-config" not in engine_args(plain, decide(plain, H100_POOLS))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"numSpeculativeTokens": 0}, {"numSpeculativeTokens": 17}, {"method": "eagle"}, {"promptLookupMin": 0}],
+)
+def test_the_crd_schema_refuses_bad_speculative_settings(bad):
+    schema = crd_schema()
+    jsonschema.validate(_spec({"numSpeculativeTokens": 2}), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(_spec(bad), schema)

@@ -370,6 +370,48 @@ def engine_dashboard() -> dict:
         description="Requests refused before queueing (HTTP 503), by reason.",
     )
 
+    lay.row("Speculative decoding")
+    accepted = f"sum by (pod) (rate(vllm:spec_decode_num_accepted_tokens_total{{{s}}}[{RATE}]))"
+    lay.panel(
+        "Speculative decoding acceptance rate",
+        [
+            (
+                f"{accepted} / sum by (pod) (rate(vllm:spec_decode_num_draft_tokens_total{{{s}}}[{RATE}]))",
+                "accepted / proposed {{pod}}",
+            )
+        ],
+        unit="percentunit",
+        maximum=1,
+        w=8,
+        description="Share of proposed tokens the target model accepted (--speculative-config). Low rates "
+        "mean the proposals mostly miss: each costs a scored position for nothing.",
+    )
+    lay.panel(
+        "Speculative decoding: tokens per verified step",
+        [
+            (
+                f"1 + {accepted} / sum by (pod) (rate(vllm:spec_decode_num_drafts_total{{{s}}}[{RATE}]))",
+                "mean tokens per step {{pod}}",
+            )
+        ],
+        w=8,
+        description="Tokens a sequence gets from one forward when it verifies a proposal (1 without one).",
+    )
+    lay.panel(
+        "Speculative decoding acceptance by position",
+        [
+            (
+                f"sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{{{s}}}[{RATE}]))"
+                f" / scalar(sum(rate(vllm:spec_decode_num_drafts_total{{{s}}}[{RATE}])))",
+                "position {{position}}",
+            )
+        ],
+        unit="percentunit",
+        maximum=1,
+        w=8,
+        description="Share of proposals whose token at each position was accepted (it falls with the position).",
+    )
+
     _router_row(lay)
 
     first = "vllm:num_requests_running"
