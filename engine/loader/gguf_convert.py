@@ -63,6 +63,13 @@ _FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # 5's 3-D tensors (experts.gate_up_proj [E, 2I, H] with gate rows first, experts.down_proj [E, H, I]).
 _ROUTER = {"ffn_gate_inp": "mlp.gate"}
 _STACKED_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# gpt-oss's checkpoint names: a biased router, per-head sinks (a tensor without ".weight"), and the norm
+# before its experts, which llama.cpp calls post_attention_norm.
+_GPT_OSS = {
+    "ffn_gate_inp": "mlp.router",
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",
+}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -73,7 +80,7 @@ _TOP_NAMES = {
 def _layer_names(family: Architecture) -> dict[str, str]:
     names = {**_LAYER_NAMES, **(_SANDWICH_NORMS if family.post_norms else _PLAIN_NORMS)}
     if family.experts:
-        names.update(_ROUTER)
+        names.update(_GPT_OSS if family.module == "gpt_oss" else _ROUTER)
     return {**names, **_FUSED} if family.fused_checkpoint else names
 
 
@@ -86,17 +93,37 @@ def gguf_family(reader: object, arch: str, where: str) -> Architecture:
     return family
 
 
-def _stacked_experts(layers: dict[int, dict[str, np.ndarray]], where: str) -> dict[str, torch.Tensor]:
-    """Each layer's stacked gate, up and down experts as experts.gate_up_proj and experts.down_proj."""
+def _stacked_experts(
+    layers: dict[int, dict[str, np.ndarray]], where: str, gpt_oss: bool
+) -> dict[str, torch.Tensor]:
+    """Each layer's stacked gate, up and down experts as experts.gate_up_proj and experts.down_proj: gate rows
+    then up rows ([E, 2I, H], [E, H, I]), or gpt-oss's transposed layout with gate and up columns interleaved
+    ([E, H, 2I], [E, I, H]) and its expert biases."""
     out: dict[str, torch.Tensor] = {}
     for layer, parts in sorted(layers.items()):
-        missing = [k for k in _STACKED_EXPERTS if k not in parts]
+        missing = [k for k in _STACKED_EXPERTS if f"{k}.weight" not in parts]
         if missing:
             raise ValueError(f"GGUF file {where!r}: layer {layer} lacks {', '.join(missing)}")
-        gate_up = np.concatenate([parts["ffn_gate_exps"], parts["ffn_up_exps"]], axis=1)
+        gate, up, down = (parts[f"{k}.weight"] for k in _STACKED_EXPERTS)
         prefix = f"model.layers.{layer}.mlp.experts"
+        if gpt_oss:
+            gate_up = np.empty((gate.shape[0], gate.shape[2], 2 * gate.shape[1]), dtype=gate.dtype)
+            gate_up[..., 0::2], gate_up[..., 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            down = down.transpose(0, 2, 1)
+            if "ffn_gate_exps.bias" in parts:
+                gb, ub = parts["ffn_gate_exps.bias"], parts["ffn_up_exps.bias"]
+                bias = np.empty((gb.shape[0], 2 * gb.shape[1]), dtype=gb.dtype)
+                bias[:, 0::2], bias[:, 1::2] = gb, ub
+                out[f"{prefix}.gate_up_proj_bias"] = torch.from_numpy(bias)
+                out[f"{prefix}.down_proj_bias"] = torch.from_numpy(parts["ffn_down_exps.bias"])
+        else:
+            if any(k.endswith(".bias") for k in parts):
+                raise ValueError(
+                    f"GGUF file {where!r}: layer {layer}'s experts have biases this family lacks"
+                )
+            gate_up = np.concatenate([gate, up], axis=1)
         out[f"{prefix}.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(gate_up))
-        out[f"{prefix}.down_proj"] = torch.from_numpy(np.ascontiguousarray(parts["ffn_down_exps"]))
+        out[f"{prefix}.down_proj"] = torch.from_numpy(np.ascontiguousarray(down))
     return out
 
 
@@ -174,18 +201,20 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             rope_factors[ROPE_FACTOR_TENSORS[t.name]] = [float(x) for x in w.reshape(-1)]
             continue
         parts = t.name.split(".")
-        if family.experts and len(parts) == 4 and parts[2] in _STACKED_EXPERTS and parts[3] == "weight":
-            experts.setdefault(int(parts[1]), {})[parts[2]] = w
+        if family.experts and len(parts) == 4 and parts[2] in _STACKED_EXPERTS:
+            experts.setdefault(int(parts[1]), {})[f"{parts[2]}.{parts[3]}"] = w
             continue
         name = _hf_name(t.name, layer_names)
         if name is None:
             raise ValueError(f"GGUF file {str(gguf_path)!r} has an unexpected tensor {t.name!r}")
+        if name.endswith(".self_attn.sinks.weight"):  # a bare tensor in gpt-oss's checkpoints
+            name = name.removesuffix(".weight")
         if family.gguf_permuted_qk and (".q_proj." in name or ".k_proj." in name):
             w = _unpermute(w, heads if ".q_proj." in name else kv_heads)
         if family.gguf_norm_shift and name.endswith("norm.weight"):
             w -= family.gguf_norm_shift
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tensors.update(_stacked_experts(experts, str(gguf_path)))
+    tensors.update(_stacked_experts(experts, str(gguf_path), family.module == "gpt_oss"))
     del experts
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

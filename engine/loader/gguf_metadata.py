@@ -51,7 +51,12 @@ _EXPERT_KEYS = {
     "expert_feed_forward_length": "moe_intermediate_size",
 }
 # general.architecture -> the name transformers' GGUF tables use, where the two differ.
-_TRANSFORMERS_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
+# (transformers 5.x's gpt-oss reader fails on a file with YaRN scaling, which every gpt-oss file has, so gpt-oss
+# is read from the standard keys here.)
+_TRANSFORMERS_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# YaRN settings GGUF has no key for, as the family's published config.json sets them (llama.cpp's defaults
+# otherwise): gpt-oss's ramp is not truncated to whole dimensions.
+_YARN_DEFAULTS = {"gpt_oss": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
 # Tensors that are configuration, not weights.
 ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
@@ -166,6 +171,8 @@ def _add_extras(d: dict[str, Any], reader: Any, arch: str, rope_factors: dict[st
         full.update(rope_type=scaling, factor=_decimal(factor))
         if scaling == "yarn" and original:
             full["original_max_position_embeddings"] = int(original)
+        if scaling == "yarn":
+            full.update(_YARN_DEFAULTS.get(d.get("model_type", ""), {}))
     if rope_factors:
         full.update(rope_type="longrope", **{k: [_decimal(x) for x in v] for k, v in rope_factors.items()})
         if original:

@@ -121,6 +121,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("gpt_oss",),
         module="gpt_oss",
         model_class="GptOssForCausalLM",
+        gguf_arch="gpt-oss",
         rope_scalings=("yarn",),
         attention_sinks=True,
         experts=True,

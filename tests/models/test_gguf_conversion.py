@@ -1,8 +1,9 @@
 """GGUF conversion on small synthetic files written the way llama.cpp writes them (q/k rows permuted for
 Llama and Granite, q/k/v biases for Qwen2, Gemma's norms stored as 1 + w, Phi-3's fused q/k/v and gate/up and
-its LongRoPE factors as tensors, Granite's multipliers as metadata): the converted directory must reproduce
-the original weights and configuration (transformers and Pagoda compute the source model's logits from it),
-land atomically in the cache and be reused."""
+its LongRoPE factors as tensors, Granite's multipliers as metadata, the mixtures of experts' stacked experts
+(Qwen3-MoE, Mixtral as a Llama with experts, gpt-oss with its sinks, biases and interleaved gate/up)): the
+converted directory must reproduce the original weights and configuration (transformers and Pagoda compute
+the source model's logits from it), land atomically in the cache and be reused."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MixtralConfig,
@@ -79,6 +81,34 @@ _GEMMA_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+_GPT_OSS_NAMES = {"mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"}
+
+
+def _write_gpt_oss_tensor(writer, layer: str, module: str, kind: str, w: np.ndarray) -> None:
+    """gpt-oss as llama.cpp writes it: sinks as attn_sinks, the router as ffn_gate_inp, the experts' interleaved
+    gate/up columns ([E, H, 2I]) split into stacked [E, I, H] gate and up, down [E, I, H] as [E, H, I]."""
+    if module == "self_attn":  # the sinks; the projections are named as everywhere
+        if kind != "sinks":
+            raise KeyError(kind)
+        writer.add_tensor(f"blk.{layer}.attn_sinks.weight", w)
+    elif module in _GPT_OSS_NAMES:
+        writer.add_tensor(f"blk.{layer}.{_GPT_OSS_NAMES[module]}.{kind}", w)
+    elif kind == "gate_up_proj":
+        writer.add_tensor(
+            f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(w[..., 0::2].transpose(0, 2, 1))
+        )
+        writer.add_tensor(
+            f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(w[..., 1::2].transpose(0, 2, 1))
+        )
+    elif kind == "gate_up_proj_bias":
+        writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(w[:, 0::2]))
+        writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(w[:, 1::2]))
+    elif kind == "down_proj":
+        writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(w.transpose(0, 2, 1)))
+    else:
+        writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", w)
+
+
 _PERMUTED = ("llama", "granite")  # llama.cpp's LlamaModel lineage interleaves the rotary halves of q/k rows
 _GEMMA = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
 
@@ -98,7 +128,7 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch in ("qwen3", "qwen3moe", *_GEMMA):
+    if arch in ("qwen3", "qwen3moe", "gpt-oss", *_GEMMA):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     experts = getattr(cfg, "num_local_experts", 0)
@@ -107,6 +137,9 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
         writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "gpt-oss":
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_sliding_window(cfg.sliding_window)
     if arch in _GEMMA or (arch == "phi3" and cfg.sliding_window):
         writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -154,6 +187,9 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
         else:
             _, _, layer, *rest = name.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
+            if arch == "gpt-oss" and (module in ("mlp.experts", "self_attn") or module in _GPT_OSS_NAMES):
+                _write_gpt_oss_tensor(writer, layer, module, kind, w)
+                continue
             if module == "mlp.experts":  # transformers 5's [E, 2I, H] / [E, H, I]: llama.cpp stacks each part
                 halves = np.split(w, 2, axis=1) if kind == "gate_up_proj" else [w]
                 parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
@@ -235,7 +271,7 @@ _GEMMA_ROPE = {
 }
 _NO_THETA = {k: v for k, v in COMMON.items() if k != "rope_theta"}
 # Each family with the features its GGUF form must carry set away from their defaults where GGUF can say so
-# (a key's text before "-" is the GGUF architecture).
+# (a key's text before "-" is the GGUF architecture; gpt-oss's is the whole key).
 NEW_FAMILIES = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
     "qwen3-yarn": lambda: Qwen3Config(
@@ -310,6 +346,23 @@ NEW_FAMILIES = {
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
+    "gpt-oss": lambda: GptOssConfig(
+        **_NO_THETA,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        tie_word_embeddings=False,
+    ),
     "granite": lambda: GraniteConfig(
         **COMMON,
         embedding_multiplier=2.0,
@@ -323,7 +376,7 @@ _ENGINE_ONLY = ("torch_dtype", "bos_token_id", "eos_token_ids")  # the file's to
 
 
 def _tiny_gguf(name: str, tmp_path, **write):
-    arch = name.split("-")[0]
+    arch = "gpt-oss" if name.startswith("gpt-oss") else name.split("-")[0]
     torch.manual_seed(0)
     cfg = NEW_FAMILIES[name]()
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
