@@ -63,6 +63,8 @@ _FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # 5's 3-D tensors (experts.gate_up_proj [E, 2I, H] with gate rows first, experts.down_proj [E, H, I]).
 _ROUTER = {"ffn_gate_inp": "mlp.gate"}
 _STACKED_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# Mixtral files of llama.cpp before stacked experts: one tensor per expert, blk.N.ffn_gate.E.weight.
+_PER_EXPERT = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
 # gpt-oss's checkpoint names: a biased router, per-head sinks (a tensor without ".weight"), and the norm
 # before its experts, which llama.cpp calls post_attention_norm.
 _GPT_OSS = {
@@ -190,6 +192,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     rope_factors: dict[str, list[float]] = {}
     experts: dict[int, dict[str, np.ndarray]] = {}
+    per_expert: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         if t.name == "rope_freqs.weight":
             raise ValueError(
@@ -204,6 +207,11 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if family.experts and len(parts) == 4 and parts[2] in _STACKED_EXPERTS:
             experts.setdefault(int(parts[1]), {})[f"{parts[2]}.{parts[3]}"] = w
             continue
+        if family.experts and len(parts) == 5 and parts[2] in _PER_EXPERT and parts[3].isdigit():
+            per_expert.setdefault((int(parts[1]), f"{_PER_EXPERT[parts[2]]}.{parts[4]}"), {})[
+                int(parts[3])
+            ] = w
+            continue
         name = _hf_name(t.name, layer_names)
         if name is None:
             raise ValueError(f"GGUF file {str(gguf_path)!r} has an unexpected tensor {t.name!r}")
@@ -214,6 +222,11 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         if family.gguf_norm_shift and name.endswith("norm.weight"):
             w -= family.gguf_norm_shift
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for (layer, kind), by_expert in per_expert.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"GGUF file {str(gguf_path)!r}: layer {layer}'s {kind} misses experts")
+        experts.setdefault(layer, {})[kind] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    del per_expert
     tensors.update(_stacked_experts(experts, str(gguf_path), family.module == "gpt_oss"))
     del experts
     tied = "lm_head.weight" not in tensors

@@ -113,7 +113,9 @@ _PERMUTED = ("llama", "granite")  # llama.cpp's LlamaModel lineage interleaves t
 _GEMMA = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
 
 
-def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra_tokens=()) -> None:
+def _write_gguf(
+    path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra_tokens=(), split_experts: bool = False
+) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -194,7 +196,13 @@ def _write_gguf(path, arch: str, hf, cfg, template: str | None = TEMPLATE, extra
                 halves = np.split(w, 2, axis=1) if kind == "gate_up_proj" else [w]
                 parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
                 for part, half in zip(parts, halves, strict=True):
-                    writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(half))
+                    if split_experts:  # older Mixtral files: one tensor per expert
+                        for e in range(half.shape[0]):
+                            writer.add_tensor(
+                                f"blk.{layer}.ffn_{part}.{e}.weight", np.ascontiguousarray(half[e])
+                            )
+                    else:
+                        writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(half))
                 continue
             out = f"blk.{layer}.{names[module]}.{kind}"
             if arch in _PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
@@ -436,6 +444,21 @@ def test_gguf_new_families(name, tmp_path, monkeypatch, paged, caches):
     with torch.no_grad():
         logits = model.compute_logits(model(ids[0], torch.arange(12), kv, paged(8, 8).step([(0, 0, 12)])))
         torch.testing.assert_close(logits, hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_mixtral_with_one_tensor_per_expert(tmp_path, monkeypatch):
+    """Older llama.cpp Mixtral files (blk.N.ffn_gate.E.weight, one tensor per expert) convert to the same
+    checkpoint as the stacked form."""
+    src, _, _ = _tiny_gguf("llama-mixtral", tmp_path)
+    (tmp_path / "split").mkdir()
+    split, _, _ = _tiny_gguf("llama-mixtral", tmp_path / "split", split_experts=True)
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    stacked = load_file(str(resolve_model(src) / "model.safetensors"))
+    per_expert = load_file(str(resolve_model(split) / "model.safetensors"))
+    assert sorted(per_expert) == sorted(stacked)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stacked
+    for key, tensor in stacked.items():
+        torch.testing.assert_close(per_expert[key], tensor, atol=0, rtol=0, msg=key)
 
 
 def test_gguf_without_chat_template_gets_the_turn_format_of_its_markers(tmp_path, monkeypatch):
