@@ -13,7 +13,9 @@ off, so no pass reuses another's prompts) gets, per concurrency c, max(2c, 8) re
 prompts of 32-128 tokens and exactly --output tokens each (ignore_eos), streamed; one warm-up request first.
 
 Writes bench-results/bench_moe_serve.json (with the host's 1-minute load average before and after: on a
-shared CPU host other work lowers every number) and bench_moe_serve.png, and prints a table.
+shared CPU host other work lowers every number) and bench_moe_serve.png, and prints a table. Next to the
+wall-clock tok/s, the server's CPU time (its process tree's, from /proc) per output token: the load moves it
+far less than tok/s, and batching shows as its fall with concurrency.
 """
 
 from __future__ import annotations
@@ -84,6 +86,29 @@ def build_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (the engine core may run in a child)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        pid_i = int(stat.parent.name)
+        parents[pid_i] = int(fields[1])
+        times[pid_i] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(times.get(p, 0.0) for p in tree)
+
+
 def workload(pool: list[int], n: int, rng: random.Random, output: int) -> list[RequestSpec]:
     return [RequestSpec([rng.choice(pool) for _ in range(rng.randint(32, 128))], output) for _ in range(n)]
 
@@ -133,19 +158,28 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_load(url, workload(pool, 1, rng, output), 1, "warm-up"))
         for c in args.concurrency:
             specs = workload(pool, max(2 * c, 8), rng, output)
+            cpu_before = tree_cpu_seconds(proc.pid)
             results, duration = asyncio.run(run_load(url, specs, c, f"moe c={c}"))
-            rows.append({"concurrency": c, **summarize(results, duration)})
-            print(f"  c={c}: {rows[-1]['output_throughput']:.1f} output tok/s", flush=True)
+            row = {"concurrency": c, **summarize(results, duration)}
+            row["server_cpu_s"] = tree_cpu_seconds(proc.pid) - cpu_before
+            tokens = row["output_throughput"] * duration
+            row["server_cpu_ms_per_token"] = 1e3 * row["server_cpu_s"] / tokens if tokens else float("nan")
+            rows.append(row)
+            print(f"  c={c}: {row['output_throughput']:.1f} output tok/s, {row['server_cpu_ms_per_token']:.1f} server "
+                  "CPU ms per output token", flush=True)  # fmt: skip
     finally:
         stop(proc)
     load.append(os.getloadavg()[0])
     rates = [r["output_throughput"] for r in rows]
     grows = all(b > a for a, b in zip(rates, rates[1:], strict=False))
-    print("\n| concurrency | requests | output tok/s | mean TTFT ms | mean ITL ms | p99 ITL ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| concurrency | requests | output tok/s | server CPU ms / token | mean TTFT ms | mean ITL ms | p99 ITL ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['requests']} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} "
-              f"| {r['mean_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} |")  # fmt: skip
+        print(f"| {r['concurrency']} | {r['requests']} | {r['output_throughput']:.1f} | "
+              f"{r['server_cpu_ms_per_token']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | "
+              f"{r['p99_itl_ms']:.1f} |")  # fmt: skip
     print(f"output tok/s grows with concurrency: {'yes' if grows else 'NO'}; 1-minute load average {load[0]:.1f} "
           f"before, {load[1]:.1f} after ({os.cpu_count()} CPUs)")  # fmt: skip
     report = {

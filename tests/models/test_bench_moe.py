@@ -47,7 +47,10 @@ def test_bench_moe_serve_quick_serves_the_tiny_moe_at_each_concurrency(tmp_path)
     report = json.loads((out / "bench_moe_serve.json").read_text())
     assert [r["concurrency"] for r in report["runs"]] == [1, 4]
     for r in report["runs"]:
-        assert r["requests"] == 8 and r["failed"] == 0
+        assert r["requests"] == 8 and r["failed"] == 0 and r["server_cpu_s"] > 0
+        assert r["server_cpu_ms_per_token"] == 1e3 * r["server_cpu_s"] / (
+            r["output_throughput"] * r["duration_s"]
+        )
         # 8 requests x 8 tokens (--quick, ignore_eos) over the run's duration
         assert abs(r["output_throughput"] * r["duration_s"] - 64) < 1e-6
     assert len(report["load_average"]) == 2 and (out / "bench_moe_serve.png").is_file()
