@@ -258,4 +258,5 @@ def build_exporter(info: Any, settings: ServerSettings) -> Any:
         max_model_len_fitted=info.max_model_len_fitted,
         block_size=info.block_size,
         cpu_kernels=info.cpu_kernels,
+        num_speculative_tokens=getattr(info, "num_speculative_tokens", 0),
     )

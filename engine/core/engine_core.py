@@ -366,6 +366,7 @@ class EngineCore:
             ),
             memory_profile=self.memory_profile(),
             lora_adapters=tuple(adapter_info(a) for a in self.lora_adapters()),
+            num_speculative_tokens=spec.max_tokens if (spec := cfg.speculative) is not None else 0,
         )
 
     def memory_profile(self) -> dict[str, Any]:

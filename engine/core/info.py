@@ -49,3 +49,4 @@ class EngineInfo:
     cpu_kernels: dict[str, str] | None = None  # the CPU kernels' info labels (variant, origin); None on a GPU
     memory_profile: dict[str, Any] = field(default_factory=dict)  # GET /pagoda/memory
     lora_adapters: tuple[LoRAAdapterInfo, ...] = ()  # loaded at start (--lora-modules)
+    num_speculative_tokens: int = 0  # --speculative-config's most proposed tokens per step; 0: off

@@ -65,6 +65,7 @@ class PrometheusStatLogger:
         engine_index: int = 0,
         hit_ratio_window: int = 100,
         registry: CollectorRegistry | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         prometheus_client.disable_created_metrics()  # no *_created series, like vLLM
         self.registry = registry or CollectorRegistry(auto_describe=True)
@@ -168,6 +169,8 @@ class PrometheusStatLogger:
             "Accepted tokens per draft (speculative token) position.",
             ("position",),
         )
+        for pos in range(num_speculative_tokens):  # every position's series from the start, at zero
+            self._spec_per_pos.labels(**lb, position=str(pos))
         success = counter(
             "vllm:request_success", "Count of successfully processed requests.", ("finished_reason",)
         )

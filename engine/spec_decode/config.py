@@ -39,6 +39,11 @@ class SpeculativeConfig:
     # (first batch size, last batch size, k): k tokens while the running batch size lies in the range.
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a step may propose for one sequence (the exporter's per-position series)."""
+        return max([self.num_speculative_tokens, *(k for _, _, k in self.per_batch_size)])
+
     def tokens_for_batch(self, batch_size: int) -> int:
         """How many tokens to propose per sequence when ``batch_size`` sequences are running."""
         for first, last, k in self.per_batch_size:

@@ -1,6 +1,6 @@
 """Every dashboard and alert query, evaluated by the real Prometheus server scraping the real engine and operator.
 
-`pagoda serve` (the default embedded model, with host and disk offload tiers) gets a short load through the
+`pagoda serve` (the default embedded model, with host and disk offload tiers and n-gram speculation) gets a short load through the
 official `openai` client, directly and through a real `pagoda router` in front of it (the Router row); the
 real `pagoda-operator` process reconciles InferenceDeployments in kmock's emulated cluster and serves its
 metrics endpoint. Prometheus scrapes them every second with the labels the ServiceMonitors give the pods in
@@ -74,6 +74,7 @@ def engine(tmp_path_factory, dash):
         "--kv-offload-host-bytes", "64MiB",
         "--kv-offload-disk-dir", str(work / "kv-disk"),
         "--kv-offload-disk-bytes", "128MiB",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--disable-log-stats",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")

@@ -181,3 +181,25 @@ def test_spec_decode_counters_are_vllms_names_and_values():
         ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1"): 3,
         ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "2"): 1,
     }
+
+
+def test_every_proposed_position_is_exported_at_zero_before_any_draft():
+    """A dashboard's per-position panel has its series from the start (a labelled counter has no sample until
+    its child exists); one position per token the config may propose, none without speculation."""
+    from pagoda.engine.metrics import PrometheusStatLogger
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def per_pos(e: PrometheusStatLogger) -> dict:
+        return {
+            s.labels["position"]: s.value
+            for family in text_string_to_metric_families(e.render().decode())
+            for s in family.samples
+            if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        }
+
+    assert per_pos(PrometheusStatLogger("m", max_model_len=64, num_speculative_tokens=3)) == {
+        "0": 0,
+        "1": 0,
+        "2": 0,
+    }
+    assert per_pos(PrometheusStatLogger("m", max_model_len=64)) == {}
