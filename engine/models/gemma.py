@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from pagoda.engine.attention.base import AttentionBackend, AttentionMetadata, LayerKVCache
+from pagoda.engine.attention.bound import BoundBackend
 from pagoda.engine.distributed.parallel_state import all_reduce
 from pagoda.engine.models.layers import (
     RMSNorm,
@@ -57,28 +58,6 @@ class GeluMLP(SiluMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate).mul_(up)))
-
-
-class SoftCappedBackend:
-    """An attention backend whose every call soft-caps the scores at ``cap`` (Gemma 2), so the Llama
-    attention block, which passes scale and window, serves Gemma unchanged."""
-
-    def __init__(self, backend: AttentionBackend, cap: float):
-        self.backend = backend
-        self.cap = cap
-        self.name = getattr(backend, "name", None)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerKVCache,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        return self.backend.forward(q, k, v, cache, meta, scale, sliding_window, logit_softcap=self.cap)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -159,7 +138,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def layer_backend(self, backend: AttentionBackend) -> AttentionBackend:
         cap = self.config.attn_logit_softcapping if self.config.family.attn_logit_softcap else None
-        return SoftCappedBackend(backend, cap) if cap else backend
+        return BoundBackend(backend, logit_softcap=cap) if cap else backend
 
     def set_max_model_len(self, max_model_len: int | None, device: torch.device | None = None) -> None:
         """(Re)build the rotary tables: one per distinct (base, scaling) among the layers (Gemma 3: the

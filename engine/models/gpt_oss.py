@@ -26,7 +26,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from pagoda.engine.attention.base import AttentionBackend, AttentionMetadata, LayerKVCache
+from pagoda.engine.attention.base import AttentionBackend
+from pagoda.engine.attention.bound import BoundBackend
 from pagoda.engine.distributed.parallel_state import all_reduce, tp_rank
 from pagoda.engine.models.layers import RMSNorm
 from pagoda.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, uses_triton_kernels
@@ -230,31 +231,6 @@ class GptOssMoE(SparseMoE):
             raise ValueError(f"MXFP4 tensors without their other half: {', '.join(sorted(self._packed))}")
 
 
-class _SinkBackend:
-    """The attention backend with this layer's sinks passed on every call (the Llama attention block calls the
-    backend with scale and window only)."""
-
-    def __init__(self, backend: AttentionBackend, sinks: nn.Parameter):
-        self.backend = backend
-        self.sinks = sinks
-        self.name = getattr(backend, "name", None)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerKVCache,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        return self.backend.forward(
-            q, k, v, cache, meta, scale, sliding_window, logit_softcap=logit_softcap, sinks=self.sinks
-        )
-
-
 class GptOssAttention(Attention):
     """Llama attention (biased q/k/v/o) whose softmax has a learned sink per query head (float32, this rank's
     heads)."""
@@ -262,7 +238,7 @@ class GptOssAttention(Attention):
     def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype, device):
         super().__init__(config, layer, backend, dtype, device)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), False)
-        self.backend = _SinkBackend(backend, self.sinks)
+        self.backend = BoundBackend(backend, sinks=self.sinks)
 
 
 class GptOssDecoderLayer(DecoderLayer):

@@ -62,7 +62,10 @@ def test_config_is_read(family):
     if name == "gemma2":
         assert windows == [6, None, 6, None]
         assert cfg.attn_logit_softcapping == 3.0 and cfg.final_logit_softcapping == 0.8
-        assert model.layers[0].self_attn.backend.cap == 3.0 and model.layers[0].self_attn.q_norm is None
+        assert (
+            model.layers[0].self_attn.backend.fixed == {"logit_softcap": 3.0}
+            and model.layers[0].self_attn.q_norm is None
+        )
         assert len(model.rotaries) == 1
     else:
         assert windows == [6, 6, None, 6, 6, None]
