@@ -31,7 +31,7 @@ from pagoda.engine.attention.bound import BoundBackend
 from pagoda.engine.distributed.parallel_state import all_reduce, tp_rank
 from pagoda.engine.models.layers import RMSNorm
 from pagoda.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, uses_triton_kernels
-from pagoda.engine.models.moe import HAS_GROUPED_MM, SparseMoE, _grouped_mm_strides, route
+from pagoda.engine.models.moe import HAS_GROUPED_MM, SparseMoE, _grouped_mm_strides, pad_by_expert, route
 from pagoda.engine.models.mxfp4 import dequantize_mxfp4
 from pagoda.engine.sizing.model_config import ModelConfig
 from torch import nn
@@ -50,14 +50,7 @@ def _grouped_linear(rows: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, c
     call, or where it refuses the strides, one bmm over the chosen experts' rows padded to the busiest's."""
     if HAS_GROUPED_MM and _grouped_mm_strides(rows.element_size(), w.shape[2], w.shape[1]):
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
-    used = torch.nonzero(counts).squeeze(1)
-    slot_of = torch.zeros_like(counts)
-    slot_of[used] = torch.arange(used.numel(), device=counts.device)
-    starts = counts.cumsum(0) - counts
-    within = torch.arange(rows.shape[0], device=rows.device) - starts[expert]
-    batch = slot_of[expert]
-    padded = rows.new_zeros((used.numel(), int(counts.max()), rows.shape[1]))
-    padded[batch, within] = rows
+    padded, used, batch, within = pad_by_expert(rows, expert, counts)
     return torch.bmm(padded, w.index_select(0, used).transpose(1, 2))[batch, within]
 
 

@@ -110,12 +110,11 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def _padded_bmm(
-    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """Both projections of the expert-sorted ``rows`` as batched matmuls over [experts chosen this step,
-    most tokens of one expert, H]: each chosen expert's rows padded to the busiest one's count (the experts
-    no token chose are left out, which matters at decode with many experts)."""
+def pad_by_expert(
+    rows: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-sorted ``rows`` as [experts chosen this step, most rows of one expert, K], zero-padded, with the
+    chosen experts' ids and each row's (batch, within) place: ``result[batch, within]`` reads the rows back."""
     used = torch.nonzero(counts).squeeze(1)
     slot_of = torch.zeros_like(counts)
     slot_of[used] = torch.arange(used.numel(), device=counts.device)
@@ -124,6 +123,16 @@ def _padded_bmm(
     batch = slot_of[expert]
     padded = rows.new_zeros((used.numel(), int(counts.max()), rows.shape[1]))
     padded[batch, within] = rows
+    return padded, used, batch, within
+
+
+def _padded_bmm(
+    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Both projections of the expert-sorted ``rows`` as batched matmuls over [experts chosen this step,
+    most tokens of one expert, H]: each chosen expert's rows padded to the busiest one's count (the experts
+    no token chose are left out, which matters at decode with many experts)."""
+    padded, used, batch, within = pad_by_expert(rows, expert, counts)
     if used.numel() < counts.numel():  # a copy of the chosen experts' weights
         w13, w2 = w13.index_select(0, used), w2.index_select(0, used)
     act = _silu_mul(torch.bmm(padded, w13.transpose(1, 2)))
