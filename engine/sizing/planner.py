@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pagoda.engine.sizing.engine_plan import max_kv_heads_per_rank
@@ -303,6 +303,32 @@ def plan(shape: ModelShape, gpu: GPUInfo | None, hints: Hints | None = None) -> 
     return _plan_gpu(shape, gpu, h)
 
 
+def _int4_alternative(shape: ModelShape, gpu: GPUInfo, h: Hints, available: int) -> str:
+    """The other way to fit a float model that does not: a 4-bit checkpoint of it (the INT4 the engine runs on
+    GPUs, group 128), planned the same way; "" where that would not help or does not run."""
+    if shape.weight_format:
+        return ""
+    if shape.num_experts:
+        return " (A quantized checkpoint of a mixture of experts does not run in Pagoda yet.)"
+    from pagoda.engine.quantization.scheme import QuantScheme
+    from pagoda.engine.sizing.weight_format import scheme_format
+
+    scheme = QuantScheme(format="int4", source="gptq", group_size=128)
+    quantized = shape.with_weight_format(scheme_format(scheme, shape.linears()))
+    try:
+        alt = _plan_gpu(quantized, replace(gpu, count=0), replace(h, gpu_count=TP_SIZES[-1]))
+    except SizingError:
+        return ""
+    tp = alt.tensor_parallel_size
+    where = (
+        f"on the {available} GPU{'s' if available > 1 else ''} it has" if tp <= available else f"on {tp} GPUs"
+    )
+    return (
+        f" Or a 4-bit checkpoint of it (INT4 group 128: AWQ, GPTQ or compressed-tensors; "
+        f"{human_bytes(quantized.weight_bytes)} of weights) fits {where} at tensor_parallel_size={tp}."
+    )
+
+
 def _common_lengths(shape: ModelShape, h: Hints, warnings: list[str]) -> tuple[int, int | None]:
     limit = shape.max_position_embeddings
     target = h.target_context
@@ -390,7 +416,9 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     if chosen is None:
         raise SizingError(
             f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.held_as} weights) cannot hold {need} on "
-            f"any tensor-parallel size up to {TP_SIZES[-1]} {gpu.name} GPUs; " + "; ".join(tried[-2:])
+            f"any tensor-parallel size up to {TP_SIZES[-1]} {gpu.name} GPUs; "
+            + "; ".join(tried[-2:])
+            + _int4_alternative(shape, gpu, h, available)
         )
     tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks = chosen
     if tp > available:
@@ -399,7 +427,7 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
             f"{available} x {gpu.name} ({human_bytes(memory)} each) with room for {need}: "
             f"{tried[-1] if tried else ''}. It needs tensor_parallel_size={tp} ({tp} GPUs: "
             f"{human_bytes(weights)} of weights and {human_bytes(kv_mem)} of KV cache per GPU); "
-            f"request {tp} GPUs (--gpus {tp} / gpu_count={tp})."
+            f"request {tp} GPUs (--gpus {tp} / gpu_count={tp})." + _int4_alternative(shape, gpu, h, available)
         )
     reasons["tensor_parallel_size"] = (
         f"smallest power of two whose per-GPU weights ({human_bytes(weights)}) leave room for {need}"

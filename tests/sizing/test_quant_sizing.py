@@ -173,3 +173,24 @@ def test_serve_dry_run_and_the_operator_report_the_format(tmp_path) -> None:
     assert status["weights_bytes_per_gpu"] == awq.weight_bytes
     assert status["weight_format"].startswith("int4 (awq, group 128, asymmetric): ")
     assert decision.weights_label == "int4 (awq, group 128, asymmetric)"
+
+
+def test_a_float_model_that_does_not_fit_is_told_what_a_4_bit_checkpoint_of_it_would_need() -> None:
+    """The refusal names both ways out: more GPUs, or the INT4 checkpoint the engine runs (planned the same way,
+    37.29 GiB for the 70B as above); a mixture of experts hears that its quantized checkpoints do not run yet."""
+    bf16 = well_known_shape("meta-llama/Llama-3.1-70B-Instruct")
+    with pytest.raises(SizingError) as one_h100:
+        plan(bf16, gpu_info("H100-80GB", 1), Hints())
+    assert "request 2 GPUs" in str(one_h100.value)
+    assert str(one_h100.value).endswith(
+        "Or a 4-bit checkpoint of it (INT4 group 128: AWQ, GPTQ or compressed-tensors; 37.29 GiB of weights) "
+        "fits on the 1 GPU it has at tensor_parallel_size=1."
+    )
+    with pytest.raises(SizingError, match=r"request 8 GPUs .*37.29 GiB of weights\) fits on 4 GPUs at "):
+        plan(bf16, gpu_info("L4", 1), Hints())
+    awq = well_known_shape("hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4")
+    with pytest.raises(SizingError) as already_int4:
+        plan(awq, gpu_info("L4", 1), Hints())
+    assert "4-bit checkpoint" not in str(already_int4.value)
+    with pytest.raises(SizingError, match=r"mixture of experts does not run in Pagoda yet"):
+        plan(well_known_shape("mistralai/Mixtral-8x7B-Instruct-v0.1"), gpu_info("H100-80GB", 1), Hints())
