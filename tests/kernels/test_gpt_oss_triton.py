@@ -62,7 +62,8 @@ def test_triton_path_of_a_tiny_gpt_oss_gives_transformers_greedy_tokens(tmp_path
         engine = llm.engine
         model = engine.runner.model
         assert model.layers[0].mlp.triton and model.layers[0].self_attn.triton
-        capture = RerunCapture()  # decodes replayed from recordings: the routing, tiles and sinks captured too
+        # decodes replayed from recordings: the routing, tiles and sinks captured too
+        capture = RerunCapture()
         assert engine.runner.capture_decode_graphs(2, engine.max_model_len, capture=capture) is None
         capture.replays.clear()
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
