@@ -136,6 +136,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start_script(tmp_path, model: str, mode: str):
+    import signal
     import subprocess
     import sys
 
@@ -147,6 +148,9 @@ def _start_script(tmp_path, model: str, mode: str):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group, as a script run from a terminal
+        # and Ctrl-C's default action, as a terminal gives it: an ignored SIGINT is inherited through exec, and
+        # a test earlier in the same pytest process may have left this one ignoring it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     for line in proc.stdout:
