@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagoda.engine.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
 from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
 from pagoda.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -138,6 +139,23 @@ class EngineConfig:
         "ranks per model replica (one process and GPU each; gloo over CPU cores without a GPU)",
         aliases=("-tp",),
     )
+    pipeline_parallel_size: int = _opt(
+        1,
+        "pipeline stages per model replica: the layers split into this many stages, each a tensor-parallel "
+        "group of its own, with micro-batches in flight so stages overlap (gloo over CPU cores without a GPU)",
+        aliases=("-pp",),
+    )
+    nnodes: int = _opt(
+        1,
+        "hosts (pods) one replica spans, each running the same number of ranks; the operator renders a "
+        "LeaderWorkerSet for more than one",
+    )
+    node_rank: int = _opt(0, "this host's index among --nnodes; 0 is the leader, which serves the API")
+    master_addr: str = _opt("127.0.0.1", "address of the leader (node rank 0), where every rank meets")
+    master_port: int = _opt(29501, "port on the leader where the ranks of a replica spanning hosts meet")
+    headless: bool = _opt(
+        False, "run this host's ranks without the API server (every host but the leader, --node-rank > 0)"
+    )
     seed: int = _opt(0, "seed of the default random generator")
     kv_offload_host_bytes: int | None = _opt(None, "host-RAM KV tier size, e.g. 8GiB", parser="bytes")
     kv_offload_disk_dir: str | None = _opt(None, "directory of the disk KV tier (e.g. an NVMe volume)")
@@ -199,6 +217,13 @@ class EngineConfig:
         "logit_bias, logprobs, a grammar, n > 1 or stop strings decode without it; off above 4 running "
         "sequences unless num_speculative_tokens_per_batch_size says otherwise; not with "
         "--async-scheduling, tensor parallelism or LoRA",
+    )
+    kv_transfer_config: str | None = _opt(
+        None,
+        'prefill/decode disaggregation, vLLM\'s JSON: {"kv_connector": "PagodaConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_port": 14579}: a producer prefills and serves the '
+        "finished blocks on kv_port, a consumer fetches them (TCP) and decodes; a failed transfer falls back "
+        "to a local prefill (NixlConnector is read as Pagoda's transfer)",
     )
     profile_on_cpu: bool = _opt(
         False,
@@ -297,6 +322,35 @@ class EngineConfig:
             bad("kv_window_tokens", f"must be an integer of at least 2 blocks ({2 * self.block_size})")
         self._validate_lora(bad)
         self._validate_speculative(bad)
+        self._validate_distributed(bad)
+
+    def _validate_distributed(self, bad: Any) -> None:
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            bad("pipeline_parallel_size", "must be a positive integer")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            bad("nnodes", "must be a positive integer")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be from 0 to nnodes - 1 ({self.nnodes - 1})")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes:
+            bad("nnodes", f"must divide the replica's {world} ranks (tensor x pipeline parallel size)")
+        if not isinstance(self.master_port, int) or not 1 <= self.master_port <= 65535:
+            bad("master_port", "must be a TCP port (1-65535)")
+        if self.headless and self.node_rank == 0:
+            bad("headless", "is for the hosts that are not the leader (--node-rank > 0)")
+        if self.node_rank > 0 and not self.headless:
+            bad("node_rank", "above 0 runs no API server: add --headless")
+        if isinstance(self.kv_transfer_config, dict):
+            self.kv_transfer_config = json.dumps(self.kv_transfer_config)
+        try:
+            parse_kv_transfer_config(self.kv_transfer_config)
+        except ValueError as exc:
+            bad("kv_transfer_config", f"is invalid: {exc}")
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """--kv-transfer-config, parsed (None: this engine neither sends nor receives prefilled blocks)."""
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     def _validate_speculative(self, bad: Any) -> None:
         if isinstance(self.speculative_config, dict):

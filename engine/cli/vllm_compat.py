@@ -51,7 +51,6 @@ _NO_DP = (
     "behind the KV-aware router)"
 )
 _NO_EP = "experts are not sharded across GPUs in Pagoda; --tensor-parallel-size splits MoE layers too"
-_NO_MULTINODE = "Pagoda runs on one node; use --tensor-parallel-size within it"
 _NO_PLUGINS = "Pagoda loads no plugins or classes by name; leave it out"
 _NO_DOWNLOAD = "Pagoda never downloads at run time: a model is a local path or a Hugging Face cache copy"
 _NO_COMPILE = "Pagoda compiles no graphs with torch.compile (CUDA graphs: --enforce-eager turns them off)"
@@ -137,7 +136,6 @@ _ANSWERS: dict[str, Answer] = {
     "--dp-supervisor-probe-failure-threshold": _refused(_NO_DP),
     # serve subcommand
     "--grpc": _refused("Pagoda serves the OpenAI API over HTTP only", _SWITCH),
-    "--headless": _refused(_NO_MULTINODE, _SWITCH),
     "--api-server-count": _refused(
         "one API server process runs per engine; run more replicas for more", only=("1",)
     ),
@@ -200,10 +198,6 @@ _ANSWERS: dict[str, Answer] = {
     "--distributed-executor-backend": _ignored(
         "tensor-parallel ranks are always local processes", only=("auto", "mp", "uni")
     ),
-    "--pipeline-parallel-size": _refused(
-        "pipeline parallelism is not in Pagoda yet (planned in issue 43); use --tensor-parallel-size",
-        only=("1",),
-    ),
     "--decode-context-parallel-size": _refused(
         "context parallelism is not in Pagoda; use --tensor-parallel-size", only=("1",)
     ),
@@ -230,10 +224,6 @@ _ANSWERS: dict[str, Answer] = {
     "--disable-custom-all-reduce": _ignored("Pagoda uses torch.distributed's all-reduce only", _SWITCH),
     "--worker-cls": _refused(_NO_PLUGINS, only=("auto",)),
     "--worker-extension-cls": _refused(_NO_PLUGINS, only=("",)),
-    "--nnodes": _refused(_NO_MULTINODE, only=("1",)),
-    "--node-rank": _refused(_NO_MULTINODE, only=("0",)),
-    "--master-addr": _refused(_NO_MULTINODE),
-    "--master-port": _refused(_NO_MULTINODE),
     # cache
     "--num-gpu-blocks-override": _refused("size the KV cache with --kv-cache-memory-bytes"),
     "--prefix-caching-hash-algo": _ignored("Pagoda's block hashes are its own (SHA-256 chained per block)"),
@@ -287,10 +277,6 @@ _ANSWERS: dict[str, Answer] = {
     "--scheduler-cls": _refused(_NO_PLUGINS),
     "--stream-interval": _ignored("streams send every step's tokens", only=("1",)),
     # vllm
-    "--kv-transfer-config": _refused(
-        "KV transfer between engines is not in Pagoda; its KV tiers are --kv-offload-host-bytes and "
-        "--kv-offload-disk-dir"
-    ),
     "--kv-events-config": _refused("Pagoda's KV events are served at its own endpoint for the router"),
     "--ec-transfer-config": _refused(_TEXT_ONLY),
     "--compilation-config": _ignored(_NO_COMPILE),
@@ -508,7 +494,6 @@ _ANSWERS: dict[str, Answer] = {
 
 # Short spellings vLLM accepts for flags answered above.
 SHORT: dict[str, str] = {
-    "-pp": "--pipeline-parallel-size",
     "-dp": "--data-parallel-size",
     "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank",

@@ -79,8 +79,7 @@ def test_underscore_spellings_read_as_dashes() -> None:
     a = parse_args(["--max_num_seqs", "8", "--gpu_memory_utilization=0.5", "--enable_prefix_caching"])
     assert a.max_num_seqs == 8 and a.gpu_memory_utilization == 0.5 and a.enable_prefix_caching is True
     assert parse_args(["--trust_remote_code"]).compat_warnings
-    with pytest.raises(UnknownFlagError, match="--pipeline-parallel-size"):
-        parse_args(["--pipeline_parallel_size", "2"])
+    assert parse_args(["--pipeline_parallel_size", "2"]).pipeline_parallel_size == 2
 
 
 def test_the_flags_issue_36_names() -> None:
@@ -91,10 +90,9 @@ def test_the_flags_issue_36_names() -> None:
     )  # fmt: skip
     assert a.model == "m" and a.tokenizer == "/tok" and a.generation_config == "vllm" and a.max_logprobs == 5
     assert any("never runs code" in w for w in a.compat_warnings) and len(a.compat_warnings) == 5
-    with pytest.raises(UnknownFlagError, match=r"issue 43.*--tensor-parallel-size"):
-        parse_args(["--pipeline-parallel-size", "2"])
-    with pytest.raises(UnknownFlagError, match="-pp 2|--pipeline-parallel-size 2"):
-        parse_args(["-pp", "2"])
+    assert parse_args(["-pp", "2", "--nnodes", "2"]).pipeline_parallel_size == 2
+    kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    assert parse_args(["--kv-transfer-config", kv]).kv_transfer_config == kv
     with pytest.raises(UnknownFlagError) as exc:
         parse_args(["--cpu-offload-gb", "4"])
     assert "weights" in str(exc.value) and "--kv-offload-host-bytes" not in str(exc.value)
