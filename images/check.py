@@ -193,8 +193,14 @@ def wheels(flavour: str = "cpu") -> None:
 
 def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
     """One layer per image (--layers=false: vfs stores every layer as a full copy). Output lines carry the
-    image's name and the seconds since its build started."""
+    image's name and the seconds since its build started. The tag's previous image is removed first: vfs keeps
+    it whole, and beside the working container and the copy a commit makes (the GPU image: 6 GB each) it is
+    what ran a CI machine out of disk."""
     previous = image_id(tag)
+    if previous and subprocess.run(buildah("rmi", tag), capture_output=True, env=ENV).returncode == 0:
+        say(f"removed the previous {tag} ({previous[:12]}) before building it again")
+        previous = None
+    say(f"free disk for buildah's storage: {free_gib():.1f} GiB")
     cmd = buildah("bud", "--isolation", "chroot", "--layers=false", "-f", dockerfile, "-t", tag)
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
@@ -207,6 +213,11 @@ def build(dockerfile: str, tag: str, args: dict[str, str]) -> None:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     if previous and previous != image_id(tag):
         REPLACED.append(previous)
+
+
+def free_gib() -> float:
+    graphroot = output(buildah("info", "--format", "{{.store.GraphRoot}}"))
+    return shutil.disk_usage(graphroot).free / 2**30
 
 
 def remove_replaced() -> None:
