@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from typing import Any
 
 from pagoda.engine.cli.serve_args import to_argv
 from pagoda.engine.cli.serve_check import DryRunError, DryRunReport, check, shape_config
 from pagoda.operator.planning import Decision
-from pagoda.operator.spec import SpecError
+from pagoda.operator.spec import InferenceSpec, SpecError
 
 REASON = "EngineWouldRefuse"
 ROUTER_REASON = "RouterWouldRefuse"
@@ -47,6 +48,47 @@ def check_engine_args(decision: Decision, args: list[str]) -> DryRunReport:
         ) from None
 
 
+def check_engine_commands(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> DryRunReport:
+    """The engine's dry run of every command the engine pods run (render.engine_commands: a group's leader
+    and each worker rank, each pool's); the first one's report. A SpecError (EngineWouldRefuse) names the
+    pod whose command the engine would refuse."""
+    from pagoda.operator import render
+
+    report = None
+    for what, args in render.engine_commands(body, spec, decision):
+        try:
+            found = check(dry_run_argv(decision, args))
+        except DryRunError as exc:
+            raise SpecError(
+                "engine",
+                f"the engine would refuse to start{' ' + what if what else ''} with this plan: {exc}",
+                reason=REASON,
+            ) from None
+        report = report or found
+    assert report is not None
+    return report
+
+
+# Flags the operator renders for the router that arrive with the router's side of issue 43 (the P/D merge):
+# until the router's parser has one, its value is checked by the router once it does, not here.
+PENDING_ROUTER_FLAGS = ("--prefill-backend-dns",)
+
+
+def known_router_args(args: list[str], known: set[str]) -> list[str]:
+    """`args` without the PENDING_ROUTER_FLAGS (and their values) the router's parser does not know yet."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in PENDING_ROUTER_FLAGS and arg not in known:
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
 def check_router_args(args: list[str]) -> None:
     """`pagoda router ARGS --dry-run` in process (the router's parser and validation); a SpecError (reason
     RouterWouldRefuse) with the router's words where the router pod would refuse to start. A build without
@@ -57,9 +99,11 @@ def check_router_args(args: list[str]) -> None:
     except ImportError:
         return
     said = io.StringIO()
+    parser = build_parser()
+    args = known_router_args(args, {o for a in parser._actions for o in a.option_strings})
     try:
         with contextlib.redirect_stderr(said):
-            parsed = build_parser().parse_args([*args, "--dry-run"])
+            parsed = parser.parse_args([*args, "--dry-run"])
         config_from_args(parsed)
     except SystemExit:  # argparse: an unknown flag or a bad value
         words = said.getvalue().strip().splitlines()

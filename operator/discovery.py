@@ -14,6 +14,8 @@ from pagoda.operator import node_gpus as fallback
 
 LABEL_PRODUCT = "nvidia.com/gpu.product"
 UNIDENTIFIED = ""  # product_label of a node with GPUs the operator cannot name
+RENDERED_NODE = "(rendered)"  # the one node of a `pagoda render --gpu` pool: a plan may span any number
+LWS_API = "leaderworkerset.x-k8s.io/v1"  # a replica spanning nodes: one LeaderWorkerSet group per replica
 # The API groups the reconciler asks the API server about (Kube.has_api); each turns an optional object on.
 PROMETHEUS_OPERATOR_API = "monitoring.coreos.com/v1"  # a ServiceMonitor per deployment
 KEDA_API = "keda.sh/v1alpha1"  # a KEDA ScaledObject instead of the HorizontalPodAutoscaler
@@ -23,12 +25,11 @@ INFERENCE_POOL_API = "inference.networking.k8s.io/v1"  # spec.gateway: an Infere
 @dataclass(frozen=True)
 class Capabilities:
     """What the cluster serves beyond Kubernetes itself, where the operator's objects depend on it: the
-    reconciler discovers it, `pagoda render` (no cluster) is told it with flags. LeaderWorkerSet is named so
-    a render can be told about it, but nothing the operator creates uses it yet."""
+    reconciler discovers it, `pagoda render` (no cluster) is told it with flags."""
 
     prometheus_operator: bool = False  # PROMETHEUS_OPERATOR_API served
     keda: bool = False  # KEDA_API served
-    lws: bool = False  # leaderworkerset.x-k8s.io: no object uses it yet
+    lws: bool = False  # LWS_API served: a replica spanning nodes is a LeaderWorkerSet group
     gateway_api: bool = False  # INFERENCE_POOL_API served: spec.gateway's InferencePool and picker
 
 

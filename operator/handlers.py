@@ -1,7 +1,8 @@
 """kopf wiring: which events reconcile which InferenceDeployment. The work itself is in reconcile.py.
 
 - InferenceDeployment created, changed, or seen at operator start-up: reconcile it.
-- A managed StatefulSet changed (hand edit, deletion, pods becoming ready): reconcile its owner.
+- A managed StatefulSet or LeaderWorkerSet changed (hand edit, deletion, pods becoming ready): reconcile its
+  owner. (kopf watches leaderworkersets once LeaderWorkerSet's CRD is served.)
 - An engine pod ran out of memory (OOMKilled, or the engine's exit code 3): re-fit its owner (refit.py).
 - An engine pod of a new image became Ready: compare its measured memory with the plan (profile.py).
 - A model download Job changed (started, finished, failed): reconcile its owner; while a download runs, its
@@ -25,7 +26,7 @@ from pagoda.operator import model_cache, render
 from pagoda.operator.discovery import NodeGPUs, node_gpus
 from pagoda.operator.kube import ApiError, Kube
 from pagoda.operator.metrics import DEFAULT, OperatorMetrics
-from pagoda.operator.reconcile import Reconciler
+from pagoda.operator.reconcile import LWS_NOT_SERVED, MONITORING_TTL, Reconciler
 from pagoda.operator.refit import failure_of
 
 log = logging.getLogger("pagoda.operator")
@@ -110,16 +111,19 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
             raise
         if outcome is not None and (outcome.status or {}).get("phase") == "Downloading":
             follow_download(namespace, name, index)
+        elif outcome is not None and outcome.error is not None and outcome.error.reason == LWS_NOT_SERVED:
+            # no event says that LeaderWorkerSet got installed: look again once the API answer expires
+            follow_download(namespace, name, index, MONITORING_TTL)
 
-    def follow_download(namespace: str, name: str, index: Any) -> None:
+    def follow_download(namespace: str, name: str, index: Any, delay: float = DOWNLOAD_POLL_SECONDS) -> None:
         """Reconcile again in a while (one pending call per object): the download's progress is in its
-        pod's log, which no watch event announces."""
+        pod's log, which no watch event announces (nor the arrival of an API a deployment waits for)."""
         key = (namespace, name)
         if key in state.followers and not state.followers[key].done():
             return
 
         async def later() -> None:
-            await asyncio.sleep(DOWNLOAD_POLL_SECONDS)
+            await asyncio.sleep(delay)
             state.followers.pop(key, None)
             try:
                 await reconcile(namespace, name, index)
@@ -160,6 +164,20 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
                 return  # the echo of our own write: nothing drifted
         if owner and event.get("type") is not None:
             await reconcile(namespace, owner, gpu_nodes)
+
+    @kopf.on.event(
+        "leaderworkerset.x-k8s.io",
+        "v1",
+        "leaderworkersets",
+        labels={render.LABEL_MANAGED: render.MANAGED_BY},
+        id="leaderworkerset",
+        registry=registry,
+    )
+    async def leaderworkerset(
+        event: dict[str, Any], body: kopf.Body, namespace: str, gpu_nodes: Any, **_: Any
+    ) -> None:
+        # as a StatefulSet's: a group set edited or deleted by hand is put back, its readiness reported
+        await statefulset(event=event, body=body, namespace=namespace, gpu_nodes=gpu_nodes)
 
     @kopf.on.event(
         "batch", "v1", "jobs", labels={render.LABEL_MANAGED: render.MANAGED_BY}, id="jobs", registry=registry

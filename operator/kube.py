@@ -27,6 +27,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "InferencePool": ("apis/inference.networking.k8s.io/v1", "inferencepools"),
     "Job": ("apis/batch/v1", "jobs"),
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
+    "LeaderWorkerSet": ("apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
 }
 
 

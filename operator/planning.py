@@ -27,6 +27,7 @@ from pagoda.engine.sizing.planner import HOST_LIMIT_SHARE
 from pagoda.engine.sizing.shapes import check_published_config
 from pagoda.operator import refit as refitting
 from pagoda.operator.discovery import (
+    RENDERED_NODE,
     GPUPool,
     NodeGPUs,
     matching_pools,
@@ -35,7 +36,7 @@ from pagoda.operator.discovery import (
     unidentified_message,
 )
 from pagoda.operator.quantity import format_quantity
-from pagoda.operator.spec import InferenceSpec, SpecError
+from pagoda.operator.spec import MAX_NODES, InferenceSpec, SpecError, resolved_parallelism
 
 UNSUPPORTED_MODEL = "UnsupportedModel"  # the condition reason of a model the engine does not run
 KiB = 1 << 10
@@ -84,12 +85,27 @@ class Decision:
     max_num_queued_reqs: int = 1
     queue_reason: str = ""
     shape: ModelShape | None = None  # what the plan was sized for (the engine's dry run checks it)
+    # One replica's split (spec.parallelism, or a model that needs more GPUs than a node has): stages, and
+    # the pods they run on (above 1: a LeaderWorkerSet group); pod_gpus: GPUs of each pod
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    pod_gpus: int = 0
+    parallel_reason: str = ""
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether a replica is a group of pods (a LeaderWorkerSet) rather than one pod."""
+        return self.nnodes > 1
 
     def status_plan(self) -> dict[str, Any]:
         """The engine plan as status.plan shows it, the operator's own choices included."""
         out = self.plan.to_dict()
         out["max_num_queued_reqs"] = self.max_num_queued_reqs
         out["reasons"] = {**out.get("reasons", {}), "max_num_queued_reqs": self.queue_reason}
+        if self.pipeline_parallel_size > 1 or self.nnodes > 1:
+            out["pipeline_parallel_size"] = self.pipeline_parallel_size
+            out["nnodes"] = self.nnodes
+            out["reasons"]["pipeline_parallel_size"] = out["reasons"]["nnodes"] = self.parallel_reason
         return out
 
     @property
@@ -235,15 +251,17 @@ def _apply_overrides(spec: InferenceSpec, p: Plan, gpu: GPUInfo | None) -> Plan:
 
 
 TP_NO_TIERS = "the engine runs no KV offload tiers with tensor parallelism yet"
+PP_NO_TIERS = "the engine runs no KV offload tiers with pipeline parallelism yet"
 
 
-def _offload(spec: InferenceSpec, p: Plan) -> tuple[Plan, int | None, int]:
+def _offload(spec: InferenceSpec, p: Plan, pipeline: int = 1) -> tuple[Plan, int | None, int]:
     reasons = dict(p.reasons)
-    if p.tensor_parallel_size > 1:  # render no tier (nor PVC) the engine would switch off
+    if p.tensor_parallel_size > 1 or pipeline > 1:  # render no tier (nor PVC) the engine would switch off
+        why = TP_NO_TIERS if p.tensor_parallel_size > 1 else PP_NO_TIERS
         warnings = list(p.warnings)
         if spec.offload.host_bytes or spec.offload.nvme_enabled:
-            warnings.append(f"spec.offload is ignored: {TP_NO_TIERS}")
-        reasons["kv_offload_host_bytes"] = reasons["kv_offload_disk_bytes"] = f"off: {TP_NO_TIERS}"
+            warnings.append(f"spec.offload is ignored: {why}")
+        reasons["kv_offload_host_bytes"] = reasons["kv_offload_disk_bytes"] = f"off: {why}"
         reasons.pop("pvc_size", None)
         new = dataclasses.replace(
             p,
@@ -370,10 +388,15 @@ def queue_limit(p: Plan, pod_memory: int) -> tuple[int, str]:
 
 def _finish(decision: Decision, spec: InferenceSpec, shape: ModelShape) -> Decision:
     decision.shape = shape
-    decision.pod_memory_bytes = pod_memory_bytes(spec, decision.plan, decision.gpu)
-    decision.pod_cpu = pod_cpu(decision.plan, decision.gpu)
-    decision.shm_bytes = shm_bytes(decision.plan, decision.gpu)
-    need = needed_memory_bytes(decision.plan, decision.gpu)
+    if not decision.pod_gpus:
+        decision.pod_gpus = spec.gpu.count
+    # the pod's resources follow the ranks it runs (tensor x pipeline / nodes), not the replica's
+    ranks = decision.plan.tensor_parallel_size * decision.pipeline_parallel_size // decision.nnodes
+    per_pod = dataclasses.replace(decision.plan, tensor_parallel_size=max(ranks, 1))
+    decision.pod_memory_bytes = pod_memory_bytes(spec, per_pod, decision.gpu)
+    decision.pod_cpu = pod_cpu(per_pod, decision.gpu)
+    decision.shm_bytes = shm_bytes(per_pod, decision.gpu)
+    need = needed_memory_bytes(per_pod, decision.gpu)
     if decision.gpu is not None and decision.pod_memory_bytes < need:
         decision.plan.warnings.append(
             f"spec.resources gives the pod {format_quantity(decision.pod_memory_bytes)} of memory; the operator's "
@@ -400,17 +423,31 @@ def decide(
     """The GPU and the plan for `spec` on the nodes' `available` pools, with the re-fit settings of `refit`
     (status.refit of this generation) applied; raises SpecError when unservable."""
     shape = model_shape(spec)
+    split = resolved_parallelism(spec) if spec.parallelism is not None else None
+    if split is not None and split[1] > shape.num_layers:
+        raise SpecError(
+            "parallelism.pipeline",
+            f"{split[1]} stages for {shape.num_layers} layers: at most one stage per layer",
+            reason="InvalidParallelism",
+        )
     if spec.gpu.count == 0:
         try:
             p = plan(shape, None, hints(spec, None))
         except SizingError as exc:
             raise SpecError("resources.limits.memory", str(exc), reason="ModelTooLarge") from None
         p = _apply_overrides(spec, p, None)
-        p, nvme, disk = _offload(spec, p)
+        pipeline = split[1] if split else 1
+        if split:
+            p = _with_split(p, split, "set by spec.parallelism")
+        p, nvme, disk = _offload(spec, p, pipeline)
         p = _refitted(p, refit, None)
         memory = spec.memory_limit_bytes or CPU_DEFAULT_MEMORY
-        return _finish(Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme,
-                                disk_tier_bytes=disk, memory_limit_bytes=memory), spec, shape)  # fmt: skip
+        decision = Decision(p, None, gpu_reason="gpu.count is 0: CPU pods", nvme_bytes=nvme,
+                            disk_tier_bytes=disk, memory_limit_bytes=memory)  # fmt: skip
+        if split:
+            decision.pipeline_parallel_size, decision.nnodes = split[1], split[2]
+            decision.parallel_reason = _split_reason(split, "set by spec.parallelism")
+        return _finish(decision, spec, shape)
 
     if spec.gpu.product:
         try:
@@ -440,15 +477,24 @@ def decide(
     plans: list[tuple[GPUPool, Plan]] = []
     failures: list[str] = []
     unsupported = 0  # pools whose GPU the engine image's torch build cannot run
+    # GPUs of one replica (the planner sizes them as one tensor-parallel group: per-GPU weights and KV of
+    # tensor x pipeline ranks, conservative where the KV heads are fewer than the ranks) and of each pod
+    replica_gpus = split[0] * split[1] if split else spec.gpu.count
+    pod_gpus = replica_gpus // split[2] if split else spec.gpu.count
     for pool in candidates:
-        if pool.gpus_per_node < spec.gpu.count:
+        if pool.gpus_per_node < pod_gpus:
             failures.append(
-                f"{pool.product_label}: nodes have {pool.gpus_per_node} GPUs, spec.gpu.count is {spec.gpu.count}"
+                f"{pool.product_label}: nodes have {pool.gpus_per_node} GPUs, "
+                + (
+                    f"spec.parallelism puts {pod_gpus} in each pod"
+                    if split
+                    else f"spec.gpu.count is {pod_gpus}"
+                )
             )
             continue
-        info = dataclasses.replace(pool.info, count=spec.gpu.count)
+        info = dataclasses.replace(pool.info, count=replica_gpus)
         try:
-            p = plan(shape, info, hints(spec, spec.gpu.count))
+            p = plan(shape, info, hints(spec, replica_gpus))
         except SizingError as exc:
             failures.append(f"{pool.product_label}: {exc}")
             unsupported += isinstance(exc, UnsupportedGPUError)
@@ -456,6 +502,13 @@ def decide(
         plans.append((pool, p))
     if not plans and unsupported == len(candidates):
         raise SpecError("gpu.product", "; ".join(failures), reason="UnsupportedGPU")
+    auto_split = None
+    if not plans and split is None:  # more GPUs than a node has: a group of nodes per replica
+        found = _multi_node(spec, shape, candidates)
+        if found is not None:
+            pool, p, auto_split = found
+            plans.append((pool, p))
+            split, pod_gpus = auto_split, auto_split[0] * auto_split[1] // auto_split[2]
     if not plans:
         raise SpecError("model.source", f"{shape.name} cannot be served on the GPUs present: " + "; ".join(failures),
                         reason="ModelTooLarge")  # fmt: skip
@@ -476,15 +529,89 @@ def decide(
             reason += "; ruled out: " + "; ".join(failures)
     else:
         reason = f"{why_pool}: {pool.product_label} on {len(pool.nodes)} node(s)"
-    p = _apply_overrides(spec, p, pool.info)
-    p, nvme, disk = _offload(spec, p)
+    if split is None:
+        p = _apply_overrides(spec, p, pool.info)
+    else:
+        why = "set by spec.parallelism" if auto_split is None else _auto_reason(pool, auto_split)
+        p = _with_split(_apply_overrides(spec, p, pool.info), split, why)
+    p, nvme, disk = _offload(spec, p, split[1] if split else 1)
     p = _refitted(p, refit, pool.info)
     if pool.source != "GPU Feature Discovery":
         reason += f"; the GPU was identified from {pool.source} (no GPU Feature Discovery labels)"
-    info = dataclasses.replace(pool.info, count=spec.gpu.count)
+    info = dataclasses.replace(pool.info, count=pod_gpus)
     decision = Decision(p, info, pool.product_label, dict(pool.selector), list(pool.nodes), reason, nvme, disk,
                         spec.memory_limit_bytes)  # fmt: skip
+    if auto_split is not None and spec.disaggregation is not None:
+        raise SpecError(
+            "disaggregation",
+            f"{shape.name} needs more GPUs than a node has ({decision.gpu_reason}; {_auto_reason(pool, auto_split)}), "
+            "and pools of LeaderWorkerSet groups are not rendered: serve it without disaggregation",
+            reason="InvalidDisaggregation",
+        )
+    if split is not None:
+        decision.pipeline_parallel_size, decision.nnodes, decision.pod_gpus = split[1], split[2], pod_gpus
+        decision.parallel_reason = _split_reason(
+            split, "set by spec.parallelism" if auto_split is None else _auto_reason(pool, auto_split)
+        )
     return _finish(decision, spec, shape)
+
+
+def _split_reason(split: tuple[int, int, int], why: str) -> str:
+    tensor, pipeline, nodes = split
+    return f"{why}: {pipeline} stage(s) of {tensor} tensor-parallel rank(s) on {nodes} pod(s) per replica"
+
+
+def _auto_reason(pool: GPUPool, split: tuple[int, int, int]) -> str:
+    tensor, pipeline, nodes = split
+    return (
+        f"the model needs {tensor * pipeline} {pool.product_label} GPUs, a node has {pool.gpus_per_node}: one "
+        f"pipeline stage per node"
+    )
+
+
+def _with_split(p: Plan, split: tuple[int, int, int], why: str) -> Plan:
+    """The plan with the stage's tensor-parallel size (the planner sized the replica's GPUs as one group)."""
+    reasons = {
+        **p.reasons,
+        "tensor_parallel_size": f"{_split_reason(split, why)}; {p.reasons.get('tensor_parallel_size', '')}",
+    }
+    return dataclasses.replace(p, tensor_parallel_size=split[0], reasons=reasons)
+
+
+def node_limit(pool: GPUPool) -> int:
+    """How many nodes of a pool one replica may span: the pool's nodes (a render without a cluster: any)."""
+    return MAX_NODES if RENDERED_NODE in pool.nodes else len(pool.nodes)
+
+
+def _multi_node(
+    spec: InferenceSpec, shape: ModelShape, candidates: list[GPUPool]
+) -> tuple[GPUPool, Plan, tuple[int, int, int]] | None:
+    """A plan across nodes for a model no one node's GPUs hold: the planner's smallest tensor-parallel group
+    over the pool's GPUs, split into stages of a node's GPUs (tensor = the GPUs of a node, the largest power
+    of two that divides the group), one stage per pod; the pool holding the most KV wins. None where no pool
+    has the nodes."""
+    found: list[tuple[GPUPool, Plan, tuple[int, int, int]]] = []
+    for pool in candidates:
+        nodes = node_limit(pool)
+        if nodes < 2 or pool.gpus_per_node < 1:
+            continue
+        total = pool.gpus_per_node * nodes
+        try:
+            p = plan(shape, dataclasses.replace(pool.info, count=total), hints(spec, total))
+        except SizingError:
+            continue
+        group = p.tensor_parallel_size
+        tensor = 1
+        while tensor * 2 <= pool.gpus_per_node and group % (tensor * 2) == 0:
+            tensor *= 2
+        pipeline = group // tensor
+        if pipeline < 2 or pipeline > nodes or pipeline > shape.num_layers:
+            continue
+        found.append((pool, p, (tensor, pipeline, pipeline)))
+    if not found:
+        return None
+    found.sort(key=lambda f: (-f[1].num_gpu_blocks * f[1].block_size, f[0].product_label))
+    return found[0]
 
 
 def decide_on_nodes(

@@ -21,10 +21,11 @@ from typing import Any
 from pagoda.operator import model_cache, render
 from pagoda.operator import profile as profiling
 from pagoda.operator import refit as refitting
-from pagoda.operator.contract import check_engine_args, check_router_args
+from pagoda.operator.contract import check_engine_commands, check_router_args
 from pagoda.operator.discovery import (
     INFERENCE_POOL_API,
     KEDA_API,
+    LWS_API,
     PROMETHEUS_OPERATOR_API,
     NodeGPUs,
     pools,
@@ -52,6 +53,9 @@ IMMUTABLE_STS = ("selector", "serviceName", "podManagementPolicy", "volumeClaimT
 MONITORING_TTL = 60.0
 # Maps the operator renders whole: a key someone adds there is drift (elsewhere the server adds defaults).
 OWNED_MAPS = (("spec", "template", "spec", "nodeSelector"),)
+# The kinds that run engine pods: what status counts replicas from, and whose events may echo our writes.
+ENGINE_KINDS = ("StatefulSet", "LeaderWorkerSet")
+LWS_NOT_SERVED = "LeaderWorkerSetNotServed"
 # Fields the API server fills in and a replace must carry over (immutable once set).
 SERVER_FILLED = {"Service": ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy")}
 
@@ -113,6 +117,30 @@ def replacement(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]
     return body
 
 
+def combined_status(engines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One engine set's view of the live engines (the StatefulSet, the LeaderWorkerSet, whose replicas are
+    groups, or both pools summed): what status reports and Ready waits for."""
+    if len(engines) <= 1:
+        return engines[0] if engines else None
+    total: dict[str, int] = {}
+    rolled_out = True
+    for live in engines:
+        st = live.get("status") or {}
+        for key in ("replicas", "readyReplicas", "updatedReplicas"):
+            total[key] = total.get(key, 0) + int(st.get(key) or 0)
+        generation = (live.get("metadata") or {}).get("generation")
+        rolled_out &= generation is None or st.get("observedGeneration") == generation
+    return {"metadata": {"generation": 1}, "status": {**total, "observedGeneration": 1 if rolled_out else 0}}
+
+
+def lws_missing_message(decision: Any) -> str:
+    return (
+        f"a replica spans {decision.nnodes} pods ({decision.parallel_reason}), which the operator runs as a "
+        f"LeaderWorkerSet, but the cluster does not serve {LWS_API}: install LeaderWorkerSet "
+        "(https://github.com/kubernetes-sigs/lws); no engine pod is created until it is served"
+    )
+
+
 @dataclass
 class Outcome:
     writes: list[str] = field(default_factory=list)  # what was written, in words
@@ -167,6 +195,10 @@ class Reconciler:
     async def keda_available(self) -> bool:
         """Whether KEDA's CRDs are served (then autoscaling renders a ScaledObject instead of an HPA)."""
         return await self._api_available(KEDA_API)
+
+    async def lws_available(self) -> bool:
+        """Whether LeaderWorkerSet's API is served (a replica spanning nodes needs it)."""
+        return await self._api_available(LWS_API)
 
     async def gateway_available(self) -> bool:
         """Whether the Gateway API Inference Extension's InferencePool is served (spec.gateway renders then)."""
@@ -254,7 +286,11 @@ class Reconciler:
             check_image(spec.image, self.allowed_images)  # before anything is created or changed
             render.check_pod_fields(spec)
             decision = decide_on_nodes(spec, nodes, refit)
-            check_engine_args(decision, render.engine_args(spec, decision))  # no pod the engine would refuse
+            check_engine_commands(
+                body, spec, decision
+            )  # no pod (leader, worker, pool) the engine would refuse
+            if decision.multi_node and not await self.lws_available():
+                raise SpecError("parallelism", lws_missing_message(decision), reason=LWS_NOT_SERVED)
             if spec.routing.policy is not None:
                 check_router_args(render.router_args(body, spec))  # nor a router pod
             if spec.gateway is not None:
@@ -290,16 +326,27 @@ class Reconciler:
         # asked only of a deployment with spec.gateway, or one that had it (its pool must go)
         had_gateway = bool(old_status.get("gateway"))
         gateway = (spec.gateway is not None or had_gateway) and await self.gateway_available()
-        sts_live = None
+        engines: list[dict[str, Any]] = []
         fresh = not old_status  # never reconciled: its children are most likely absent, create first
         for child in render.children(
             body, spec, decision, with_service_monitor=monitor, with_keda=keda, with_gateway=gateway
         ):
             live = await self._apply(child, outcome, fresh=fresh)
-            if child["kind"] == "StatefulSet":
-                sts_live = live
+            if child["kind"] in ENGINE_KINDS:
+                engines.append(live)
+        sts_live = combined_status(engines)
         if not fresh:
-            await self._delete_unwanted(body, spec, keda, outcome, gateway=gateway, had_gateway=had_gateway)
+            lws = decision.multi_node or await self.lws_available()  # a group to delete only where served
+            await self._delete_unwanted(
+                body,
+                spec,
+                keda,
+                outcome,
+                gateway=gateway,
+                had_gateway=had_gateway,
+                decision=decision,
+                lws=lws,
+            )
         # The image the plan's memory figures hold for: kept until a pod of a new image says (profile.py).
         image = (
             plan_image or old_status.get("planImage") or render.engine_image(spec, cpu=decision.gpu is None)
@@ -553,10 +600,16 @@ class Reconciler:
         *,
         gateway: bool = False,
         had_gateway: bool = False,
+        decision: Any = None,
+        lws: bool = False,
     ) -> None:
-        """Delete the optional children this spec no longer has (only ones this operator made)."""
+        """Delete the optional children this spec no longer has (only ones this operator made), and the
+        engines of another shape (a StatefulSet after a switch to a LeaderWorkerSet or two pools, ...)."""
         meta = body["metadata"]
-        unwanted = render.unwanted(body, spec, with_keda=keda, with_gateway=gateway, had_gateway=had_gateway)
+        unwanted = render.unwanted(
+            body, spec, with_keda=keda, with_gateway=gateway, had_gateway=had_gateway, decision=decision,
+            with_lws=lws,
+        )  # fmt: skip
         for kind, child in unwanted:
             path = object_path(kind, meta.get("namespace"), child)
             live = await self.kube.get(path)
@@ -588,7 +641,7 @@ class Reconciler:
         self, desired: dict[str, Any], outcome: Outcome, *, fresh: bool = False
     ) -> dict[str, Any]:
         live = await self._apply_one(desired, outcome, fresh)
-        if desired["kind"] == "StatefulSet":
+        if desired["kind"] in ENGINE_KINDS:
             meta = desired["metadata"]
             rv = (live.get("metadata") or {}).get("resourceVersion")
             if rv is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from pagoda.engine import envs
 from pagoda.engine.cli.serve_args import to_argv
-from pagoda.operator.discovery import INFERENCE_POOL_API
+from pagoda.operator.discovery import INFERENCE_POOL_API, LWS_API
 from pagoda.operator.objects import (
     API_VERSION as API_VERSION,
 )
@@ -57,6 +57,19 @@ from pagoda.operator.quantity import format_quantity
 from pagoda.operator.spec import DEFAULT_POLICY, ROUTER_HTTP_PORT, AdapterSpec, InferenceSpec, SpecError
 
 ENGINE_PORT = 8000
+MASTER_PORT = 29501  # on a group's leader: where the ranks of a replica spanning pods meet (--master-port)
+KV_PORT = 14579  # a prefill engine's KV transfer port (the producer's kv_port)
+LABEL_ROLE = "pagoda.dev/role"  # leader / worker of a LeaderWorkerSet group; prefill / decode of a pool
+LEADER, WORKER, PREFILL, DECODE = "leader", "worker", "prefill", "decode"
+# What LeaderWorkerSet sets in every pod of a group; the kubelet expands $(NAME) in args from the env
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"  # 0 is the leader
+LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+# The KV transfer roles of the two pools (vLLM's --kv-transfer-config spelling)
+KV_ROLES = {
+    PREFILL: {"kv_connector": "PagodaConnector", "kv_role": "kv_producer", "kv_port": KV_PORT},
+    DECODE: {"kv_connector": "PagodaConnector", "kv_role": "kv_consumer"},
+}
 KV_DIR = "/var/cache/pagoda/kv"
 MODELS_DIR = "/models"
 PLAN_ANNOTATION = "pagoda.dev/plan-hash"  # on the pod template: which plan a pod was started with
@@ -119,8 +132,10 @@ def prometheus_url() -> str:
     return envs.prometheus_url() or DEFAULT_PROMETHEUS_URL
 
 
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+def selector_string(name: str, role: str | None = None) -> str:
+    """The scale subresource's selector (status.selector): the pods an autoscaler averages metrics over, a
+    LeaderWorkerSet's leaders only (`role` leader: the workers serve no metrics of their own)."""
+    return ",".join(f"{k}={v}" for k, v in engine_selector(name, role).items())
 
 
 def plan_hash(args: list[str]) -> str:
@@ -128,12 +143,17 @@ def plan_hash(args: list[str]) -> str:
     return hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
 
 
-def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
+def engine_args(
+    spec: InferenceSpec, decision: Decision, *, worker: bool = False, role: str | None = None
+) -> list[str]:
     """`pagoda serve` arguments: model, listener, the plan's flags, then the user's extraArgs.
 
     Every flag here is one `pagoda serve` has: reconcile runs them through the engine's own dry run
     (operator/contract.py) before any pod exists. The device is explicit, so a GPU pod never falls back to
-    the CPU and a CPU pod never probes for a GPU.
+    the CPU and a CPU pod never probes for a GPU. A replica spanning pods (a LeaderWorkerSet group): the
+    leader's command (node rank 0, serves the API), or with `worker` the other pods' (their rank from
+    LeaderWorkerSet's $(LWS_WORKER_INDEX), headless); both meet at $(LWS_LEADER_ADDRESS). `role`: the KV
+    transfer role of a prefill or decode pool (spec.disaggregation).
     """
     from pagoda.operator import model_cache  # (it renders with this module's helpers)
 
@@ -159,6 +179,8 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
         "kv_offload_disk_dir": KV_DIR if plan.kv_offload_disk_bytes else None,
         "shutdown_grace_seconds": spec.drain_seconds,
         "speculative_config": spec.engine.speculative.to_json() if spec.engine.speculative else None,
+        **parallel_settings(decision, worker=worker),
+        "kv_transfer_config": json.dumps(KV_ROLES[role], separators=(",", ":")) if role else None,
     }
     if spec.adapters:
         settings.update(
@@ -168,6 +190,66 @@ def engine_args(spec: InferenceSpec, decision: Decision) -> list[str]:
             lora_modules=[f"{a.name}={adapter_path(a)}" for a in spec.adapters],
         )
     return args + to_argv(settings) + list(spec.engine.extra_args)
+
+
+def parallel_settings(decision: Decision, *, worker: bool = False) -> dict[str, Any]:
+    """The pipeline and multi-host flags of a replica (none for one stage on one pod), as EngineConfig
+    fields: the same on every pod of a group but the node rank and --headless."""
+    if decision.pipeline_parallel_size == 1 and not decision.multi_node:
+        return {}
+    if not decision.multi_node:
+        return {"pipeline_parallel_size": decision.pipeline_parallel_size}
+    return {
+        "pipeline_parallel_size": decision.pipeline_parallel_size,
+        "nnodes": decision.nnodes,
+        "node_rank": f"$({LWS_WORKER_INDEX})" if worker else 0,
+        "master_addr": f"$({LWS_LEADER_ADDRESS})",
+        "master_port": MASTER_PORT,
+        "headless": True if worker else None,
+    }
+
+
+def lws_env(name: str, namespace: str, rank: int, size: int, group: int = 0) -> dict[str, str]:
+    """What LeaderWorkerSet sets in pod `rank` of group `group` (the leader's address is its pod's DNS name
+    under the headless Service LWS makes, named as the LeaderWorkerSet)."""
+    return {
+        LWS_LEADER_ADDRESS: f"{name}-{group}.{name}.{namespace}",
+        LWS_WORKER_INDEX: str(rank),
+        LWS_GROUP_SIZE: str(size),
+    }
+
+
+def expand_env(args: list[str], env: dict[str, str]) -> list[str]:
+    """`args` as the kubelet runs them: $(VAR) replaced from the container's environment (unknown ones kept)."""
+    out = []
+    for arg in args:
+        for key, value in env.items():
+            arg = arg.replace(f"$({key})", value)
+        out.append(arg)
+    return out
+
+
+def engine_commands(
+    body: dict[str, Any], spec: InferenceSpec, decision: Decision
+) -> list[tuple[str, list[str]]]:
+    """Every distinct `pagoda serve` command the engine pods run, named, as their containers run it ($(VAR)
+    expanded as LeaderWorkerSet and the kubelet do for the first group): one pod per replica; each pool's;
+    or a group's leader and every worker rank ("" names the one command of one pod per replica). What the
+    contract checks (operator/contract.py)."""
+    if spec.disaggregation is not None:
+        return [(f"the {r} pool", engine_args(spec, decision, role=r)) for r in (PREFILL, DECODE)]
+    if not decision.multi_node:
+        return [("", engine_args(spec, decision))]
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    size = decision.nnodes
+    out = [("the group's leader", expand_env(engine_args(spec, decision), lws_env(name, namespace, 0, size)))]
+    worker = engine_args(spec, decision, worker=True)
+    out += [
+        (f"worker {rank} of the group", expand_env(worker, lws_env(name, namespace, rank, size)))
+        for rank in range(1, size)
+    ]
+    return out
 
 
 def kernel_step(spec: InferenceSpec, decision: Decision) -> tuple[str, str, list[str]] | None:
@@ -241,7 +323,7 @@ def _resources(spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
         requests["memory"] = limits["memory"] = format_quantity(decision.pod_memory_bytes)
     requests.setdefault("cpu", str(decision.pod_cpu))
     if decision.gpu is not None:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpu.count)
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(decision.pod_gpus or spec.gpu.count)
     return {"requests": requests, "limits": limits}
 
 
@@ -290,7 +372,18 @@ def check_pod_fields(spec: InferenceSpec) -> None:
             )
 
 
-def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
+def _engine_pod(
+    body: dict[str, Any],
+    spec: InferenceSpec,
+    decision: Decision,
+    args: list[str],
+    *,
+    serving: bool = True,
+    role: str | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An engine pod's spec and the claim templates it needs. `serving`: it runs the API server (HTTP port,
+    probes, drain); a LeaderWorkerSet worker does not (it runs ranks only; the group restarts as one when
+    any of its pods does). A prefill pool's pods also expose the KV transfer port."""
     name = body["metadata"]["name"]
     kernels = kernel_step(spec, decision)
     env = engine_env(spec)
@@ -346,8 +439,7 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
             }
         )
 
-    args = engine_args(spec, decision)
-    container = {
+    container: dict[str, Any] = {
         "name": "engine",
         "image": engine_image(spec, cpu=decision.gpu is None),
         "imagePullPolicy": "IfNotPresent",
@@ -402,67 +494,163 @@ def statefulset(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -
     _pod_fields(spec, pod_spec)
     if spec.pod.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.pod.runtime_class_name
+    if role == PREFILL:
+        container["ports"].append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
+    if not serving:
+        for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+            container.pop(key)
+    return pod_spec, claim_templates
+
+
+def pool_name(name: str, role: str | None) -> str:
+    """The engines' StatefulSet (and the stem of their headless Service): NAME, or NAME-prefill /
+    NAME-decode for the pools of spec.disaggregation."""
+    return f"{name}-{role}" if role else name
+
+
+def engine_selector(name: str, role: str | None = None) -> dict[str, str]:
+    """The pods a Service, the router and a pool's StatefulSet mean: every engine, a pool's (role prefill or
+    decode), or a LeaderWorkerSet's leaders (role leader: a group is one replica)."""
+    return {**selector_labels(name), **({LABEL_ROLE: role} if role else {})}
+
+
+def _template_meta(name: str, args: list[str], role: str | None, *, scraped: bool = True) -> dict[str, Any]:
+    annotations = {PLAN_ANNOTATION: plan_hash(args)}
+    if scraped:
+        annotations = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(ENGINE_PORT),
+            "prometheus.io/path": "/metrics",
+            **annotations,
+        }
+    labels = {**common_labels(name), **({LABEL_ROLE: role} if role else {})}
+    return {"labels": labels, "annotations": annotations}
+
+
+def statefulset(
+    body: dict[str, Any], spec: InferenceSpec, decision: Decision, role: str | None = None
+) -> dict[str, Any]:
+    """The engines of one pod per replica: every replica, or one pool of spec.disaggregation (`role`)."""
+    name = body["metadata"]["name"]
+    args = engine_args(spec, decision, role=role)
+    pod_spec, claim_templates = _engine_pod(body, spec, decision, args, role=role)
+    dis = spec.disaggregation
+    replicas = spec.engine_replicas if dis is None or role is None else getattr(dis, role).replicas
     sts_spec: dict[str, Any] = {
-        "replicas": spec.engine_replicas,
-        "serviceName": headless_name(name),
+        "replicas": replicas,
+        "serviceName": headless_name(pool_name(name, role)),
         "podManagementPolicy": "Parallel",
-        "selector": {"matchLabels": selector_labels(name)},
-        "template": {
-            "metadata": {
-                "labels": common_labels(name),
-                "annotations": {
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(ENGINE_PORT),
-                    "prometheus.io/path": "/metrics",
-                    PLAN_ANNOTATION: plan_hash(args),
-                },
-            },
-            "spec": pod_spec,
-        },
+        "selector": {"matchLabels": engine_selector(name, role)},
+        "template": {"metadata": _template_meta(name, args, role), "spec": pod_spec},
     }
     if claim_templates:
         sts_spec["volumeClaimTemplates"] = claim_templates
         # The disk tier outlives pod restarts (that is its point) but not the deployment.
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     return with_hash(
-        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(body, name), "spec": sts_spec}
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(body, pool_name(name, role)),
+         "spec": sts_spec}
+    )  # fmt: skip
+
+
+def leader_worker_set(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> dict[str, Any]:
+    """A replica spanning pods: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of spec.replicas groups of
+    `nnodes` pods. The leader serves the API and runs the first ranks; the workers join at its address. A
+    pod that fails restarts its whole group (the ranks of a replica cannot rejoin one by one), and the
+    deployment scales by groups."""
+    name = body["metadata"]["name"]
+    leader_args = engine_args(spec, decision)
+    worker_args = engine_args(spec, decision, worker=True)
+    leader_pod, _ = _engine_pod(body, spec, decision, leader_args)
+    worker_pod, _ = _engine_pod(body, spec, decision, worker_args, serving=False)
+    return with_hash(
+        {
+            "apiVersion": LWS_API,
+            "kind": "LeaderWorkerSet",
+            "metadata": _metadata(body, name),
+            "spec": {
+                "replicas": spec.engine_replicas,
+                "startupPolicy": "LeaderCreated",
+                "rolloutStrategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+                },
+                "leaderWorkerTemplate": {
+                    "size": decision.nnodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {
+                        "metadata": _template_meta(name, leader_args, LEADER),
+                        "spec": leader_pod,
+                    },
+                    "workerTemplate": {
+                        "metadata": _template_meta(name, worker_args, WORKER, scraped=False),
+                        "spec": worker_pod,
+                    },
+                },
+            },
+        }
     )
 
 
-def services(body: dict[str, Any], spec: InferenceSpec | None = None) -> list[dict[str, Any]]:
+def engine_sets(body: dict[str, Any], spec: InferenceSpec, decision: Decision) -> list[dict[str, Any]]:
+    """The engines: a StatefulSet, a LeaderWorkerSet (a replica spanning pods), or a StatefulSet per pool
+    (spec.disaggregation)."""
+    if spec.disaggregation is not None:
+        return [statefulset(body, spec, decision, PREFILL), statefulset(body, spec, decision, DECODE)]
+    if decision.multi_node:
+        return [leader_worker_set(body, spec, decision)]
+    return [statefulset(body, spec, decision)]
+
+
+def services(
+    body: dict[str, Any], spec: InferenceSpec | None = None, decision: Decision | None = None
+) -> list[dict[str, Any]]:
     """The client Service (named as the InferenceDeployment, so clients never change) and the engines'
     headless Service. With a router the client Service selects the router pods; the router finds the
-    engines through the headless Service's DNS."""
+    engines through the headless Service's DNS. A replica spanning pods is its leader there (the pod that
+    serves the API); two pools (spec.disaggregation) have a headless Service each."""
     name = body["metadata"]["name"]
     routed = spec is not None and spec.routing.policy is not None
     port = {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+    leaders = decision is not None and decision.multi_node
     client = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(body, name),
         "spec": {
             "type": "ClusterIP",
-            "selector": router_selector_labels(name) if routed else selector_labels(name),
+            "selector": router_selector_labels(name)
+            if routed
+            else engine_selector(name, LEADER if leaders else None),
             "ports": [port],
         },
     }
     client["metadata"]["labels"][LABEL_SERVICE] = "client"
     if routed:  # the router's own metrics; the engines' come through the headless Service
         client["metadata"]["labels"][LABEL_SCRAPE] = "true"
-    headless = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(body, headless_name(name)),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(name),
-            "ports": [port],
-        },
-    }
-    headless["metadata"]["labels"][LABEL_SERVICE] = "headless"
-    headless["metadata"]["labels"][LABEL_SCRAPE] = "true"
-    return [with_hash(client), with_hash(headless)]
+    roles: list[str | None] = [None]
+    if spec is not None and spec.disaggregation is not None:
+        roles = [PREFILL, DECODE]
+    elif leaders:
+        roles = [LEADER]
+    out = [with_hash(client)]
+    for role in roles:
+        pool = role if role in (PREFILL, DECODE) else None
+        headless = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(body, headless_name(pool_name(name, pool))),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": engine_selector(name, role),
+                "ports": [port],
+            },
+        }
+        headless["metadata"]["labels"][LABEL_SERVICE] = "headless"
+        headless["metadata"]["labels"][LABEL_SCRAPE] = "true"
+        out.append(with_hash(headless))
+    return out
 
 
 def router_args(body: dict[str, Any], spec: InferenceSpec, *, picker: bool = False) -> list[str]:
@@ -473,13 +661,20 @@ def router_args(body: dict[str, Any], spec: InferenceSpec, *, picker: bool = Fal
     namespace = meta.get("namespace") or "default"
     policy = spec.routing.policy or (DEFAULT_POLICY if picker else None)
     assert policy is not None
+
+    def dns(role: str | None) -> str:
+        return f"{headless_name(pool_name(meta['name'], role))}.{namespace}.svc.cluster.local:{ENGINE_PORT}"
+
+    split = spec.disaggregation is not None and not picker
     args = [
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),
         "--policy", policy,
-        "--backend-dns", f"{headless_name(meta['name'])}.{namespace}.svc.cluster.local:{ENGINE_PORT}",
+        "--backend-dns", dns(DECODE if split else None),
         "--model", spec.model.served_model_name,
     ]  # fmt: skip
+    if split:  # a request goes to a prefill engine, then a decode engine (x-prefiller-host-port)
+        args += ["--prefill-backend-dns", dns(PREFILL)]
     if spec.model.kind != "default":
         # The router hashes prompts into the engines' block hashes with the model's tokenizer; only the
         # default model's ships in the image, others are asked of an engine (/tokenize).
@@ -598,7 +793,7 @@ def picker_service(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def inference_pool(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
+def inference_pool(body: dict[str, Any], spec: InferenceSpec, *, leaders: bool = False) -> dict[str, Any]:
     """The InferencePool (inference.networking.k8s.io/v1) a Gateway's HTTPRoute names as its backend: the
     engine pods (the StatefulSet's selector), their OpenAI port, and our picker's Service."""
     name = body["metadata"]["name"]
@@ -609,7 +804,7 @@ def inference_pool(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
             "kind": "InferencePool",
             "metadata": _metadata(body, name),
             "spec": {
-                "selector": {"matchLabels": selector_labels(name)},
+                "selector": {"matchLabels": engine_selector(name, LEADER if leaders else None)},
                 "targetPorts": [{"number": ENGINE_PORT}],
                 "endpointPickerRef": {
                     "group": "",
@@ -623,10 +818,13 @@ def inference_pool(body: dict[str, Any], spec: InferenceSpec) -> dict[str, Any]:
     )
 
 
-def gateway_objects(body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False) -> list[dict[str, Any]]:
-    """spec.gateway's children, in the order they are applied: the picker, then the pool that names it."""
+def gateway_objects(
+    body: dict[str, Any], spec: InferenceSpec, *, cpu: bool = False, leaders: bool = False
+) -> list[dict[str, Any]]:
+    """spec.gateway's children, in the order they are applied: the picker, then the pool that names it
+    (`leaders`: the engines are LeaderWorkerSet groups, whose leaders serve)."""
     return [picker_service(body, spec), router_deployment(body, spec, cpu=cpu, picker=True),
-            inference_pool(body, spec)]  # fmt: skip
+            inference_pool(body, spec, leaders=leaders)]  # fmt: skip
 
 
 def quantity(value: float) -> str:
@@ -824,17 +1022,16 @@ def children(
     """Every child, in the order they are applied (the engines' StatefulSet last, after what it depends on:
     the router is ready to find engines as they come, the autoscaler targets this object, not the pods).
     `with_gateway`: the cluster serves inference.networking.k8s.io/v1 (spec.gateway's pool and picker)."""
-    out = [*services(body, spec), disruption_budget(body)]
+    out = [*services(body, spec, decision), disruption_budget(body)]
     if with_service_monitor and spec.service_monitor:
         out.append(service_monitor(body, spec))
     if spec.routing.policy is not None:
         out.append(router_deployment(body, spec, cpu=decision.gpu is None))
     if with_gateway and spec.gateway is not None:
-        out += gateway_objects(body, spec, cpu=decision.gpu is None)
+        out += gateway_objects(body, spec, cpu=decision.gpu is None, leaders=decision.multi_node)
     if spec.autoscaling is not None:
         out.append(scaled_object(body, spec) if with_keda else hpa(body, spec))
-    out.append(statefulset(body, spec, decision))
-    return out
+    return out + engine_sets(body, spec, decision)
 
 
 def unwanted(
@@ -844,13 +1041,25 @@ def unwanted(
     with_keda: bool,
     with_gateway: bool = False,
     had_gateway: bool = False,
+    decision: Decision | None = None,
+    with_lws: bool = False,
 ) -> list[tuple[str, str]]:
     """(kind, name) of the optional children this spec does not have: deleted if they exist (a router turned
-    off, autoscaling turned off, KEDA installed after an HPA was made, spec.gateway removed or its API gone).
+    off, autoscaling turned off, KEDA installed after an HPA was made, spec.gateway removed or its API gone;
+    with `decision`, the engines of another shape: a StatefulSet after a switch to a LeaderWorkerSet or to
+    two pools, and back; a LeaderWorkerSet only where its API is served, `with_lws`).
     spec.gateway's are looked for only where the deployment `had_gateway` (its status says so), the pool only
     where its API is served (`with_gateway`)."""
     name = body["metadata"]["name"]
     out: list[tuple[str, str]] = []
+    if decision is not None:  # the engines of the other shapes (one pod per replica, groups, two pools)
+        have = {(o["kind"], o["metadata"]["name"]) for o in engine_sets(body, spec, decision)}
+        have |= {("Service", o["metadata"]["name"]) for o in services(body, spec, decision)}
+        shapes = [("StatefulSet", pool_name(name, r)) for r in (None, PREFILL, DECODE)]
+        shapes += [("Service", headless_name(pool_name(name, r))) for r in (None, PREFILL, DECODE)]
+        if with_lws:
+            shapes.append(("LeaderWorkerSet", name))
+        out += [s for s in shapes if s not in have]
     if had_gateway and not (with_gateway and spec.gateway is not None):
         out += [("Deployment", picker_name(name)), ("Service", picker_name(name))]
         if with_gateway:

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from pagoda.engine.sizing import GPUInfo, SizingError, lookup_gpu
 from pagoda.operator import render
-from pagoda.operator.contract import check_engine_args, check_router_args
-from pagoda.operator.discovery import Capabilities, GPUPool, node_gpus, pools
+from pagoda.operator.contract import check_engine_commands, check_router_args
+from pagoda.operator.discovery import LWS_API, RENDERED_NODE, Capabilities, GPUPool, node_gpus, pools
 from pagoda.operator.planning import Decision, decide
 from pagoda.operator.spec import SpecError, parse_spec
 
@@ -45,7 +45,7 @@ def _pools_for(args: argparse.Namespace, count: int, product: str) -> dict[str, 
     per_node = max(count, args.gpus_per_node)
     info = GPUInfo.from_spec(gpu, per_node)
     label = gpu.labels[0]
-    return {label: GPUPool(label, info, ["(rendered)"], per_node)}
+    return {label: GPUPool(label, info, [RENDERED_NODE], per_node)}
 
 
 def render_document(
@@ -57,8 +57,8 @@ def render_document(
     spec = parse_spec(body.get("spec"))
     render.check_pod_fields(spec)
     decision = decide(spec, available)
-    check_engine_args(decision, render.engine_args(spec, decision))  # what the operator refuses, refused here
     body = {**body, "metadata": {"namespace": "default", **body.get("metadata", {})}}
+    check_engine_commands(body, spec, decision)  # what the operator refuses (any pod's command), refused here
     if spec.routing.policy is not None:
         check_router_args(render.router_args(body, spec))
     if spec.gateway is not None:
@@ -86,6 +86,15 @@ def _comment(decision: Decision, name: str) -> str:
         why = plan.reasons.get(key, "")
         lines.append(f"  {key}: {value}" + (f"  -- {why}" if why else ""))
     lines.append(f"  max_num_queued_reqs: {decision.max_num_queued_reqs}  -- {decision.queue_reason}")
+    if decision.pipeline_parallel_size > 1 or decision.multi_node:
+        lines.append(f"  pipeline_parallel_size: {decision.pipeline_parallel_size}, nnodes: {decision.nnodes}  -- "
+                     f"{decision.parallel_reason}")  # fmt: skip
+    if decision.multi_node:
+        lines.append(
+            f"  note: each replica is a LeaderWorkerSet group of {decision.nnodes} pods: this needs the "
+            f"LeaderWorkerSet API ({LWS_API}) in the cluster (https://github.com/kubernetes-sigs/lws); the "
+            "operator says so in a condition where it is not served"
+        )
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(f"# {line}" for line in lines)
 
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument(
         "--lws",
         action="store_true",
-        help="LeaderWorkerSet is installed (changes nothing yet: no object uses it)",
+        help="LeaderWorkerSet is installed. A replica spanning nodes renders a LeaderWorkerSet with or without "
+        "it (a render cannot look; its comment says the API is needed)",
     )
     cluster.add_argument(
         "--gateway-api",

@@ -322,19 +322,49 @@ def _strings(value: list[Any]) -> None:
 @dataclass
 class SpeculativeSpec:
     """Speculative decoding (the engine's --speculative-config): n-gram prompt lookup, which needs no extra
-    weights. Greedy output is unchanged token for token; it pays off where outputs copy their input
-    (editing, summarising, code) and turns itself off as the batch fills."""
+    weights, or a draft model sharing the target's tokenizer. Greedy output is unchanged token for token;
+    n-gram pays off where outputs copy their input (editing, summarising, code); both turn themselves off
+    as the batch fills."""
 
-    method: str = prop(Str(enum=("ngram",)), "method", default="ngram")
+    method: str = prop(Str(enum=("ngram", "draft_model")), "method", default="ngram")
     num_speculative_tokens: int = prop(
         Int(1, 16), "numSpeculativeTokens", "Tokens proposed per sequence and step.", default=4
     )
     prompt_lookup_min: int | None = prop(Int(1), "promptLookupMin", "Shortest n-gram matched (default 5).")
     prompt_lookup_max: int | None = prop(Int(1), "promptLookupMax", "Longest n-gram matched (default 5).")
+    model: str | None = prop(
+        Str(),
+        "model",
+        "The draft model (method draft_model): a checkpoint directory inside the engine pod or a Hugging "
+        "Face name in its cache, with the target's tokenizer.",
+    )
+    RULES = (
+        Rule(
+            "self.method != 'draft_model' || (has(self.model) && self.model != '')",
+            "method draft_model needs model",
+            lambda s: s.get("method", "ngram") != "draft_model" or bool(s.get("model")),
+            field_path=".model",
+        ),
+        Rule(
+            "self.method == 'draft_model' || !has(self.model)",
+            "model is for method draft_model",
+            lambda s: s.get("method", "ngram") == "draft_model" or "model" not in s,
+            field_path=".model",
+        ),
+        Rule(
+            "self.method != 'draft_model' || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
+            "promptLookupMin/Max are for method ngram",
+            lambda s: s.get("method", "ngram") != "draft_model"
+            or ("promptLookupMin" not in s and "promptLookupMax" not in s),
+            field_path=".promptLookupMin",
+        ),
+    )
 
     def to_json(self) -> str:
         """The engine's --speculative-config value (vLLM's keys)."""
         obj = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.model is not None:
+            obj["model"] = self.model
         if self.prompt_lookup_min is not None:
             obj["prompt_lookup_min"] = self.prompt_lookup_min
         if self.prompt_lookup_max is not None:
@@ -692,6 +722,51 @@ class AutoscalingSpec:
     )
 
 
+MAX_NODES = 64  # hosts in one LeaderWorkerSet group
+
+
+@dataclass
+class ParallelismSpec:
+    """How one model replica is split: tensor-parallel ranks per pipeline stage, pipeline stages, and the pods
+    (hosts) the stages run on. More than one node renders a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1):
+    one group of `nodes` pods per replica, started, restarted and scaled as one. Unset: the operator plans
+    one pod per replica, or a group where the model needs more GPUs than a node has."""
+
+    tensor: int | None = prop(
+        Int(1, 64),
+        "tensor",
+        "Tensor-parallel ranks per pipeline stage (--tensor-parallel-size). Unset: what keeps gpu.count GPUs "
+        "per pod (gpu.count x nodes / pipeline; 1 on CPU pods).",
+        reason="InvalidParallelism",
+    )
+    pipeline: int = prop(
+        Int(1, 64), "pipeline", "Pipeline stages per replica (--pipeline-parallel-size).", default=1,
+        reason="InvalidParallelism",
+    )  # fmt: skip
+    nodes: int | None = prop(
+        Int(1, MAX_NODES),
+        "nodes",
+        "Pods (hosts) per replica (--nnodes), each running tensor x pipeline / nodes ranks; above 1 the "
+        "replica is a LeaderWorkerSet group. Unset: one pod per pipeline stage.",
+        reason="InvalidParallelism",
+    )
+
+
+@dataclass
+class PoolReplicasSpec:
+    replicas: int = prop(Int(1, MAX_REPLICAS_LIMIT), "replicas", default=1, reason="InvalidDisaggregation")
+
+
+@dataclass
+class DisaggregationSpec:
+    """Prefill/decode disaggregation: two engine pools from one object, prefill engines (KV producers) and
+    decode engines (KV consumers that fetch a prompt's KV from a prefill engine over TCP), and the router
+    sending each request to a prefill replica, then its decode replica. spec.replicas does not apply."""
+
+    prefill: PoolReplicasSpec = prop(Obj(PoolReplicasSpec), "prefill")
+    decode: PoolReplicasSpec = prop(Obj(PoolReplicasSpec), "decode")
+
+
 @dataclass
 class DrainSpec:
     """How engine pods stop (scale-down, rollouts) without failing requests."""
@@ -754,6 +829,8 @@ class InferenceSpec:
     autoscaling: AutoscalingSpec | None = prop(Obj(AutoscalingSpec, optional=True), "autoscaling")
     gateway: GatewaySpec | None = prop(Obj(GatewaySpec, optional=True), "gateway")
     drain: DrainSpec = prop(Obj(DrainSpec), "drain", show_default=False)
+    parallelism: ParallelismSpec | None = prop(Obj(ParallelismSpec, optional=True), "parallelism")
+    disaggregation: DisaggregationSpec | None = prop(Obj(DisaggregationSpec, optional=True), "disaggregation")
     RULES = (
         Rule(
             "!has(self.gpu) || !has(self.gpu.product) || self.gpu.product == '' || self.gpu.count > 0",
@@ -808,6 +885,8 @@ class InferenceSpec:
     @property
     def max_possible_replicas(self) -> int:
         """The most engine pods this spec may run: the autoscaler's maximum, else spec.replicas."""
+        if self.disaggregation is not None:
+            return self.engine_replicas
         if self.autoscaling is not None:
             return max(self.autoscaling.max_replicas, self.replicas)
         return self.replicas
@@ -815,7 +894,10 @@ class InferenceSpec:
     @property
     def engine_replicas(self) -> int:
         """The StatefulSet's replicas: spec.replicas (the autoscaler writes it through the scale
-        subresource), kept within the autoscaler's bounds so a stale value never fights them."""
+        subresource), kept within the autoscaler's bounds so a stale value never fights them. Disaggregated:
+        the replicas of both pools; a LeaderWorkerSet: its groups."""
+        if self.disaggregation is not None:
+            return self.disaggregation.prefill.replicas + self.disaggregation.decode.replicas
         if self.autoscaling is None:
             return self.replicas
         return min(max(self.replicas, self.autoscaling.min_replicas), self.autoscaling.max_replicas)
@@ -844,6 +926,12 @@ def parse_spec(spec: Any) -> InferenceSpec:
     if auto is not None and auto.target is None:
         auto.target = AUTOSCALING_METRICS[auto.metric][2]
     out.routing = resolve_routing(out.routing, out.replicas, auto)
+    if out.disaggregation is not None:
+        _check_disaggregation(out)
+        if not out.routing.explicit:  # the router is what sends a request to a prefill, then a decode pool
+            out.routing = RoutingSpec(DEFAULT_POLICY, explicit=False)
+    if out.parallelism is not None:
+        _check_parallelism(out)
     if out.scales_to_zero and out.routing.policy is None:
         raise SpecError(
             "routing.policy",
@@ -864,3 +952,62 @@ def resolve_routing(routing: RoutingSpec, replicas: int, autoscaling: Autoscalin
     if routing.policy == NO_ROUTER:
         return RoutingSpec(None, explicit=True)
     return RoutingSpec(routing.policy, explicit=True)
+
+
+def _check_disaggregation(spec: InferenceSpec) -> None:
+    """What two pools cannot be combined with (yet): each a SpecError naming the field."""
+    why = {
+        "routing.policy": spec.routing.explicit and spec.routing.policy is None,
+        "autoscaling": spec.autoscaling is not None,
+        "gateway": spec.gateway is not None,
+        "parallelism.nodes": spec.parallelism is not None
+        and (spec.parallelism.nodes or spec.parallelism.pipeline) > 1,
+    }
+    words = {
+        "routing.policy": "needs the router (it sends each request to a prefill engine, then a decode "
+        "engine): remove routing.policy none",
+        "autoscaling": "scales by spec.replicas, which two pools do not have: set the pools' replicas",
+        "gateway": "is not rendered for two pools yet (the InferencePool would select both)",
+        "parallelism.nodes": "runs single-pod engines only: a pool of LeaderWorkerSet groups is not rendered",
+    }
+    for field_name, bad in why.items():
+        if bad:
+            raise SpecError(field_name, f"disaggregation {words[field_name]}", reason="InvalidDisaggregation")
+
+
+def resolved_parallelism(spec: InferenceSpec) -> tuple[int, int, int]:
+    """(tensor, pipeline, nodes) of spec.parallelism with its defaults: one pod per stage, and a tensor size
+    that keeps gpu.count GPUs per pod (1 on CPU pods)."""
+    par = spec.parallelism
+    assert par is not None
+    nodes = par.nodes or par.pipeline
+    if par.tensor is not None:
+        return par.tensor, par.pipeline, nodes
+    if spec.gpu.count == 0:
+        return 1, par.pipeline, nodes
+    if (spec.gpu.count * nodes) % par.pipeline:
+        raise SpecError(
+            "parallelism.tensor",
+            f"gpu.count {spec.gpu.count} x nodes {nodes} is not a multiple of pipeline {par.pipeline}: set "
+            "tensor",
+            reason="InvalidParallelism",
+        )
+    return spec.gpu.count * nodes // par.pipeline, par.pipeline, nodes
+
+
+def _check_parallelism(spec: InferenceSpec) -> None:
+    """The engine's rules for a replica's ranks, said in the spec's words."""
+    tensor, pipeline, nodes = resolved_parallelism(spec)
+    world = tensor * pipeline
+    if world % nodes:
+        raise SpecError(
+            "parallelism.nodes",
+            f"{nodes} nodes must divide the replica's {world} ranks (tensor x pipeline)",
+            reason="InvalidParallelism",
+        )
+    if nodes > 1 and spec.model.cache.per_pod:
+        raise SpecError(
+            "model.cache.perPod",
+            "a replica spanning nodes reads the weights from one shared claim: unset perPod",
+            reason="InvalidParallelism",
+        )

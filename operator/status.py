@@ -134,7 +134,7 @@ def ready_status(
         "replicas": current,
         "readyReplicas": ready,
         "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{render.ENGINE_PORT}/v1",
-        "selector": render.selector_string(name),
+        "selector": render.selector_string(name, render.LEADER if decision.multi_node else None),
         "refit": refit or None,
         "planImage": plan_image,
         "routing": {

@@ -124,6 +124,11 @@ seccompProfile:
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# a replica spanning nodes (spec.parallelism, or a model larger than a node's GPUs): a LeaderWorkerSet (its CRDs
+# are installed by whoever runs LeaderWorkerSet, never by this chart)
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
