@@ -263,7 +263,8 @@ class Reconciler:
         gpu = outcome.status.get("gpu") or {}
         replicas = int((body.get("spec") or {}).get("replicas", 1) or 0)
         if gpu.get("product") and gpu.get("product") != "cpu":
-            self.gpus[key] = (gpu["product"], replicas * int(gpu.get("count") or 0))
+            pods = replicas * int((outcome.status.get("plan") or {}).get("nnodes") or 1)  # groups of pods
+            self.gpus[key] = (gpu["product"], pods * int(gpu.get("count") or 0))
         else:
             self.gpus.pop(key, None)
         self.metrics.publish(self.conditions, self.gpus)
@@ -386,7 +387,8 @@ class Reconciler:
             not spec.model.cache.claim_name
             and await self.kube.get(object_path("PersistentVolumeClaim", namespace, claim)) is None
         ):
-            pvc = model_cache.cache_claim(body, spec, decision, spec.max_possible_replicas)
+            pods = spec.max_possible_replicas * decision.nnodes  # every pod of a group mounts it
+            pvc = model_cache.cache_claim(body, spec, decision, pods)
             await self.kube.create(object_path("PersistentVolumeClaim", namespace), pvc)
             outcome.writes.append(f"created PersistentVolumeClaim {namespace}/{claim}")
         job_name = model_cache.job_name(name, spec)

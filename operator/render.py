@@ -281,7 +281,8 @@ def model_objects(body: dict[str, Any], spec: InferenceSpec, decision: Decision)
         return []
     out = []
     if not spec.model.cache.claim_name:
-        out.append(model_cache.cache_claim(body, spec, decision, spec.max_possible_replicas))
+        pods = spec.max_possible_replicas * decision.nnodes  # every pod of a group mounts the claim
+        out.append(model_cache.cache_claim(body, spec, decision, pods))
     return out + [download_job(body, spec, decision)]
 
 

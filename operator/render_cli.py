@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pagoda render: {name}: {exc}", file=sys.stderr)
             failed = True
             continue
-        results.append({"name": name, "gpu": decision.status_gpu(spec.gpu.count), "plan": decision.status_plan(),
+        results.append({"name": name, "gpu": decision.status_gpu(decision.pod_gpus), "plan": decision.status_plan(),
                         "children": objects})  # fmt: skip
         out.append(_comment(decision, name))
         out.extend("---\n" + yaml.safe_dump(obj, sort_keys=False).rstrip() for obj in objects)

@@ -229,6 +229,8 @@ OWNED += [("monitoring.coreos.com", "servicemonitors")]
 OWNED += [("apps", "deployments"), ("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")]
 # issue 42: spec.gateway's InferencePool (the picker is a Deployment and a Service, above)
 OWNED += [("inference.networking.k8s.io", "inferencepools")]
+# issue 43: a replica spanning nodes is a LeaderWorkerSet
+OWNED += [("leaderworkerset.x-k8s.io", "leaderworkersets")]
 
 
 def _assert_namespaced_rules(rules: dict) -> None:

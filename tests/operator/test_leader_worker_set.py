@@ -145,6 +145,11 @@ def test_a_model_larger_than_a_node_is_a_group_of_nodes_and_a_smaller_one_is_not
         pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    # one replica, two pods on two nodes: the weights' cache claim is mounted by both
+    claim = [
+        o for o in render.model_objects(llama("405B"), spec, decision) if o["kind"] == "PersistentVolumeClaim"
+    ]
+    assert claim[0]["spec"]["accessModes"] == ["ReadWriteMany"]
     # one node: no group can be made, the model is too large
     with pytest.raises(SpecError) as err:
         decide(spec, h100_pool(1))
@@ -318,3 +323,27 @@ async def test_without_the_api_a_group_is_a_condition_and_an_event(cluster: Clus
         await cluster.settle()
         assert cluster.get(STS, "default", NAME) is None  # no engine pods of the wrong shape either
         assert len([e for e in cluster.events(NAME) if e["reason"] == "LeaderWorkerSetNotServed"]) == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_group_follows_once_the_api_is_installed(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No event announces a new API: the operator looks again once its answer expires (60 s; 0.5 s here)."""
+    from pagoda.operator import handlers, reconcile
+
+    monkeypatch.setattr(reconcile, "MONITORING_TTL", 0.5)
+    monkeypatch.setattr(handlers, "MONITORING_TTL", 0.5)
+    await cluster.add_node("cpu-1", None)
+    async with running_operator(cluster):
+        await cluster.create(cpu_pp())
+        await cluster.wait_for(
+            lambda: cluster.condition(NAME, "Ready").get("reason") == "LeaderWorkerSetNotServed",
+            what="LeaderWorkerSetNotServed",
+        )
+        await cluster._call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", LWS_CRD)
+        await cluster.wait_for(lambda: cluster.get(LWS, "default", NAME), what="the LeaderWorkerSet")
+        await cluster.wait_for(
+            lambda: cluster.condition(NAME, "Ready").get("reason") == "PodsNotReady", what="Ready follows"
+        )
