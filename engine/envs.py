@@ -12,6 +12,7 @@ read their variables here too.
 | PAGODA_NATIVE_KERNELS | auto | the CPU path's C kernels: auto (the best variant this CPU runs), 0/off (torch fallbacks), or a variant name |
 | PAGODA_KERNEL_CACHE | unset | directories (':' between) of kernels compiled ahead of time (the deployment's, the engine image's) to seed the cache from |
 | PAGODA_ONEDNN_LINEAR | 1 | 0: CPU linears run `F.linear` instead of oneDNN's packed weights |
+| PAGODA_CPU_LINEAR | auto | CPU linears of 1-64 rows: auto (the product measured fastest on this host, kept in the kernel cache), ours (the kernels library's small-rows product) or onednn |
 | PAGODA_HOST_MALLOC_TUNING | 1 | 0: glibc may return freed heap to the system (see host_allocator.py) |
 | PAGODA_CORE_THREADS | all cores | compute threads of the engine core process (`pagoda serve`) |
 | PAGODA_CORE_SHARE_CORES | 0 | 1: the engine core process computes on one thread fewer for steps of at most 2 new tokens |
@@ -78,6 +79,11 @@ def kernel_cache_seed() -> str | None:
 
 def onednn_linear() -> bool:
     return _switch("PAGODA_ONEDNN_LINEAR")
+
+
+def cpu_linear() -> str:
+    """As set, lower-cased ("auto" when unset); engine/models/cpu_linear_choice.py reads the choice out of it."""
+    return os.environ.get("PAGODA_CPU_LINEAR", "auto").strip().lower()
 
 
 def host_malloc_tuning() -> bool:

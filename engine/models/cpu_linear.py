@@ -11,10 +11,11 @@ sharding, weight reloads and tests read the original). The pack follows the weig
 place (a reload) is packed again on its next use. Results differ from sgemm only in summation order (about
 an ulp per product). Set ``PAGODA_ONEDNN_LINEAR=0`` to use `F.linear` everywhere.
 
-Products of at most 64 float32 rows (decode steps) take the kernels library's small-rows product instead where
-the loaded variant says so (`CpuKernels.small_rows`): it reads each weight in its own layout, streaming it for
-a few rows and in L2-sized chunks fetched ahead for more, where oneDNN's blocked path on AVX2 hosts waits on
-the weight's arrival from memory.
+Products of 1-64 rows (decode steps) may take the kernels library's small-rows product instead: it reads each
+weight in its own layout, streaming it for a few rows and in L2-sized chunks fetched ahead for more, and on a
+CPU with AVX512-BF16 multiplies bfloat16 activations and weights in place by its dot-product instructions.
+Which of the two runs is measured on the host, per shape and row count, and kept in the kernel cache
+(cpu_linear_choice.py; ``PAGODA_CPU_LINEAR=ours|onednn`` forces one).
 
 bfloat16 products on an x86 CPU without bfloat16 multiply instructions (AVX512_BF16, AMX) compute in float32:
 there oneDNN's bfloat16 kernels widen the operands themselves, several times slower than its float32 path over
@@ -30,6 +31,7 @@ import platform
 import torch
 import torch.nn.functional as F
 from pagoda.engine import envs
+from pagoda.engine.models import cpu_linear_choice
 from pagoda.engine.sizing.engine_plan import cpu_has_native_bf16
 from pagoda.kernels.cpu import loader
 
@@ -97,15 +99,27 @@ def bfloat16_widens() -> bool:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed weight where it applies. A float32 ``x`` with a
-    bfloat16 weight computes in float32 over the widened weight (exact products, float32 output); so does a
-    bfloat16 ``x`` where `bfloat16_widens` (output rounded to bfloat16)."""
+    """``F.linear(x, weight, bias)``: through the small-rows product where this host measured it faster, else
+    the packed weight where it applies. A float32 ``x`` with a bfloat16 weight computes in float32 over the
+    widened weight (exact products, float32 output); so does a bfloat16 ``x`` where `bfloat16_widens` (output
+    rounded to bfloat16)."""
     if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and bfloat16_widens():
         return linear(x.float(), weight, bias, packed).to(torch.bfloat16)
+    kind = _small_rows_kind(x, weight)
+    if kind is not None:
+        timer = functools.partial(_time_candidates, x.dtype, weight, packed)
+        if cpu_linear_choice.prefers_ours(kind, weight.shape, torch.get_num_threads(), x.shape[0], timer):
+            y = _small_rows(x, weight, bias, kind)
+            if y is not None:
+                return y
+    return onednn_linear(x, weight, bias, packed)
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
+) -> torch.Tensor:
+    """``F.linear`` through the packed weight where it applies (`linear` without the small-rows product)."""
     widen = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
-    y = small_rows(x, weight)
-    if y is not None:
-        return y if bias is None else y.add_(bias)
     if x.device.type == "cpu" and (x.dtype == weight.dtype or widen) and x.numel() > 0:
         w = packed.get(weight, x.dtype)
         if w is not None:
@@ -117,19 +131,23 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` for at most `SMALL_ROWS_MAX` float32 rows over a float32 or bfloat16 weight by the
-    native small-rows product, where the loaded kernel variant prefers it to oneDNN (decode steps, where the
-    weight's arrival from memory bounds the product); None where it does not apply."""
+def _small_rows_kind(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """The small-rows product's operand kind for this product (cpu_linear_choice.Shape.kind), or None where it
+    does not apply: 1-64 rows, CPU tensors with unit column strides, no autograd, dtypes it covers."""
+    if x.dtype == torch.float32:
+        kind = _F32_KINDS.get(weight.dtype)
+    elif x.dtype == weight.dtype == torch.bfloat16:
+        kind = "bf16"
+    else:
+        return None
     if (
-        x.dtype != torch.float32
-        or weight.dtype not in _DTYPES
+        kind is None
+        or x.dim() != 2
+        or not 1 <= x.shape[0] <= SMALL_ROWS_MAX
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
-        or x.dim() != 2
         or weight.dim() != 2
         or x.shape[1] != weight.shape[1]
-        or not 1 <= x.shape[0] <= SMALL_ROWS_MAX
         or x.stride(1) != 1
         or weight.stride(1) != 1
         or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
@@ -137,16 +155,59 @@ def small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     kernels = loader.current()
-    if not kernels.small_rows:
+    if kernels.lib is None or (kind == "bf16" and not kernels.bf16_dot):
         return None
-    y = torch.empty(x.shape[0], weight.shape[0])
-    fn = (
-        kernels.lib.pagoda_small_rows_bf16w
-        if weight.dtype == torch.bfloat16
-        else kernels.lib.pagoda_small_rows_f32
-    )
-    status = fn(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0], weight.stride(0),
-        y.data_ptr(), y.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
-    return y if status == 0 else None
+    return kind
+
+
+_F32_KINDS = {torch.float32: "f32", torch.bfloat16: "f32-bf16w"}
+
+
+def _time_candidates(
+    dtype: torch.dtype, weight: torch.Tensor, packed: PackedWeight, rows: int
+) -> dict[str, float]:
+    """Seconds per call of both products of ``rows`` random rows of ``dtype`` through ``weight``."""
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+    kind = _small_rows_kind(x, weight)
+    with torch.no_grad():
+        return cpu_linear_choice.time_calls(
+            {
+                cpu_linear_choice.OURS: lambda: _small_rows(x, weight, None, kind),
+                cpu_linear_choice.ONEDNN: lambda: onednn_linear(x, weight, None, packed),
+            }
+        )
+
+
+def small_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x @ weight.T (+ bias)`` for 1-`SMALL_ROWS_MAX` rows by the kernels library's small-rows product: float32
+    ``x`` over a float32 or bfloat16 weight (float32 output), or bfloat16 ``x`` and weight by AVX512-BF16 dot
+    products (bfloat16 output, rounded once from float32 sums, the bias added before); None where it does not
+    apply (whether it should run instead of oneDNN is `linear`'s measured choice)."""
+    kind = _small_rows_kind(x, weight)
+    return None if kind is None else _small_rows(x, weight, bias, kind)
+
+
+def _small_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str
+) -> torch.Tensor | None:
+    lib = loader.current().lib
+    rows, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    threads = torch.get_num_threads()
+    # a bfloat16 product with a bias sums in float32 and rounds once, after the bias
+    y = torch.empty(rows, n, dtype=torch.float32 if bias is not None else x.dtype)
+    if kind == "bf16":
+        status = lib.pagoda_small_rows_bf16dp(
+            x.data_ptr(), rows, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), y.data_ptr(), y.stride(0),
+            int(y.dtype == torch.bfloat16), threads,
+        )  # fmt: skip
+    else:
+        fn = lib.pagoda_small_rows_bf16w if kind == "f32-bf16w" else lib.pagoda_small_rows_f32
+        status = fn(
+            x.data_ptr(), rows, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), y.data_ptr(), y.stride(0),
+            threads,
+        )  # fmt: skip
+    if status != 0:
+        return None
+    return y if bias is None else y.add_(bias).to(x.dtype)

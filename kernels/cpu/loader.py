@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pagoda.engine import envs
 from pagoda.kernels.cpu import build
-from pagoda.kernels.cpu.signatures import FEATURE_PREFILL, FEATURE_SMALL_ROWS, SIGNATURES
+from pagoda.kernels.cpu.signatures import FEATURE_BF16_DOT, FEATURE_PREFILL, FEATURE_SMALL_ROWS, SIGNATURES
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,15 @@ class CpuKernels:
 
     @functools.cached_property
     def small_rows(self) -> bool:
-        """Whether linears of at most 64 rows should take the library's small-rows product over oneDNN."""
+        """Whether the library's small-rows product is its vector one (AVX2, AVX-512); whether a linear takes
+        it or oneDNN is measured on the host (engine/models/cpu_linear_choice.py)."""
         return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_SMALL_ROWS)
+
+    @functools.cached_property
+    def bf16_dot(self) -> bool:
+        """Whether the library multiplies bfloat16 by AVX512-BF16 dot products here (pagoda_small_rows_bf16dp:
+        the AVX-512 variant on a CPU that has them)."""
+        return self.lib is not None and bool(self.lib.pagoda_cpu_features() & FEATURE_BF16_DOT)
 
     def describe(self) -> str:
         if self.lib is None:

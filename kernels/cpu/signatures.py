@@ -51,6 +51,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # x, M, K, x_stride, w, N, w_stride, y, y_stride, nthreads
     "pagoda_small_rows_f32": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
     "pagoda_small_rows_bf16w": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I]),
+    # x (bfloat16), M, K, x_stride, w (bfloat16), N, w_stride, y, y_stride, y_bf16, nthreads
+    "pagoda_small_rows_bf16dp": (I, [P, I64, I64, I64, P, I64, I64, P, I64, I, I]),
+    "pagoda_cpu_has_bf16_dot": (I, []),
     # x, M, K, x_stride, w (GGUF blocks), N, w_stride (bytes), ggml type, y, y_stride, nthreads
     "pagoda_gguf_linear": (I, [P, I64, I64, I64, P, I64, I64, I, P, I64, I]),
     # w, N, K, w_stride (bytes), ggml type, out, out_stride, nthreads
@@ -58,4 +61,5 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 
 FEATURE_PREFILL = 1  # pagoda_cpu_features() bit: the causal prefill kernel is compiled in
-FEATURE_SMALL_ROWS = 2  # pagoda_cpu_features() bit: products of up to 64 rows take pagoda_small_rows_f32
+FEATURE_SMALL_ROWS = 2  # pagoda_cpu_features() bit: the vector small-rows product is compiled in
+FEATURE_BF16_DOT = 4  # pagoda_cpu_features() bit: pagoda_small_rows_bf16dp runs here (AVX512-BF16)

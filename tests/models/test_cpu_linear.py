@@ -20,7 +20,10 @@ def _onednn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 1728, False), (64, 64, 96, True), (300, 37, 5, True)])
-def test_packed_linear_matches_f_linear(rows, k, n, bias):
+@pytest.mark.parametrize("choice", ["onednn", "ours", "auto"])
+def test_packed_linear_matches_f_linear(rows, k, n, bias, choice, monkeypatch):
+    """Each side of the small-rows choice (forced by PAGODA_CPU_LINEAR, or measured) gives F.linear's values."""
+    monkeypatch.setenv("PAGODA_CPU_LINEAR", choice)
     torch.manual_seed(rows + k + n)
     layer = Linear(k, n, bias, torch.float32, torch.device("cpu"))
     layer.weight.copy_(torch.randn(n, k) / k**0.5)
@@ -28,8 +31,9 @@ def test_packed_linear_matches_f_linear(rows, k, n, bias):
         layer.bias.copy_(torch.randn(n))
     x = torch.randn(rows, k)
     got = layer(x)
-    small = rows <= cpu_linear.SMALL_ROWS_MAX and loader.current().small_rows
-    assert (layer.packed._packed is None) == small  # the oneDNN path ran, or the small-rows product
+    if choice != "auto":  # the oneDNN path ran, or the small-rows product (forced: nothing measured)
+        small = choice == "ours" and rows <= cpu_linear.SMALL_ROWS_MAX and loader.current().lib is not None
+        assert (layer.packed._packed is None) == small
     want = F.linear(x, layer.weight, layer.bias)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
@@ -77,8 +81,8 @@ def test_other_dtypes_and_grad_take_f_linear():
 def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
     """Streamed (1-8) and tiled (9-64) row counts, strided x, a weight that is a column slice of a wider one
     with a row count that ends in a partial tile, one to three threads, against a float64 product; 65 rows,
-    another dtype and the environment switch decline it. Only the variant that says it prefers the product
-    (AVX2) uses it inside `linear`."""
+    another dtype and the environment switch decline it; `linear` gives the same values whichever side the
+    host's measured choice takes."""
     torch.manual_seed(k)
     lib = cpu_variant.lib
     n = 299  # 24 chunks of twelve rows, then three tiles and a two-row one
@@ -97,16 +101,16 @@ def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
         assert lib.pagoda_small_rows_bf16w(x.data_ptr(), rows, k, x.stride(0), wb.data_ptr(), n, wb.stride(0),
                                            out.data_ptr(), n, threads) == 0  # fmt: skip
         assert (out - want_b).abs().max().item() < 1e-4 * k**0.5, rows
-        assert (cpu_linear.small_rows(x, wb) is not None) == cpu_variant.small_rows
+        assert cpu_linear.small_rows(x, wb) is not None
         bias = torch.randn(n)
         got = cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight())
         assert (got - (want + bias)).abs().max().item() < 1e-4 * k**0.5, rows
-    assert cpu_variant.small_rows == (cpu_variant.variant == "avx2")
+    assert cpu_variant.small_rows == (cpu_variant.variant != "baseline")  # the vector product
     x = torch.randn(cpu_linear.SMALL_ROWS_MAX + 1, k)
     assert lib.pagoda_small_rows_f32(x.data_ptr(), len(x), k, k, w.data_ptr(), n, w.stride(0), 0, n, 2) == 1
     assert cpu_linear.small_rows(x, w) is None
     assert cpu_linear.small_rows(x[:2].double(), w.double()) is None
-    assert (cpu_linear.small_rows(x[:2], w) is not None) == cpu_variant.small_rows
+    assert cpu_linear.small_rows(x[:2], w) is not None
     monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
     assert cpu_linear.small_rows(x[:2], w) is None
 
@@ -115,22 +119,25 @@ def test_small_rows_product_on_every_variant(k, cpu_variant, monkeypatch):
 def test_bfloat16_linears_compute_in_float32_without_bfloat16_multiplies(rows, monkeypatch):
     """On an x86 CPU without bfloat16 multiply instructions a bfloat16 linear is the float32 product of the
     bfloat16 values rounded once to bfloat16 (at most one bfloat16 step from it: summation order), through a
-    float32 pack or the small-rows product; with bfloat16 multiplies it stays oneDNN's bfloat16 product."""
+    float32 pack or the small-rows product; with bfloat16 multiplies it is oneDNN's bfloat16 product or the
+    AVX512-BF16 small-rows product (float32 sums of exact products), both rounded once."""
     torch.manual_seed(rows)
     bf = torch.bfloat16
-    w, bias, packed = torch.randn(96, 200).to(bf), torch.randn(96).to(bf), cpu_linear.PackedWeight()
+    w, bias = torch.randn(96, 200).to(bf), torch.randn(96).to(bf)
     x = torch.randn(rows, 200).to(bf)
-    got = cpu_linear.linear(x, w, bias, packed)
-    assert got.dtype == bf
     want = (x.double() @ w.double().T + bias.double()).to(bf)
-    assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-7 + 1e-6).all()
     flags = loader.cpu_flags()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     widens = x86 and not flags & {"avx512_bf16", "amx_bf16"}
     assert cpu_linear.bfloat16_widens() == widens
-    small = rows <= cpu_linear.SMALL_ROWS_MAX and loader.current().small_rows and widens
-    if not small:  # oneDNN ran, on a float32 pack where bfloat16 widens
-        assert packed._packed is not None and packed._packed.dtype == (torch.float32 if widens else bf)
+    for choice in ("onednn", "ours", "auto"):
+        monkeypatch.setenv("PAGODA_CPU_LINEAR", choice)
+        packed = cpu_linear.PackedWeight()
+        got = cpu_linear.linear(x, w, bias, packed)
+        assert got.dtype == bf
+        assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-7 + 1e-6).all(), choice
+        if choice == "onednn" or rows > cpu_linear.SMALL_ROWS_MAX:  # on a float32 pack where bfloat16 widens
+            assert packed._packed is not None and packed._packed.dtype == (torch.float32 if widens else bf)
     monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
     assert not cpu_linear.bfloat16_widens()
     assert torch.equal(cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight()), F.linear(x, w, bias))
