@@ -417,19 +417,16 @@ class Reconciler:
     async def _refit(self, body: dict[str, Any], nodes: list[NodeGPUs], failure: Failure) -> Outcome | None:
         """Re-plan after an engine's memory failure, roll the pods onto the new plan, or stop trying.
 
-        Only a failure of a pod started with the current plan counts (its template's plan hash is the live
-        StatefulSet's): the other replicas of a failed plan, and their restarts, are the same news.
+        Only a failure of a pod started with the current plan counts (its template's plan hash is a live
+        engine template's: the StatefulSet's, a pool's, a group's leader or worker): the other replicas of a
+        failed plan, and their restarts, are the same news.
         """
         meta = body["metadata"]
         namespace, name, generation = meta.get("namespace"), meta["name"], meta.get("generation")
         state = refitting.current(body.get("status"), generation, body.get("spec"))
         if state.get("exhausted") or refitting.handled(state, failure):
             return None
-        sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
-        live_plan = (
-            ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
-        ).get(render.PLAN_ANNOTATION)
-        if failure.plan is None or failure.plan != live_plan:
+        if failure.plan is None or failure.plan not in await self._live_plans(namespace, name):
             return None
         try:
             spec = parse_spec(body.get("spec"))
@@ -504,13 +501,9 @@ class Reconciler:
                 return None
             if render.engine_image(spec, cpu=decision.gpu is None) != image:
                 return None  # a pod of an image the spec no longer asks for (in its flavour)
-            sts = await self.kube.get(object_path("StatefulSet", namespace, name)) or {}
-            live_plan = (
-                ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
-            ).get(render.PLAN_ANNOTATION)
             pod_meta = pod.get("metadata") or {}
             plan = (pod_meta.get("annotations") or {}).get(render.PLAN_ANNOTATION)
-            if plan is None or plan != live_plan:
+            if plan is None or plan not in await self._live_plans(namespace, name, serving=True):
                 return None
             path = f"/api/v1/namespaces/{namespace}/pods/{pod_meta.get('name')}:{render.ENGINE_PORT}/proxy"
             try:
@@ -525,6 +518,25 @@ class Reconciler:
             )
             self._publish(namespace, name, body, outcome)
             return outcome
+
+    async def _live_plans(self, namespace: str, name: str, *, serving: bool = False) -> set[str]:
+        """The plan hashes of the live engine templates: the StatefulSet's, each pool's, a LeaderWorkerSet's
+        leader and worker templates (`serving`: only the templates of pods that serve the API)."""
+        templates = []
+        for sts_name in (name, render.pool_name(name, render.PREFILL), render.pool_name(name, render.DECODE)):
+            sts = await self.kube.get(object_path("StatefulSet", namespace, sts_name)) or {}
+            templates.append((sts.get("spec") or {}).get("template") or {})
+        if await self.lws_available():
+            lws = await self.kube.get(object_path("LeaderWorkerSet", namespace, name)) or {}
+            group = (lws.get("spec") or {}).get("leaderWorkerTemplate") or {}
+            templates.append(group.get("leaderTemplate") or {})
+            if not serving:
+                templates.append(group.get("workerTemplate") or {})
+        plans = {
+            ((t.get("metadata") or {}).get("annotations") or {}).get(render.PLAN_ANNOTATION)
+            for t in templates
+        }
+        return {p for p in plans if p}
 
     async def _replan_from_profile(
         self,

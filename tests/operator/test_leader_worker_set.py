@@ -17,7 +17,7 @@ from pagoda.operator.discovery import RENDERED_NODE, GPUPool, node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.render_cli import main as render_main
 from pagoda.operator.spec import SpecError, parse_spec
-from pagoda_testkit import INFD, STS, Cluster, node, running_operator
+from pagoda_testkit import INFD, STS, Cluster, node, pod_of, running_operator
 
 LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 SVC = "v1/services"
@@ -346,4 +346,45 @@ async def test_the_group_follows_once_the_api_is_installed(
         await cluster.wait_for(lambda: cluster.get(LWS, "default", NAME), what="the LeaderWorkerSet")
         await cluster.wait_for(
             lambda: cluster.condition(NAME, "Ready").get("reason") == "PodsNotReady", what="Ready follows"
+        )
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_workers_out_of_memory_re_fits_the_group(cluster: Cluster) -> None:
+    """A failure counts when its pod's plan is a live template's: a worker's, as the leader's."""
+    await cluster._call("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", LWS_CRD)
+    await cluster.add_node("cpu-1", None)
+    async with running_operator(cluster):
+        await cluster.create(cpu_pp())
+        lws = await cluster.wait_for(lambda: cluster.get(LWS, "default", NAME), what="the LeaderWorkerSet")
+        await cluster.settle()
+        group = lws["spec"]["leaderWorkerTemplate"]
+        plan = group["leaderTemplate"]["metadata"]["annotations"][render.PLAN_ANNOTATION]
+        crashed = {
+            "restartCount": 1,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2025-01-01T00:00:01Z",
+                                         "containerID": "containerd://1"}},
+        }  # fmt: skip
+        worker = pod_of({"metadata": {"name": f"{NAME}-0"}, "spec": {"template": group["workerTemplate"]}}, 1,
+                        ready=False, container_status=crashed)  # fmt: skip
+        await cluster._call("POST", "/api/v1/namespaces/default/pods", worker)
+        new = await cluster.wait_for(
+            lambda: (
+                (g := (cluster.get(LWS, "default", NAME) or {}).get("spec", {}).get("leaderWorkerTemplate"))
+                and g["leaderTemplate"]["metadata"]["annotations"][render.PLAN_ANNOTATION] != plan
+                and g
+            ),
+            what="a re-planned group",
+        )
+        await cluster.settle()
+        refit = cluster.get(INFD, "default", NAME)["status"]["refit"]
+        assert refit["attempts"] == 1 and refit["lastFailure"]["pod"] == f"{NAME}-0-1"
+        # leader and workers roll onto the same new settings
+        leader_args = new["leaderTemplate"]["spec"]["containers"][0]["args"]
+        worker_args = new["workerTemplate"]["spec"]["containers"][0]["args"]
+        assert flag(leader_args, "--kv-cache-memory-bytes") == flag(worker_args, "--kv-cache-memory-bytes")
+        assert flag(leader_args, "--kv-cache-memory-bytes") != flag(
+            group["leaderTemplate"]["spec"]["containers"][0]["args"], "--kv-cache-memory-bytes"
         )
