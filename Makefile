@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml setup.py scripts/install_tools.sh | $(SERVE_STAMP)
 	touch $@
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # crds/ and the chart's copy, generated from the typed spec (operator/spec.py)
 .PHONY: crds
