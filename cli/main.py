@@ -16,7 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagoda.engine.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("pagoda.engine.cli.generate", "generate a completion for a prompt and print it"),
     "plan": ("pagoda.engine.cli.plan", "size the KV cache and engine settings for a model on a GPU"),
-    "kernels": ("pagoda.engine.cli.kernels", "compile the GPU kernels ahead of time, without a GPU (warm)"),
+    "kernels": (
+        "pagoda.engine.cli.kernels",
+        "compile the GPU kernels ahead of time, without a GPU (warm); the CPU kernels of this host (info)",
+    ),
     "render": ("pagoda.operator.render_cli", "print the Kubernetes objects an InferenceDeployment becomes"),
     "router": ("pagoda.router.main", "route requests across replicas by their cached KV (docs/router.md)"),
 }

@@ -1,4 +1,5 @@
-"""`pagoda kernels warm`: compile the Triton kernels for a GPU ahead of time, without one.
+"""`pagoda kernels warm`: compile the Triton kernels for a GPU ahead of time, without one. (`pagoda kernels
+info`, the CPU path's kernels on this host: engine/cli/kernels_cpu.py.)
 
     pagoda kernels warm --gpu H100 [--gpu L4 ...] [--model M ...] [--dtype D] [--kv-cache-dtype K]
                         [--tensor-parallel-size N] [--block-size B] [--max-lora-rank R] [--common]
@@ -121,8 +122,13 @@ class Result:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagoda kernels", description="Triton kernels of the GPU engine.")
+    from pagoda.engine.cli import kernels_cpu
+
+    p = argparse.ArgumentParser(
+        prog="pagoda kernels", description="Triton kernels of the GPU engine; the CPU path's kernels (info)."
+    )
     sub = p.add_subparsers(dest="action", required=True)
+    kernels_cpu.add_parser(sub)
     w = sub.add_parser(
         "warm",
         help="compile every kernel variant for a model on a GPU, ahead of time (no GPU needed)",
@@ -462,6 +468,10 @@ def _print(result: Result, out=sys.stdout) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.action == "info":
+        from pagoda.engine.cli import kernels_cpu
+
+        return kernels_cpu.info(args)
     try:
         result = warm(args)
     except ValueError as exc:  # SizingError and UnsupportedOnGPU included: what the flags ask cannot run

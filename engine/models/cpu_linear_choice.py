@@ -38,7 +38,7 @@ OURS, ONEDNN = "ours", "onednn"
 SETTINGS = ("auto", OURS, ONEDNN)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # per candidate and row count: at least MIN_CALLS timed calls, more while under CALL_BUDGET_S, at most MAX_CALLS
-MIN_CALLS, MAX_CALLS, CALL_BUDGET_S = 3, 15, 0.01
+MIN_CALLS, MAX_CALLS, CALL_BUDGET_S = 3, 40, 0.02
 FORMAT = 1  # of the file; another format is measured again
 
 Timer = Callable[[int], dict[str, float]]  # rows -> seconds per call of each candidate at that row count
@@ -73,7 +73,7 @@ def bucket(rows: int) -> int:
     return ROW_BUCKETS[-1]
 
 
-def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     try:
         with open(cpuinfo) as f:
             for line in f:
@@ -92,7 +92,7 @@ def host_identity(variant: str, library: str, flags: frozenset[str]) -> dict[str
     except OSError:
         sources = "unknown"
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
         "kernels": f"{variant} {library} {sources}",
         "torch": torch.__version__,
@@ -187,6 +187,10 @@ class ChoiceTable:
             )
             self.path = None
             self.shapes[key] = measure(timer)
+
+    def stored(self) -> dict[str, dict]:
+        """The choices in the file (other processes' included)."""
+        return self._read()
 
     def _read(self) -> dict[str, dict]:
         if self.path is None:

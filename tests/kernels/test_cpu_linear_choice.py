@@ -4,6 +4,7 @@ variant against a float64 reference."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -185,3 +186,37 @@ def test_bfloat16_dot_product_on_every_variant(k, cpu_variant):  # noqa: F811
         x65.data_ptr(), 65, k, k, w.data_ptr(), n, w.stride(0), out.data_ptr(), n, 0, 1
     ) in (1, 2)
     assert cpu_variant.bf16_dot == (cpu_variant.variant == "avx512" and "avx512_bf16" in loader.cpu_flags())
+
+
+def test_kernels_info_prints_the_host_and_its_table(capsys):
+    """`pagoda kernels info` before and after a shape was met: the CPU, the library, and the choices per row count."""
+    from pagoda.engine.cli import kernels
+
+    assert kernels.main(["info"]) == 0
+    before = capsys.readouterr().out
+    assert "no linear measured on this host yet" in before and "PAGODA_CPU_LINEAR: auto" in before
+    w = torch.randn(24, 40)
+    cpu_linear.linear(torch.randn(3, 40), w, None, cpu_linear.PackedWeight())
+    assert kernels.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    key = Shape("f32", 24, 40, torch.get_num_threads()).key()
+    assert set(data["linears"][key]) == {str(r) for r in ROW_BUCKETS}
+    assert data["cpu"] == cpu_linear_choice.cpu_model() and data["setting"] == "auto"
+    assert kernels.main(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if key in ln)
+    assert all(f"{r}: {data['linears'][key][str(r)]['choice']} " in line for r in ROW_BUCKETS)
+
+
+def test_the_benchmark_runs_in_its_smoke_mode(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cpu_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--threads", "1", "--out", str(tmp_path / "out.json")]) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert len(out["rows"]) == 2 * 5 * 2  # dtypes x linears x row counts
+    assert all(r["onednn_min_us"] > 0 and r.get("ours_min_us", 1) > 0 for r in out["rows"])
+    assert "| float32 | 1 | 16 |" in capsys.readouterr().out
