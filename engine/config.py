@@ -212,8 +212,10 @@ class EngineConfig:
     speculative_config: str | None = _opt(
         None,
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup, no extra weights); greedy output '
-        "is unchanged token for token, sampled output keeps its distribution; requests with penalties, "
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup, no extra weights), or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model sharing the '
+        "target's tokenizer, with a KV cache of its own); greedy output is unchanged token for token, "
+        "sampled output keeps its distribution; requests with penalties, "
         "logit_bias, logprobs, a grammar, n > 1 or stop strings decode without it; off above 4 running "
         "sequences unless num_speculative_tokens_per_batch_size says otherwise; not with "
         "--async-scheduling, tensor parallelism or LoRA",
@@ -361,10 +363,6 @@ class EngineConfig:
             bad("speculative_config", f"is invalid: {exc}")
         if spec is None:
             return
-        if spec.method == "draft_model":
-            bad(
-                "speculative_config", "asks for method draft_model, which Pagoda does not have yet: use ngram"
-            )
         for other, on in (
             ("async_scheduling", self.async_scheduling),
             ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),

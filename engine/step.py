@@ -36,6 +36,9 @@ class ScheduledSeq:
     # Speculative decoding: tokens proposed after the sequence's last one, scored in the same forward (their
     # slots are part of num_new_tokens; the runner returns logits at every one of them).
     draft: list[int] = field(default_factory=list)
+    # The distributions the draft tokens were drawn from ([len(draft), vocab] torch tensor on the host, for
+    # rejection sampling); None: each proposal is a point mass (n-gram, greedy draft model).
+    draft_probs: object | None = None
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens

@@ -354,8 +354,10 @@ class SpeculativeSpec:
         Rule(
             "self.method != 'draft_model' || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
             "promptLookupMin/Max are for method ngram",
-            lambda s: s.get("method", "ngram") != "draft_model"
-            or ("promptLookupMin" not in s and "promptLookupMax" not in s),
+            lambda s: (
+                s.get("method", "ngram") != "draft_model"
+                or ("promptLookupMin" not in s and "promptLookupMax" not in s)
+            ),
             field_path=".promptLookupMin",
         ),
     )

@@ -60,6 +60,7 @@ from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.step import SchedulerOutput
 from pagoda.engine.worker.decode_graphs import capture_sizes
+from pagoda.engine.worker.draft_runner import DraftProposer
 from pagoda.engine.worker.model_runner import kv_torch_dtype
 from pagoda.engine.worker.rank import (
     build_rank,
@@ -219,6 +220,7 @@ class EngineCore:
             offload,
             self._structured_outputs(tokenizer),
             speculative=config.speculative,
+            proposer=self._draft_proposer(config, mc),
         )
         self.streaming_defaults = StreamingDefaults(
             config.kv_eviction,
@@ -261,6 +263,13 @@ class EngineCore:
                 window_blocks, len(window_layers), self.plan.window, self.plan.sequences_at_max_len,
                 self.max_model_len,
             )  # fmt: skip
+
+    def _draft_proposer(self, config: EngineConfig, mc: ModelConfig) -> DraftProposer | None:
+        """--speculative-config's draft model, loaded beside the target (None: n-gram or no speculation)."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        return DraftProposer.build(config, spec, mc, self.device, self.dtype, self.max_model_len)
 
     def _step_thread(self, config: EngineConfig) -> StepThread | None:
         """With --async-scheduling: the thread steps' device sides run on (engine/core/async_steps.py).

@@ -210,6 +210,8 @@ class Scheduler:
             self.waiting.remove(req)
         for seq in req.seqs:
             self._free_seq(seq)
+            if hasattr(self.proposer, "free"):  # a draft model's own cache
+                self.proposer.free(seq)
         req.status = SeqStatus.FINISHED
         self.requests.pop(req.request_id, None)
 
@@ -232,6 +234,8 @@ class Scheduler:
         self.waiting.order_running(self.running)
         preempted_now = False
         spec_k = self.speculative.tokens_for_batch(self.num_running_seqs) if self.speculative else 0
+        if spec_k and hasattr(self.proposer, "prepare"):  # a draft model proposes for the batch at once
+            self.proposer.prepare(self._draft_batch(spec_k))
 
         for req in list(self.running):
             if req not in self.running:  # preempted earlier in this step
@@ -250,6 +254,8 @@ class Scheduler:
                 ):
                     sched = ScheduledSeq(req, seq, num_new)
                     sched.add_draft(draft)
+                    if hasattr(self.proposer, "probs"):
+                        sched.draft_probs = self.proposer.probs(seq, len(draft))
                     out.scheduled.append(sched)
                     budget -= sched.num_new_tokens
                     continue
@@ -338,14 +344,30 @@ class Scheduler:
     def _propose(self, req: Request, seq: Sequence, num_new: int, budget: int, k: int) -> list[int]:
         """Tokens to score after a decoding sequence's next one ([] for a prefill chunk, an opted-out
         request, or no room: the proposal stays within max_tokens, max_model_len and the step's budget)."""
-        if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_cache_tokens or seq.kv_dropped:
+        if num_new != 1:
             return []
+        room = min(self._spec_tokens(req, seq, k), budget - 1)
+        return self.proposer(seq, room)[:room] if room > 0 else []
+
+    def _spec_tokens(self, req: Request, seq: Sequence, k: int) -> int:
+        """How many tokens a decoding sequence may have proposed (0: none), before the step's budget."""
+        if seq.num_computed_tokens + 1 != seq.num_cache_tokens or seq.kv_dropped:
+            return 0
         n_out = seq.num_output_tokens
         if n_out < req.params.min_tokens or opt_out_reason(req) is not None:
-            return []
+            return 0
         k = min(k, self._spec_room.get(seq.seq_id, k))
-        room = min(k, req.max_tokens - n_out - 1, self.config.max_model_len - seq.num_tokens - 1, budget - 1)
-        return self.proposer(seq, room)[:room] if room > 0 else []
+        return min(k, req.max_tokens - n_out - 1, self.config.max_model_len - seq.num_tokens - 1)
+
+    def _draft_batch(self, k: int) -> list[tuple[Request, Sequence, int]]:
+        """The running sequences that may speculate this step, with their room (a draft model's batch)."""
+        batch = []
+        for req in self.running:
+            for seq in req.active_seqs:
+                room = self._spec_tokens(req, seq, k) if seq.has_blocks else 0
+                if room > 0:
+                    batch.append((req, seq, room))
+        return batch
 
     def _bitmask(self, out: SchedulerOutput) -> None:
         """The token masks of the sampling rows that have a grammar, by row (None: no such row)."""

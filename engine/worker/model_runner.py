@@ -51,9 +51,9 @@ class PreparedStep:
     prompt_rows: list[tuple[int, list[int]]]  # prompt-logprob rows (prompt_logprob_rows)
     rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
     row_index: list[int]  # each sampling row's (first) row among the step's logits
-    # speculative decoding: (sampling row, proposed tokens) of each row that verifies a proposal; its
-    # logits are rows row_index[row] .. row_index[row] + len(proposed tokens)
-    spec: list[tuple[int, list[int]]] = ()
+    # speculative decoding: (sampling row, proposed tokens, their draft distributions or None) of each row
+    # that verifies a proposal; its logits are rows row_index[row] .. row_index[row] + len(proposed tokens)
+    spec: list[tuple[int, list[int], object | None]] = ()
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ class ModelRunner:
         prompt_rows = prompt_logprob_rows(out.scheduled, step, order) if step is not None else []
         rows: list[SamplingRow] = []
         row_index: list[int] = []
-        spec: list[tuple[int, list[int]]] = []
+        spec: list[tuple[int, list[int], object | None]] = []
         if step is not None:
             # each sampling sequence's (first) logits row: the step's rows follow `order`; a drafted
             # sequence has one row more per proposed token
@@ -478,7 +478,7 @@ class ModelRunner:
                     )
                     row_index.append(logits_row[i])
                     if sched.draft:
-                        spec.append((len(rows) - 1, list(sched.draft)))
+                        spec.append((len(rows) - 1, list(sched.draft), sched.draft_probs))
         return PreparedStep(step, prompt_rows, rows, row_index, spec)
 
     def run_prepared(self, out: SchedulerOutput, prep: PreparedStep) -> RunnerOutput:

@@ -64,7 +64,6 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
         ({"async_scheduling": True}, "async_scheduling"),
         ({"enable_lora": True}, "enable_lora"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-        ({"speculative_config": '{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}'}, "draft_model"),
     ],
 )  # fmt: skip
 def test_engine_config_refuses_what_speculation_does_not_do(extra, words):
