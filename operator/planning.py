@@ -529,10 +529,12 @@ def decide(
             reason += "; ruled out: " + "; ".join(failures)
     else:
         reason = f"{why_pool}: {pool.product_label} on {len(pool.nodes)} node(s)"
+    why = "set by spec.parallelism"
+    if auto_split is not None:  # the planner's words where it staged the model itself
+        why = p.reasons.get("pipeline_parallel_size") or _auto_reason(pool, auto_split)
     if split is None:
         p = _apply_overrides(spec, p, pool.info)
     else:
-        why = "set by spec.parallelism" if auto_split is None else _auto_reason(pool, auto_split)
         p = _with_split(_apply_overrides(spec, p, pool.info), split, why)
     p, nvme, disk = _offload(spec, p, split[1] if split else 1)
     p = _refitted(p, refit, pool.info)
@@ -544,15 +546,13 @@ def decide(
     if auto_split is not None and spec.disaggregation is not None:
         raise SpecError(
             "disaggregation",
-            f"{shape.name} needs more GPUs than a node has ({decision.gpu_reason}; {_auto_reason(pool, auto_split)}), "
+            f"{shape.name} needs more GPUs than a node has ({decision.gpu_reason}; {why}), "
             "and pools of LeaderWorkerSet groups are not rendered: serve it without disaggregation",
             reason="InvalidDisaggregation",
         )
     if split is not None:
         decision.pipeline_parallel_size, decision.nnodes, decision.pod_gpus = split[1], split[2], pod_gpus
-        decision.parallel_reason = _split_reason(
-            split, "set by spec.parallelism" if auto_split is None else _auto_reason(pool, auto_split)
-        )
+        decision.parallel_reason = _split_reason(split, why)
     return _finish(decision, spec, shape)
 
 
@@ -595,6 +595,11 @@ def _multi_node(
         nodes = node_limit(pool)
         if nodes < 2 or pool.gpus_per_node < 1:
             continue
+        staged = _planner_stages(spec, shape, pool, nodes)
+        if staged is not None:
+            split = (staged.tensor_parallel_size, staged.pipeline_parallel_size, staged.nnodes)
+            found.append((pool, staged, split))
+            continue
         total = pool.gpus_per_node * nodes
         try:
             p = plan(shape, dataclasses.replace(pool.info, count=total), hints(spec, total))
@@ -612,6 +617,24 @@ def _multi_node(
         return None
     found.sort(key=lambda f: (-f[1].num_gpu_blocks * f[1].block_size, f[0].product_label))
     return found[0]
+
+
+def _planner_stages(spec: InferenceSpec, shape: ModelShape, pool: GPUPool, nodes: int) -> Plan | None:
+    """The planner's own stages across nodes, sized per stage (Hints.max_nodes: issue 43 item 1's planner),
+    where this engine's planner has them; None otherwise (then the group is sized as one tensor-parallel
+    group of the same GPUs, above), or where the planner finds no staging."""
+    if "max_nodes" not in {f.name for f in dataclasses.fields(Hints)}:
+        return None
+    count = pool.gpus_per_node
+    try:
+        p = plan(
+            shape,
+            dataclasses.replace(pool.info, count=count),
+            dataclasses.replace(hints(spec, count), max_nodes=nodes),
+        )
+    except SizingError:
+        return None
+    return p if getattr(p, "pipeline_parallel_size", 1) > 1 else None
 
 
 def decide_on_nodes(

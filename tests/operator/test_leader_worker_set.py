@@ -137,7 +137,10 @@ def test_a_model_larger_than_a_node_is_a_group_of_nodes_and_a_smaller_one_is_not
     spec = parse_spec(llama("405B")["spec"])
     decision = decide(spec, h100_pool(2))
     assert (decision.plan.tensor_parallel_size, decision.pipeline_parallel_size, decision.nnodes) == (8, 2, 2)
-    assert decision.pod_gpus == 8 and "a node has 8" in decision.parallel_reason
+    assert (
+        decision.pod_gpus == 8
+        and "2 stage(s) of 8 tensor-parallel rank(s) on 2 pod(s)" in decision.parallel_reason
+    )
     objects = render.children(llama("405B"), spec, decision, with_service_monitor=False)
     assert engines(objects) == [("LeaderWorkerSet", "llama")]
     [lws] = [o for o in objects if o["kind"] == "LeaderWorkerSet"]
