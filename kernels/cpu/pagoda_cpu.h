@@ -15,6 +15,9 @@
 #include <omp.h>
 #endif
 
+/* Whether this CPU has the AVX512-BF16 dot products (info.c). */
+int pagoda_cpu_has_bf16_dot(void);
+
 /* bfloat16 is the top half of a float32: widening is a 16-bit shift. */
 static inline float bf16_to_f32(uint16_t x)
 {
