@@ -11,7 +11,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve image-check image-gpu bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured clean
+.PHONY: install test lint serve image-check image-gpu bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured profile-step clean
 
 CPU_KERNELS := kernels/cpu/lib/build.json
 
@@ -165,6 +165,14 @@ gpu-check-prepare: install
 # Extra flags: make bench-peers ARGS="--num-requests 8 --serve"; the second model: ARGS="--model gemma-3-270m --serve"
 bench-peers: install
 	$(PY) benchmarks/bench_peers.py $(ARGS)
+
+# Where the engine core's step goes (issue 40): py-spy (installed here if missing) samples the core process of
+# `pagoda serve` (default model, bfloat16) during 48 streamed requests at concurrency 32, or one offline stream
+# with ARGS="--one-stream --quantization gguf"; prints the breakdown (docs/benchmarks.md, "The step at 32
+# streams"), writes bench-results/profile-step.json.
+profile-step: install
+	test -x $(VENV)/bin/py-spy || $(PIP) install -q py-spy
+	$(PY) benchmarks/profile_step.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tools bench-results .pytest_cache .ruff_cache
