@@ -4,7 +4,8 @@ Keys as vLLM names them: ``method`` ("ngram" or "draft_model"; a ``model`` of "n
 proposer, any other model a draft model), ``num_speculative_tokens``, ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (n-gram; both default to 5 when neither is given, one given sets the other),
 ``num_speculative_tokens_per_batch_size`` ([start, end, k] rows: k proposed tokens while the batch size
-is in [start, end], none outside every row). Pagoda's own default for that schedule turns speculation off
+is in [start, end], none outside every row), ``quantization`` (draft model: "gguf" keeps a GGUF draft's
+blocks quantized, as --quantization gguf does for the target). Pagoda's own default for that schedule turns speculation off
 above ``DEFAULT_MAX_BATCH`` sequences: a full batch is compute-bound, and scoring guesses there costs
 more than the weight reads it saves. Unknown keys are refused, not dropped.
 """
@@ -26,7 +27,9 @@ _KNOWN = {
     "prompt_lookup_min",
     "prompt_lookup_max",
     "num_speculative_tokens_per_batch_size",
+    "quantization",
 }
+DRAFT_QUANTIZATION = ("gguf",)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     model: str | None = None
+    quantization: str | None = None  # the draft's: "gguf" or None
     # (first batch size, last batch size, k): k tokens while the running batch size lies in the range.
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
 
@@ -126,11 +130,18 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         if low is not None or high is not None:
             raise ValueError("speculative config: prompt_lookup_min/max are for method ngram")
         low = high = 0
+    quantization = obj.get("quantization")
+    if quantization is not None and (method != "draft_model" or quantization not in DRAFT_QUANTIZATION):
+        raise ValueError(
+            f"speculative config: quantization is the draft model's, one of {', '.join(DRAFT_QUANTIZATION)} "
+            f"(others are read from the draft's config.json), got {quantization!r} with method {method}"
+        )
     return SpeculativeConfig(
         method=method,
         num_speculative_tokens=k,
         prompt_lookup_min=low,
         prompt_lookup_max=high,
         model=model,
+        quantization=quantization,
         per_batch_size=_schedule(obj.get("num_speculative_tokens_per_batch_size"), k),
     )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from pagoda.engine.loader import resolve_model
+from pagoda.engine.loader.gguf_quant import check_quantization
 from pagoda.engine.request import Request, Sequence
 from pagoda.engine.sizing.model_config import ModelConfig
 from pagoda.engine.spec_decode.config import SpeculativeConfig
@@ -74,13 +75,16 @@ class DraftProposer:
         dtype: torch.dtype,
         max_model_len: int,
     ) -> DraftProposer:
-        """Load ``spec.model`` like the target (same device and dtype) and size its pool; ValueError when
-        its vocabulary is not the target's."""
+        """Load ``spec.model`` like the target (same device and dtype; a GGUF draft's blocks kept quantized
+        with ``quantization: gguf``) and size its pool; ValueError when its vocabulary is not the target's."""
         path = resolve_model(spec.model)
         mc = ModelConfig.from_dir(path)
         check_draft_vocab(mc, target, spec.model)
+        check_quantization(spec.quantization, path, mc, device)
         load = SimpleNamespace(
-            attention_backend=config.attention_backend, quantization=None, max_model_len=max_model_len
+            attention_backend=config.attention_backend,
+            quantization=spec.quantization,
+            max_model_len=max_model_len,
         )
         runner = build_rank(load, path, mc, device, dtype, progress=False)
         blocks = draft_pool_blocks(spec, config.max_num_seqs, max_model_len, DRAFT_BLOCK_SIZE)

@@ -144,6 +144,15 @@ def test_a_layer_draft_is_the_checkpoints_first_layers(tmp_path):
 def test_engine_config_takes_a_draft_model():
     cfg = EngineConfig(speculative_config=draft_config(Path("/m"), 3))
     assert (cfg.speculative.method, cfg.speculative.model) == ("draft_model", "/m")
+    assert cfg.speculative.quantization is None
+    gguf = EngineConfig(speculative_config=draft_config(Path("/m.gguf"), 3, quantization="gguf"))
+    assert gguf.speculative.quantization == "gguf"
+    for bad in (
+        draft_config(Path("/m"), 3, quantization="awq"),
+        json.dumps({"method": "ngram", "num_speculative_tokens": 2, "quantization": "gguf"}),
+    ):
+        with pytest.raises(ValueError, match="quantization is the draft model's"):
+            EngineConfig(speculative_config=bad)
 
 
 # ---- the default model with a draft of its first layers -------------------------------------------------------
