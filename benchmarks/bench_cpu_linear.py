@@ -82,7 +82,7 @@ def model_shapes(args: argparse.Namespace) -> tuple[str, int, list[tuple[str, in
     s = model_shape(args.model)
     names = ("qkv", "o", "gate_up", "down", "lm_head")
     return (
-        s.name,
+        s.name if args.model else f"the default model ({s.name})",
         s.num_layers,
         [(name, n, k) for name, (n, k) in zip(names, linear_shapes(args.model), strict=False)],
     )
