@@ -269,7 +269,10 @@ class EngineCore:
         spec = config.speculative
         if spec is None or spec.method != "draft_model":
             return None
-        return DraftProposer.build(config, spec, mc, self.device, self.dtype, self.max_model_len)
+        target_tokens = self.num_blocks * config.block_size
+        return DraftProposer.build(
+            config, spec, mc, self.device, self.dtype, self.max_model_len, target_tokens
+        )
 
     def _step_thread(self, config: EngineConfig) -> StepThread | None:
         """With --async-scheduling: the thread steps' device sides run on (engine/core/async_steps.py).

@@ -48,13 +48,18 @@ def check_draft_vocab(draft: ModelConfig, target: ModelConfig, path: Any) -> Non
         )
 
 
-def draft_pool_blocks(spec: SpeculativeConfig, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+def draft_pool_blocks(
+    spec: SpeculativeConfig, max_num_seqs: int, max_model_len: int, block_size: int, target_tokens: int
+) -> int:
     """Blocks for every sequence that may speculate at once (the schedule's largest batch with k > 0,
-    at most max_num_seqs) at full length plus its proposal; fewer are enough, least recently used
+    at most max_num_seqs) at full length plus its proposal, but no more tokens than the target's own cache
+    holds (plus the proposals): the target cannot run more. Fewer are enough: least recently used
     sequences are evicted and recomputed."""
     widest = max((last for _, last, k in spec.per_batch_size if k > 0), default=1)
     seqs = max(1, min(max_num_seqs, widest))
-    return seqs * -(-(max_model_len + spec.max_tokens + 1) // block_size)
+    per_seq = -(-(max_model_len + spec.max_tokens + 1) // block_size)
+    cap = -(-target_tokens // block_size) + seqs * (-(-(spec.max_tokens + 1) // block_size) + 1)
+    return max(per_seq, min(seqs * per_seq, cap))
 
 
 class DraftProposer:
@@ -74,6 +79,7 @@ class DraftProposer:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        target_tokens: int,
     ) -> DraftProposer:
         """Load ``spec.model`` like the target (same device and dtype; a GGUF draft's blocks kept quantized
         with ``quantization: gguf``) and size its pool; ValueError when its vocabulary is not the target's."""
@@ -87,7 +93,7 @@ class DraftProposer:
             max_model_len=max_model_len,
         )
         runner = build_rank(load, path, mc, device, dtype, progress=False)
-        blocks = draft_pool_blocks(spec, config.max_num_seqs, max_model_len, DRAFT_BLOCK_SIZE)
+        blocks = draft_pool_blocks(spec, config.max_num_seqs, max_model_len, DRAFT_BLOCK_SIZE, target_tokens)
         runner.allocate_kv_cache(blocks, DRAFT_BLOCK_SIZE, kv_torch_dtype("auto", dtype))
         log.info(
             "speculative decoding: draft model %s (%d layers), %d KV blocks of %d tokens (%.1f MiB)",

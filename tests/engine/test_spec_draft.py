@@ -126,6 +126,17 @@ def test_draft_cache_keeps_the_common_prefix_and_evicts_the_least_recent():
     assert cache.num_free_blocks == 4
 
 
+def test_the_draft_pool_holds_the_speculating_sequences_but_never_more_than_the_target():
+    from pagoda.engine.spec_decode.config import parse_speculative_config
+    from pagoda.engine.worker.draft_runner import draft_pool_blocks
+
+    spec = parse_speculative_config(draft_config(Path("/m"), 4))  # the default schedule: up to 4 sequences
+    assert draft_pool_blocks(spec, 32, 512, 16, 10**6) == 4 * 33  # ceil((512 + 4 + 1) / 16) each
+    assert draft_pool_blocks(spec, 2, 512, 16, 10**6) == 2 * 33  # no more sequences than max_num_seqs
+    assert draft_pool_blocks(spec, 32, 512, 16, 1024) == 64 + 4 * 2  # the target's 1024 tokens + proposals
+    assert draft_pool_blocks(spec, 32, 512, 16, 16) == 33  # one full-length sequence at least
+
+
 def test_a_layer_draft_is_the_checkpoints_first_layers(tmp_path):
     src = _conftest().make_tiny_model(tmp_path, "llama", Path("/nonexistent"), num_hidden_layers=3)
     draft = write_layer_draft(src, tmp_path / "draft", 1)
