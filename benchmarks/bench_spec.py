@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) on and off, on two workloads, at concurrency 1, 8 and 32.
+"""Speculative decoding (n-gram prompt lookup, a draft model) on and off, on two workloads, at concurrency
+1, 8 and 32.
 
 - edit: "fix the typos in this paragraph" prompts (about 170 tokens of text each, different per request):
   the answer copies its input, so n-gram proposals mostly hit;
@@ -9,8 +10,12 @@ greedy with ignore_eos, every request of a round submitted at once (concurrency 
 max_num_seqs); tok/s = generated tokens / wall time of the round (prefill included, the same in both
 modes), and tokens per process CPU second (steadier on a shared machine): medians of --rounds rounds per
 mode, run alternately. Greedy output is identical with and without speculation (checked here too). The
-speculative config is this script's --spec: ngram, 4 tokens, n-gram sizes 2-5, turned off above 4 running
-sequences (the engine's default schedule). Writes bench-results/spec.json and spec.png.
+n-gram config is this script's --spec: ngram, 4 tokens, n-gram sizes 2-5, turned off above 4 running
+sequences (the engine's default schedule). The draft-model config (--draft-spec) proposes 4 tokens on the
+same schedule with --draft: "gguf" (the default) is the default model's own GGUF file with its blocks kept
+quantized (`quantization: gguf`: the float32 target is that file dequantized, so the draft agrees with it
+almost always and costs a 4-bit model's weight reads), "layers:N" a draft cut from the default model's
+first N layers (built into bench-results/, never committed). Writes bench-results/spec.json and spec.png.
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ from common import plot_path, print_table, pyplot, save_plot, write_json  # noqa
 from pagoda.engine import SamplingParams  # noqa: E402
 from pagoda.engine.config import EngineConfig  # noqa: E402
 from pagoda.engine.frontend.llm_engine import LLMEngine  # noqa: E402
+from pagoda.engine.loader import resolve_model  # noqa: E402
+from pagoda.engine.loader.gguf_quant import gguf_source  # noqa: E402
+from pagoda.engine.spec_decode.layer_draft import write_layer_draft  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DRAFT_SPEC = {"method": "draft_model", "num_speculative_tokens": 4}  # model: the layer draft built here
 SUBJECTS = [
     "the harbour town", "a mountain railway", "the old library", "a river delta", "the night market",
     "a desert observatory", "the glass factory", "a fishing village", "the city orchestra", "a lighthouse",
@@ -118,7 +127,8 @@ def run_vllm(args: argparse.Namespace, rows: list[list]) -> dict | None:
         same = on.pop("tokens") == off.pop("tokens")
         rows.append(
             [
-                f"vllm {w}",
+                "vllm ngram",
+                w,
                 int(c),
                 off["tok_s"],
                 on["tok_s"],
@@ -131,6 +141,21 @@ def run_vllm(args: argparse.Namespace, rows: list[list]) -> dict | None:
             ]
         )
     return out
+
+
+def draft_model(kind: str) -> dict:
+    """The draft's keys of the speculative config for --draft."""
+    if kind == "gguf":
+        source = gguf_source(resolve_model(None))
+        if source is None:
+            raise SystemExit("--draft gguf: the default model is not a GGUF file's conversion here")
+        return {"model": str(source), "quantization": "gguf"}
+    if kind.startswith("layers:"):
+        n = int(kind.split(":", 1)[1])
+        draft = Path("bench-results") / f"spec-draft-{n}-layers"
+        write_layer_draft(resolve_model(None), draft, n)
+        return {"model": str(draft.resolve())}
+    raise SystemExit(f"--draft must be gguf or layers:N, got {kind!r}")
 
 
 def cpu_model() -> str:
@@ -149,6 +174,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--workloads", nargs="+", default=["edit", "chat"])
     ap.add_argument("--spec", default=json.dumps(SPEC), help="the --speculative-config JSON to compare")
+    ap.add_argument(
+        "--draft-spec", default=json.dumps(DRAFT_SPEC), help="the draft model's config (no model)"
+    )
+    ap.add_argument(
+        "--draft",
+        default="gguf",
+        help='the draft model: "gguf" (the default model\'s GGUF file kept quantized) or "layers:N" (its first N '
+        "layers)",
+    )
+    ap.add_argument("--proposers", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per mode (alternating); medians reported")
     ap.add_argument(
@@ -164,25 +199,30 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
     base = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=max(args.concurrency))
-    engines = {}
-    accept = Accept()
-    for mode in ("off", "on"):
-        cfg = EngineConfig(**base, speculative_config=args.spec if mode == "on" else None)
-        engines[mode] = LLMEngine(cfg, stat_loggers=[accept] if mode == "on" else None)
+    specs = {
+        "ngram": args.spec,
+        "draft": json.dumps({**json.loads(args.draft_spec), **draft_model(args.draft)}),
+    }
+    specs = {name: specs[name] for name in args.proposers if name in specs}
+    modes = ["off", *specs]
+    engines, accepts = {}, {name: Accept() for name in specs}
+    for mode in modes:
+        cfg = EngineConfig(**base, speculative_config=specs.get(mode))
+        engines[mode] = LLMEngine(cfg, stat_loggers=[accepts[mode]] if mode in accepts else None)
         run_round(engines[mode], ["Hello"], 4)  # warm-up
     rows, results = [], []
     for workload in args.workloads:
         for conc in args.concurrency:
             texts = prompts(workload, conc)
             load = os.getloadavg()[0]
-            res, runs = {}, {"off": [], "on": []}
-            before = (accept.proposed, accept.accepted)
-            for r in range(args.rounds):  # alternating, so a change in the machine's load hits both modes
-                for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            res, runs = {}, {mode: [] for mode in modes}
+            before = {name: (a.proposed, a.accepted) for name, a in accepts.items()}
+            for r in range(args.rounds):  # rotating, so a change in the machine's load hits every mode
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                     elapsed, cpu, n_tokens, tokens = run_round(engines[mode], texts, args.max_tokens)
                     runs[mode].append((elapsed, cpu, n_tokens))
                     res.setdefault(mode, {"outputs": tokens})
-            for mode in ("off", "on"):
+            for mode in modes:
                 walls = sorted(n / e for e, _, n in runs[mode])
                 cpus = sorted(n / c for _, c, n in runs[mode])
                 res[mode].update(
@@ -190,28 +230,44 @@ def main() -> int:
                     tok_per_cpu_s=cpus[len(cpus) // 2],
                     runs=[{"seconds": e, "cpu_seconds": c, "tokens": n} for e, c, n in runs[mode]],
                 )
-            proposed, accepted = accept.proposed - before[0], accept.accepted - before[1]
-            res["acceptance"] = accepted / proposed if proposed else None
-            res["proposed"] = proposed // args.rounds
-            same = res["on"].pop("outputs") == res["off"].pop("outputs")
-            speedup = res["on"]["tok_s"] / res["off"]["tok_s"]
-            cpu_speedup = res["on"]["tok_per_cpu_s"] / res["off"]["tok_per_cpu_s"]
-            results.append(dict(workload=workload, concurrency=conc, load_avg=load, same_output=same, **res))
-            acc = res["acceptance"]
-            rows.append([
-                workload, conc, res["off"]["tok_s"], res["on"]["tok_s"], speedup, cpu_speedup,
-                "-" if acc is None else f"{acc:.0%}", res["proposed"], same, f"{load:.1f}",
-            ])  # fmt: skip
-            print(rows[-1], flush=True)
+            off = res["off"]
+            for name in specs:
+                on = res[name]
+                proposed = accepts[name].proposed - before[name][0]
+                accepted = accepts[name].accepted - before[name][1]
+                on["acceptance"] = accepted / proposed if proposed else None
+                on["proposed"] = proposed // args.rounds
+                on["same_output"] = on["outputs"] == off["outputs"]
+                speedup = on["tok_s"] / off["tok_s"]
+                cpu_speedup = on["tok_per_cpu_s"] / off["tok_per_cpu_s"]
+                acc = on["acceptance"]
+                rows.append([
+                    name, workload, conc, off["tok_s"], on["tok_s"], speedup, cpu_speedup,
+                    "-" if acc is None else f"{acc:.0%}", on["proposed"], on["same_output"], f"{load:.1f}",
+                ])  # fmt: skip
+                print(rows[-1], flush=True)
+            for mode in modes:
+                res[mode].pop("outputs")
+            # "on" stays the n-gram result (the earlier files' key); each proposer under its own name too
+            results.append(
+                dict(
+                    workload=workload,
+                    concurrency=conc,
+                    load_avg=load,
+                    same_output=all(res[name]["same_output"] for name in specs),
+                    on=res.get("ngram"),
+                    **res,
+                )
+            )
     if args.vllm is not None:
         results_vllm = run_vllm(args, rows)
     else:
         results_vllm = None
     headers = [
-        "workload", "conc", "off tok/s", "on tok/s", "speedup (wall)", "speedup (CPU time)", "accepted",
+        "proposer", "workload", "conc", "off tok/s", "on tok/s", "speedup (wall)", "speedup (CPU time)", "accepted",
         "proposed", "same output", "load avg",
     ]  # fmt: skip
-    print_table("speculative decoding (n-gram), SmolLM2-135M float32, CPU", headers, rows)
+    print_table("speculative decoding, SmolLM2-135M float32, CPU", headers, rows)
     path = write_json(
         "spec",
         {
@@ -221,6 +277,7 @@ def main() -> int:
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
             "spec": json.loads(args.spec),
+            "specs": {name: json.loads(v) for name, v in specs.items()},
             "results": results,
             "vllm": results_vllm,
         },
@@ -231,12 +288,13 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for workload in args.workloads:
             pts = [r for r in results if r["workload"] == workload]
-            ax.plot(
-                [r["concurrency"] for r in pts],
-                [r["on"]["tok_s"] / r["off"]["tok_s"] for r in pts],
-                marker="o",
-                label=workload,
-            )
+            for name in specs:
+                ax.plot(
+                    [r["concurrency"] for r in pts],
+                    [r[name]["tok_s"] / r["off"]["tok_s"] for r in pts],
+                    marker="o",
+                    label=f"{name} {workload}",
+                )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
