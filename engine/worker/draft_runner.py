@@ -126,7 +126,9 @@ class DraftProposer:
         for req, seq, k in batch:
             if k < 1:
                 continue
-            cache.sync(seq.seq_id, seq.token_ids)
+            held = cache.sync(seq.seq_id, seq.token_ids)
+            if held >= seq.num_tokens:  # proposed before but not scheduled: feed the last token again
+                cache.truncate(seq.seq_id, seq.num_tokens - 1)
             # the proposal's last token is never fed: k - 1 proposals join the sequence's tokens
             if cache.reserve(seq.seq_id, seq.num_tokens + k - 1, protect):
                 live.append((req, seq, k))

@@ -348,3 +348,21 @@ def test_the_operator_renders_a_draft_model_and_refuses_one_without_a_model():
         body["spec"]["engine"]["speculative"] = bad
         with pytest.raises(SpecError, match=words):
             parse_spec(body["spec"])
+
+
+def test_a_proposal_made_twice_for_the_same_tokens_is_the_same(tiny_engines):
+    """A sequence proposed for but not scheduled (the step's budget ran out) is asked again with the same
+    tokens: the draft feeds its last token again and proposes the same, its proposals' KV dropped."""
+    from types import SimpleNamespace
+
+    proposer = tiny_engines[True].scheduler.proposer
+    req = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    seq = SimpleNamespace(seq_id="twice", token_ids=[5, 9, 13, 17, 21, 25], generator=None)
+    seq.num_tokens = len(seq.token_ids)
+    proposer.prepare([(req, seq, 3)])
+    first = proposer(seq, 3)
+    assert len(first) == 3 and proposer.cache.num_tokens("twice") == 6 + 2
+    proposer.prepare([(req, seq, 3)])
+    assert proposer(seq, 3) == first and proposer.cache.num_tokens("twice") == 6 + 2
+    proposer.free(seq)
+    assert_draft_cache_empty(tiny_engines[True])
