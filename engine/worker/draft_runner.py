@@ -86,6 +86,12 @@ class DraftProposer:
         path = resolve_model(spec.model)
         mc = ModelConfig.from_dir(path)
         check_draft_vocab(mc, target, spec.model)
+        if mc.max_position_embeddings < max_model_len:
+            raise ValueError(
+                f"speculative config: the draft model {spec.model} has {mc.max_position_embeddings} positions, "
+                f"fewer than max_model_len {max_model_len}: pass --max-model-len {mc.max_position_embeddings} "
+                "or a draft of the target's length"
+            )
         check_quantization(spec.quantization, path, mc, device)
         load = SimpleNamespace(
             attention_backend=config.attention_backend,

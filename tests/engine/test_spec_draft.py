@@ -323,6 +323,12 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_engines, tmp_path, defaul
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"vocabulary of 128 tokens and the target 64.*share the target's"):
         LLMEngine(cfg)
+    short = _conftest().make_tiny_model(
+        tmp_path, "llama", default_model_dir, vocab_size=TINY_VOCAB, max_position_embeddings=32
+    )
+    cfg.speculative_config = draft_config(short, 2)
+    with pytest.raises(ValueError, match="has 32 positions, fewer than max_model_len 64"):
+        LLMEngine(cfg)
 
 
 # ---- the CRD: spec.engine.speculative with a draft model -------------------------------------------------------
