@@ -8,7 +8,9 @@ For each dtype (float32; bfloat16 as the engine runs it: on a CPU without bfloat
 sides compute in float32 over the bfloat16 weight, on one with AVX512-BF16 ours multiplies bfloat16 pairs and
 oneDNN runs its bfloat16 kernel), linear shape (fused qkv, o, fused gate-up, down, lm_head at tensor-parallel
 size 1), thread count and row count, both products run through the engine's own functions
-(`cpu_linear._small_rows`, `cpu_linear.onednn_linear`) on random weights, calls interleaved. Each reported time
+(`cpu_linear._small_rows`, `cpu_linear.onednn_linear`) on random weights, calls interleaved, each call on the
+next of enough copies of the weight to exceed the last-level cache twice, so that every weight arrives from
+memory as a model's do in the engine (``--hot``: one copy, repeated calls run from cache). Each reported time
 is the fastest and the median of ``--calls`` single calls: on a host shared with other work the fastest is the
 product's own cost (preempted calls only ever add time), the median says how noisy the host was. Per row count
 the model's linear time per decode step (layers x (qkv + o + gate-up + down) + lm_head) is given for ours,
@@ -49,23 +51,30 @@ def _calls(fns: dict, calls: int) -> dict[str, list[float]]:
     return out
 
 
-def candidates(dtype: torch.dtype, weight: torch.Tensor, x: torch.Tensor) -> tuple[dict, str]:
-    """The two products as `cpu_linear.linear` would run them for this dtype, and the operand kind."""
+def candidates(dtype: torch.dtype, weights: list, x: torch.Tensor) -> tuple[dict, str]:
+    """The two products as `cpu_linear.linear` would run them for this dtype, each call on the next of
+    ``weights`` [(weight, PackedWeight)], and the operand kind."""
     from pagoda.engine.models import cpu_linear
 
-    packed = cpu_linear.PackedWeight()
-    if dtype == torch.bfloat16 and cpu_linear.bfloat16_widens():
-        xs = x.float()  # as linear does: the float32 product over the bfloat16 weight, rounded once
-        kind = cpu_linear._small_rows_kind(xs, weight)
-        return {
-            "ours": lambda: cpu_linear._small_rows(xs, weight, None, kind).to(dtype),
-            "onednn": lambda: cpu_linear.onednn_linear(x.float(), weight, None, packed).to(dtype),
-        }, str(kind)
-    kind = cpu_linear._small_rows_kind(x, weight)
-    fns = {"onednn": lambda: cpu_linear.onednn_linear(x, weight, None, packed)}
+    turn = {"ours": 0, "onednn": 0}
+
+    def next_weight(side: str) -> tuple:
+        turn[side] += 1
+        return weights[turn[side] % len(weights)]
+
+    widen = dtype == torch.bfloat16 and cpu_linear.bfloat16_widens()
+    xs = x.float() if widen else x  # as linear does there: float32 over the bfloat16 weight, rounded once
+    kind = cpu_linear._small_rows_kind(xs, weights[0][0])
+    fns = {"onednn": lambda: _onednn(cpu_linear, xs, next_weight("onednn"), dtype)}
     if kind is not None:
-        fns["ours"] = lambda: cpu_linear._small_rows(x, weight, None, kind)
+        fns["ours"] = lambda: cpu_linear._small_rows(xs, next_weight("ours")[0], None, kind).to(dtype)
+    for w, pack in weights:  # packs made before timing
+        cpu_linear.onednn_linear(xs, w, None, pack)
     return fns, str(kind)
+
+
+def _onednn(cpu_linear, x: torch.Tensor, weight: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return cpu_linear.onednn_linear(x, weight[0], None, weight[1]).to(dtype)
 
 
 def model_shapes(args: argparse.Namespace) -> tuple[str, int, list[tuple[str, int, int]]]:
@@ -97,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "cpu-linear.json"))
     p.add_argument("--tiny", action="store_true")
+    p.add_argument(
+        "--hot", action="store_true", help="one copy of each weight: repeated calls run from cache"
+    )
     args = p.parse_args(argv)
     from pagoda.engine.cli.kernels_cpu import report
+    from pagoda.engine.models import cpu_linear
+    from pagoda.engine.models.cpu_linear_choice import cold_copies
     from pagoda.kernels.cpu import loader
 
     all_threads = torch.get_num_threads()
@@ -113,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, dtype_name)
         for name, n, k in shapes:
             weight = torch.randn(n, k).to(dtype)
+            copies = 1 if args.hot else cold_copies(weight.numel() * weight.element_size())
+            weights = [
+                (weight if i == 0 else weight.clone(), cpu_linear.PackedWeight()) for i in range(copies)
+            ]
             for t in threads:
                 torch.set_num_threads(t)
                 for rows in rows_list:
                     x = torch.randn(rows, k).to(dtype)
                     with torch.no_grad():
-                        fns, kind = candidates(dtype, weight, x)
+                        fns, kind = candidates(dtype, weights, x)
                         times = _calls(fns, calls)
                     row = {"dtype": dtype_name, "linear": name, "n": n, "k": k, "threads": t, "rows": rows,
                            "kind": kind, "count": layers if name in per_layer else 1}  # fmt: skip
@@ -142,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "layers": layers,
         "calls": calls,
+        "weights": "hot (one copy)" if args.hot else "cold (copies cycled past the last-level cache)",
         "rows": results,
         "steps": steps,
     }
@@ -172,7 +191,8 @@ def step_totals(results: list[dict]) -> list[dict]:
 def print_tables(out: dict) -> None:
     h = out["host"]
     print(f"{out['model']} linears on {h['cpu']} ({' '.join(h['extensions'])}), {h['kernels']}; "
-          f"load {h['load'][0]:.1f} on {h['cores']} cores; fastest / median of {out['calls']} calls, microseconds")  # fmt: skip
+          f"load {h['load'][0]:.1f} on {h['cores']} cores; weights {out['weights']}; fastest / median of "
+          f"{out['calls']} calls, microseconds")  # fmt: skip
     print()
     print(
         "| dtype | linear [n x k] | threads | rows | ours min | oneDNN min | oneDNN/ours | ours median | oneDNN median |"

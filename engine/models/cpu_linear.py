@@ -107,7 +107,7 @@ def linear(
         return linear(x.float(), weight, bias, packed).to(torch.bfloat16)
     kind = _small_rows_kind(x, weight)
     if kind is not None:
-        timer = functools.partial(_time_candidates, x.dtype, weight, packed)
+        timer = _ColdTimer(x.dtype, weight, packed)
         if cpu_linear_choice.prefers_ours(kind, weight.shape, torch.get_num_threads(), x.shape[0], timer):
             y = _small_rows(x, weight, bias, kind)
             if y is not None:
@@ -163,19 +163,43 @@ def _small_rows_kind(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 _F32_KINDS = {torch.float32: "f32", torch.bfloat16: "f32-bf16w"}
 
 
-def _time_candidates(
-    dtype: torch.dtype, weight: torch.Tensor, packed: PackedWeight, rows: int
-) -> dict[str, float]:
-    """Seconds per call of both products of ``rows`` random rows of ``dtype`` through ``weight``."""
-    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
-    kind = _small_rows_kind(x, weight)
-    with torch.no_grad():
-        return cpu_linear_choice.time_calls(
-            {
-                cpu_linear_choice.OURS: lambda: _small_rows(x, weight, None, kind),
-                cpu_linear_choice.ONEDNN: lambda: onednn_linear(x, weight, None, packed),
-            }
+class _ColdTimer:
+    """Times both products of a weight's shape as the engine meets them: its weights arriving from memory, not
+    from a cache that the previous call warmed. Calls cycle through copies of the weight (each side its own)
+    that together exceed the last-level cache twice, made on the first call and freed with the timer."""
+
+    def __init__(self, dtype: torch.dtype, weight: torch.Tensor, packed: PackedWeight) -> None:
+        self.dtype, self.weight, self.packed = dtype, weight, packed
+        self.copies: list[tuple[torch.Tensor, PackedWeight]] = []
+
+    def __call__(self, rows: int) -> dict[str, float]:
+        """Seconds per call of both products of ``rows`` random rows of the dtype."""
+        if not self.copies:
+            n = cpu_linear_choice.cold_copies(self.weight.numel() * self.weight.element_size())
+            self.copies = [(self.weight, self.packed)]
+            self.copies += [(self.weight.clone(), PackedWeight()) for _ in range(n - 1)]
+        x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(
+            self.dtype
         )
+        kind = _small_rows_kind(x, self.weight)
+        turn = {cpu_linear_choice.OURS: 0, cpu_linear_choice.ONEDNN: 0}
+
+        def ours() -> object:
+            w, _ = self.copies[turn[cpu_linear_choice.OURS] % len(self.copies)]
+            turn[cpu_linear_choice.OURS] += 1
+            return _small_rows(x, w, None, kind)
+
+        def onednn() -> object:
+            w, pack = self.copies[turn[cpu_linear_choice.ONEDNN] % len(self.copies)]
+            turn[cpu_linear_choice.ONEDNN] += 1
+            return onednn_linear(x, w, None, pack)
+
+        with torch.no_grad():
+            for w, pack in self.copies:  # packs made before timing, not in the first timed calls
+                onednn_linear(x, w, None, pack)
+            return cpu_linear_choice.time_calls(
+                {cpu_linear_choice.OURS: ours, cpu_linear_choice.ONEDNN: onednn}
+            )
 
 
 def small_rows(

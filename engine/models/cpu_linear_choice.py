@@ -39,7 +39,7 @@ SETTINGS = ("auto", OURS, ONEDNN)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # per candidate and row count: at least MIN_CALLS timed calls, more while under CALL_BUDGET_S, at most MAX_CALLS
 MIN_CALLS, MAX_CALLS, CALL_BUDGET_S = 3, 40, 0.02
-FORMAT = 1  # of the file; another format is measured again
+FORMAT = 2  # of the file and its method (2: weights cycled past the cache); another format is measured again
 
 Timer = Callable[[int], dict[str, float]]  # rows -> seconds per call of each candidate at that row count
 
@@ -122,6 +122,25 @@ def time_calls(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest cache of CPU 0 as sysfs lists it (32 MiB where it cannot be read)."""
+    sizes = []
+    for index in Path(root).glob("index*"):
+        with contextlib.suppress(OSError, ValueError):
+            text = (index / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def cold_copies(weight_bytes: int, most: int = 64) -> int:
+    """How many copies of a weight a timer cycles through so each call's weight comes from memory, as in a
+    model whose weights exceed the caches (a repeated product over one small weight runs from cache, where
+    oneDNN's blocked kernels win what they lose on a weight streamed from memory): twice the last-level cache,
+    at most ``most``."""
+    return max(1, min(most, -(-2 * last_level_cache_bytes() // max(weight_bytes, 1))))
 
 
 def decide(times: dict[str, float]) -> str:

@@ -220,3 +220,16 @@ def test_the_benchmark_runs_in_its_smoke_mode(tmp_path, capsys):
     assert len(out["rows"]) == 2 * 5 * 2  # dtypes x linears x row counts
     assert all(r["onednn_min_us"] > 0 and r.get("ours_min_us", 1) > 0 for r in out["rows"])
     assert "| float32 | 1 | 16 |" in capsys.readouterr().out
+
+
+def test_cold_timing_cycles_copies_past_the_last_level_cache(tmp_path):
+    for index, (level, size) in enumerate([(1, "32K"), (2, "1024K"), (3, "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert cpu_linear_choice.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert cpu_linear_choice.last_level_cache_bytes(str(tmp_path / "none")) == 32 << 20  # unreadable: a guess
+    llc = cpu_linear_choice.last_level_cache_bytes()
+    assert cpu_linear_choice.cold_copies(2 * llc) == 1  # a weight past the cache needs no copy
+    assert cpu_linear_choice.cold_copies(llc // 2) == 4
+    assert cpu_linear_choice.cold_copies(1) == 64  # at most 64
