@@ -1,0 +1,220 @@
+"""Pipeline parallelism on CPU: stages of gloo ranks (processes on this machine) give the greedy tokens of
+one rank, alone (PP=2) and with tensor parallelism inside each stage (PP=2 x TP=2); each stage holds the KV
+of its own layers only; the dry run prints each stage's KV per rank; a rank that dies makes the engine
+report itself dead; and a replica spread over two `pagoda serve` processes (--nnodes 2, the second
+--headless) on loopback serves the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.distributed.pipeline import split_step
+from pagoda.engine.sizing.stages import host_ranks, max_stage_layers, stage_layers
+from pagoda.engine.worker.step_input import StepInput
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 20]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _greedy(path: str, pp: int, tp: int = 1, prompts=PROMPTS) -> tuple[list[list[int]], LLM]:
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        kv_cache_memory_bytes=4 << 20,
+    )
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
+
+
+def test_stages_split_layers_contiguously_and_evenly():
+    assert stage_layers(4, 2) == [(0, 2), (2, 4)]
+    # extra layers go to the stages after stage 0 (whose rank also schedules and samples)
+    assert stage_layers(3, 2) == [(0, 1), (1, 3)]
+    assert stage_layers(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert max_stage_layers(126, 4) == 32 and max_stage_layers(5, 1) == 5
+    assert list(host_ranks(8, 2, 1)) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        stage_layers(2, 3)
+
+
+def test_a_step_splits_into_micro_batches_by_sequences():
+    # three sequences of 5, 3 and 20 new tokens; the first two sample, the third is a prefill chunk
+    step = StepInput(
+        input_ids=np.arange(28),
+        positions=np.arange(28),
+        query_lens=np.array([5, 3, 20]),
+        context_lens=np.array([0, 4, 0]),
+        block_tables=np.array([[1, 0], [2, 3], [4, 5]], dtype=np.int32),
+        sample_idx=np.array([4, 7]),
+    )
+    parts = split_step(step, 2)
+    assert [list(p.query_lens) for p in parts] == [[5, 3], [20]]
+    assert list(parts[0].sample_idx) == [4, 7] and len(parts[1].sample_idx) == 0
+    assert list(parts[1].input_ids) == list(range(8, 28)) and parts[1].block_tables.tolist() == [[4, 5]]
+    decode = StepInput(np.arange(4), np.arange(4), np.ones(4, int), np.full(4, 9), np.zeros((4, 1), np.int32),
+                       np.arange(4))  # fmt: skip
+    halves = split_step(decode, 2)
+    assert [list(p.sample_idx) for p in halves] == [[0, 1], [0, 1]]
+    assert [list(p.input_ids) for p in halves] == [[0, 1], [2, 3]]
+    assert len(split_step(decode, 8)) == 4  # never an empty micro-batch
+    decode.logprob_idx = np.array([0])
+    assert split_step(decode, 2) == [decode]  # prompt-logprob rows: one micro-batch
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pp2_matches_pp1_and_each_stage_holds_its_own_layers(tiny_model, family):
+    """Three layers over two stages (1 + 2); qwen2 ties the LM head to the embedding (the last stage keeps a
+    copy). The decode steps run as two micro-batches."""
+    path = str(tiny_model(family, num_hidden_layers=3))
+    one, _ = _greedy(path, 1)
+    two, llm = _greedy(path, 2)
+    try:
+        assert two == one
+        engine = llm.engine.core
+        assert len(engine.runner.kv_caches) == 1  # stage 0: layer 0
+        per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16 dims, float32
+        assert engine.kv_bytes_per_token == 2 * per_layer  # the largest stage (2 layers) sizes the blocks
+        times = engine.runner.pipeline.times
+        assert times.micro_batches > times.steps  # several sequences: more micro-batches than steps
+        model = engine.runner.model
+        assert model.embed_tokens is not None and model.lm_head_weight is None
+        assert sum(p.numel() for p in model.layers[1:].parameters()) == 0
+    finally:
+        llm.engine.close()
+    assert not any(p.is_alive() for p in llm.engine.workers.procs), "close() leaves no rank running"
+
+
+@pytest.mark.timeout(300)
+def test_pp2_tp2_matches_pp1(tiny_model):
+    """Four ranks: two stages of two tensor-parallel ranks each."""
+    path = str(tiny_model("llama", num_hidden_layers=4))
+    one, _ = _greedy(path, 1)
+    four, llm = _greedy(path, 2, tp=2)
+    try:
+        assert four == one
+        assert len(llm.engine.workers.procs) == 3
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_dies_makes_the_engine_report_itself_dead(tiny_model):
+    _, llm = _greedy(str(tiny_model("llama")), 2, prompts=[[1, 2, 3]])
+    workers = llm.engine.workers
+    (rank1,) = workers.procs
+    try:
+        rank1.kill()
+        rank1.join(5)
+        deadline = time.monotonic() + 5
+        while workers.dead_reason is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers.dead_reason == f"pipeline rank 1 exited (code {-signal.SIGKILL})"
+        assert llm.engine.core.dead_reason == workers.dead_reason
+        with pytest.raises(RuntimeError, match="pipeline rank 1 exited"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.close()
+
+
+def test_what_the_pipeline_does_not_support_is_refused():
+    for flag in ({"enable_lora": True}, {"async_scheduling": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}):  # fmt: skip
+        with pytest.raises(ValueError, match="not supported with pipeline parallelism"):
+            EngineConfig(pipeline_parallel_size=2, **flag)
+
+
+def test_the_dry_run_of_each_rank_prints_each_stage_kv(tiny_model):
+    """What the operator renders for a group of two hosts (leader and headless worker) passes the dry run,
+    which prints each stage's layers, ranks and KV per rank."""
+    from pagoda.engine.cli.dry_run import check
+
+    path = str(tiny_model("llama", num_hidden_layers=3))
+    common = [path, "-pp", "2", "--tensor-parallel-size", "2", "--nnodes", "2", "--device", "cpu", "--dtype",
+              "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256", "--master-addr", "leader"]  # fmt: skip
+    leader = check([*common, "--node-rank", "0"]).to_dict()
+    worker = check([*common, "--node-rank", "1", "--headless"]).to_dict()
+    per_layer = 2 * 1 * 16 * 4  # TP=2: one of the 2 KV heads per rank
+    for report, mine in ((leader, 0), (worker, 1)):
+        stages = report["pipeline"]["stages"]
+        assert [s["layers"] for s in stages] == [[0, 1], [1, 3]]
+        assert [s["ranks"] for s in stages] == [[0, 1], [2, 3]]
+        assert [s["kv_bytes_per_token_per_rank"] for s in stages] == [per_layer, 2 * per_layer]
+        blocks = report["plan"]["num_blocks"]
+        assert report["plan"]["kv_bytes_per_token"] == 2 * per_layer
+        assert blocks == (4 << 20) // (2 * per_layer * 16)
+        assert [s["kv_cache_bytes_per_rank"] for s in stages] == [
+            blocks * 16 * per_layer,
+            blocks * 16 * 2 * per_layer,
+        ]
+        assert [s["ranks_on_this_host"] for s in stages][mine] == [2 * mine, 2 * mine + 1]
+        assert report["pipeline"]["master"] == "leader:29501"
+
+
+# ---------------------------------------------------------------- two hosts on loopback
+
+
+def _serve(args: list[str], log) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagoda.cli.main", "serve", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(400)
+def test_two_hosts_on_loopback_serve_the_tokens_of_one(tiny_model, tmp_path):
+    """`--nnodes 2 --node-rank 0` serves, a `--headless --node-rank 1` process runs stage 1; the headless
+    host exits once the leader is gone."""
+    import httpx
+    from pagoda_testkit.processes import free_port, wait_healthy
+
+    path = str(tiny_model("llama", num_hidden_layers=3))
+    single = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20)
+    one = [o.outputs[0].text for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    http, master = free_port(), free_port()
+    common = [path, "-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
+              "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256"]  # fmt: skip
+    logs = [open(tmp_path / name, "wb") for name in ("leader.log", "worker.log")]  # noqa: SIM115
+    leader = _serve([*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(http)], logs[0])
+    worker = _serve([*common, "--node-rank", "1", "--headless"], logs[1])
+    url = f"http://127.0.0.1:{http}"
+
+    def tail() -> str:
+        return "".join(
+            (tmp_path / n).read_text(errors="replace")[-3000:] for n in ("leader.log", "worker.log")
+        )
+
+    try:
+        wait_healthy(leader, url, tail, 300, poll_s=1)
+        got = []
+        for prompt in PROMPTS:
+            body = {"model": path, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+        assert got == one
+        leader.send_signal(signal.SIGTERM)
+        leader.wait(60)
+        assert worker.wait(60) is not None, tail()
+    finally:
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for log in logs:
+            log.close()
