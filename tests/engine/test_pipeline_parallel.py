@@ -218,3 +218,23 @@ def test_two_hosts_on_loopback_serve_the_tokens_of_one(tiny_model, tmp_path):
                 proc.wait(10)
         for log in logs:
             log.close()
+
+
+def test_the_planner_stages_a_model_over_nodes_only_when_allowed():
+    """Llama-3.1-405B in bfloat16 needs more than one node of 8 x H100: with max_nodes the plan is 2
+    stages of TP=8, one node each, its per-GPU weights the larger stage's share; without, a refusal."""
+    from pagoda.engine.sizing import gpu_info
+    from pagoda.engine.sizing.errors import SizingError
+    from pagoda.engine.sizing.planner import Hints, plan
+    from pagoda.engine.sizing.shapes import well_known_shape
+    from pagoda.engine.sizing.stages import stage_weight_bytes
+
+    shape = well_known_shape("meta-llama/Llama-3.1-405B-Instruct")
+    node = gpu_info("H100-80GB", 8)
+    with pytest.raises(SizingError, match="does not fit on 8 x H100"):
+        plan(shape, node, Hints())
+    p = plan(shape, node, Hints(max_nodes=4))
+    assert (p.pipeline_parallel_size, p.nnodes, p.tensor_parallel_size) == (2, 2, 8)
+    stages = stage_weight_bytes(shape.weight_bytes, 126, 2, shape.vocab_size, shape.hidden_size, 2, False)
+    assert p.weights_bytes_per_gpu == -(-max(stages) // 8) and sum(stages) <= shape.weight_bytes
+    assert p.num_gpu_blocks > 0 and "2 stages of 8 GPUs" in p.reasons["pipeline_parallel_size"]
