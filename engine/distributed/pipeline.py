@@ -129,7 +129,8 @@ class Pipeline:
                 x, residual = layer(x, residual, cos, sin, cache, meta)
             rows = np.concatenate([mb.sample_idx, mb.logprob_idx]) if len(mb.logprob_idx) else mb.sample_idx
             if not st.last:
-                sends.append(dist.isend(torch.stack((x, residual)).contiguous(), dst=self.next_rank))
+                out = torch.stack((x, residual)).contiguous()
+                sends.append((dist.isend(out, dst=self.next_rank), out))  # kept alive until sent
                 busy += time.perf_counter() - t0
             else:
                 logits = None
@@ -142,7 +143,7 @@ class Pipeline:
                     if st.rank == 0:
                         logits_out.append(logits)
                     elif st.rank == self.logits_rank:
-                        sends.append(dist.isend(logits, dst=0))
+                        sends.append((dist.isend(logits, dst=0), logits))
             if st.rank == 0 and not st.last:
                 expect.append(len(rows))
         for rows in expect:  # rank 0: the last stage's logits, micro-batch by micro-batch
@@ -150,7 +151,7 @@ class Pipeline:
                 buf = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=runner.device)
                 dist.recv(buf, src=self.logits_rank)
                 logits_out.append(buf)
-        for work in sends:
+        for work, _ in sends:
             work.wait()
         wall = time.perf_counter() - start
         t = self.times

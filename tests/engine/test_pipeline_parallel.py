@@ -38,6 +38,21 @@ def _greedy(path: str, pp: int, tp: int = 1, prompts=PROMPTS) -> tuple[list[list
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
 
 
+@pytest.fixture(scope="module")
+def llama3(module_tiny_model) -> str:
+    """A tiny random Llama of 3 layers (stages of 1 + 2 at PP=2), shared by the tests of this file."""
+    return str(module_tiny_model("llama", num_hidden_layers=3))
+
+
+@pytest.fixture(scope="module")
+def llama3_pp1(llama3) -> tuple[list[list[int]], list[str]]:
+    """PP=1's greedy tokens and texts of PROMPTS on `llama3` (what every pipeline must give)."""
+    llm = LLM(llama3, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20)
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.engine.close()
+    return [o.outputs[0].token_ids for o in out], [o.outputs[0].text for o in out]
+
+
 def test_stages_split_layers_contiguously_and_evenly():
     assert stage_layers(4, 2) == [(0, 2), (2, 4)]
     # extra layers go to the stages after stage 0 (whose rank also schedules and samples)
@@ -75,11 +90,14 @@ def test_a_step_splits_into_micro_batches_by_sequences():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_pp2_matches_pp1_and_each_stage_holds_its_own_layers(tiny_model, family):
+def test_pp2_matches_pp1_and_each_stage_holds_its_own_layers(tiny_model, llama3, llama3_pp1, family):
     """Three layers over two stages (1 + 2); qwen2 ties the LM head to the embedding (the last stage keeps a
     copy). The decode steps run as two micro-batches."""
-    path = str(tiny_model(family, num_hidden_layers=3))
-    one, _ = _greedy(path, 1)
+    if family == "llama":
+        path, one = llama3, llama3_pp1[0]
+    else:
+        path = str(tiny_model(family, num_hidden_layers=3))
+        one, _ = _greedy(path, 1)
     two, llm = _greedy(path, 2)
     try:
         assert two == one
@@ -98,11 +116,10 @@ def test_pp2_matches_pp1_and_each_stage_holds_its_own_layers(tiny_model, family)
 
 
 @pytest.mark.timeout(300)
-def test_pp2_tp2_matches_pp1(tiny_model):
+def test_pp2_tp2_matches_pp1(llama3, llama3_pp1):
     """Four ranks: two stages of two tensor-parallel ranks each."""
-    path = str(tiny_model("llama", num_hidden_layers=4))
-    one, _ = _greedy(path, 1)
-    four, llm = _greedy(path, 2, tp=2)
+    one = llama3_pp1[0]
+    four, llm = _greedy(llama3, 2, tp=2)
     try:
         assert four == one
         assert len(llm.engine.workers.procs) == 3
@@ -111,8 +128,8 @@ def test_pp2_tp2_matches_pp1(tiny_model):
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_that_dies_makes_the_engine_report_itself_dead(tiny_model):
-    _, llm = _greedy(str(tiny_model("llama")), 2, prompts=[[1, 2, 3]])
+def test_a_rank_that_dies_makes_the_engine_report_itself_dead(llama3):
+    _, llm = _greedy(llama3, 2, prompts=[[1, 2, 3]])
     workers = llm.engine.workers
     (rank1,) = workers.procs
     try:
@@ -135,12 +152,12 @@ def test_what_the_pipeline_does_not_support_is_refused():
             EngineConfig(pipeline_parallel_size=2, **flag)
 
 
-def test_the_dry_run_of_each_rank_prints_each_stage_kv(tiny_model):
+def test_the_dry_run_of_each_rank_prints_each_stage_kv(llama3):
     """What the operator renders for a group of two hosts (leader and headless worker) passes the dry run,
     which prints each stage's layers, ranks and KV per rank."""
     from pagoda.engine.cli.dry_run import check
 
-    path = str(tiny_model("llama", num_hidden_layers=3))
+    path = llama3
     common = [path, "-pp", "2", "--tensor-parallel-size", "2", "--nnodes", "2", "--device", "cpu", "--dtype",
               "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256", "--master-addr", "leader"]  # fmt: skip
     leader = check([*common, "--node-rank", "0"]).to_dict()
@@ -177,15 +194,13 @@ def _serve(args: list[str], log) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(400)
-def test_two_hosts_on_loopback_serve_the_tokens_of_one(tiny_model, tmp_path):
+def test_two_hosts_on_loopback_serve_the_tokens_of_one(llama3, llama3_pp1, tmp_path):
     """`--nnodes 2 --node-rank 0` serves, a `--headless --node-rank 1` process runs stage 1; the headless
     host exits once the leader is gone."""
     import httpx
     from pagoda_testkit.processes import free_port, wait_healthy
 
-    path = str(tiny_model("llama", num_hidden_layers=3))
-    single = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20)
-    one = [o.outputs[0].text for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    path, one = llama3, llama3_pp1[1]
     http, master = free_port(), free_port()
     common = [path, "-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
               "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256"]  # fmt: skip
