@@ -390,6 +390,7 @@ class EngineCore:
             kv_bytes_per_token=int(self.kv_bytes_per_token),
             max_model_len=int(self.max_model_len),
             tensor_parallel_size=int(cfg.tensor_parallel_size),
+            pipeline_parallel_size=int(cfg.pipeline_parallel_size),
         )
         return out
 

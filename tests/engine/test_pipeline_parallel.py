@@ -194,15 +194,16 @@ def _serve(args: list[str], log) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(400)
-def test_two_hosts_on_loopback_serve_the_tokens_of_one(llama3, llama3_pp1, tmp_path):
-    """`--nnodes 2 --node-rank 0` serves, a `--headless --node-rank 1` process runs stage 1; the headless
-    host exits once the leader is gone."""
+@pytest.mark.parametrize("split", [["-pp", "2"], ["--tensor-parallel-size", "2"]], ids=["pp2", "tp2"])
+def test_two_hosts_on_loopback_serve_the_tokens_of_one(llama3, llama3_pp1, tmp_path, split):
+    """`--nnodes 2 --node-rank 0` serves, a `--headless --node-rank 1` process runs stage 1 (or, with
+    tensor parallelism alone, TP rank 1); the headless host exits once the leader is gone."""
     import httpx
     from pagoda_testkit.processes import free_port, wait_healthy
 
     path, one = llama3, llama3_pp1[1]
     http, master = free_port(), free_port()
-    common = [path, "-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
+    common = [path, *split, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
               "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256"]  # fmt: skip
     logs = [open(tmp_path / name, "wb") for name in ("leader.log", "worker.log")]  # noqa: SIM115
     leader = _serve([*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(http)], logs[0])
@@ -253,3 +254,19 @@ def test_the_planner_stages_a_model_over_nodes_only_when_allowed():
     stages = stage_weight_bytes(shape.weight_bytes, 126, 2, shape.vocab_size, shape.hidden_size, 2, False)
     assert p.weights_bytes_per_gpu == -(-max(stages) // 8) and sum(stages) <= shape.weight_bytes
     assert p.num_gpu_blocks > 0 and "2 stages of 8 GPUs" in p.reasons["pipeline_parallel_size"]
+
+
+def test_families_with_a_forward_of_their_own_are_refused():
+    from types import SimpleNamespace
+
+    from pagoda.engine.models.gemma import GemmaForCausalLM
+    from pagoda.engine.models.llama import LlamaForCausalLM
+    from pagoda.engine.worker.pp_workers import check_pipeline
+
+    config = EngineConfig(pipeline_parallel_size=2)
+    mc = SimpleNamespace(num_attention_heads=4, num_hidden_layers=4, architecture="Gemma2ForCausalLM")
+    check_pipeline(config, mc, LlamaForCausalLM)
+    with pytest.raises(ValueError, match="not supported for Gemma2ForCausalLM"):
+        check_pipeline(config, mc, GemmaForCausalLM)
+    with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
+        check_pipeline(EngineConfig(pipeline_parallel_size=5), mc, LlamaForCausalLM)
