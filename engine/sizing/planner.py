@@ -512,7 +512,8 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     host, disk, pvc = _offload(kv_bytes * tp, h, reasons, cpu=False, window=split is not None)
     if pp > 1 and (host or disk):  # the engine runs no offload tier with several ranks
         host, disk, pvc = 0, 0, ""
-        reasons["kv_offload_host_bytes"] = "no KV offload tiers with pipeline parallelism"
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes", "pvc_size"):
+            reasons[name] = "no KV offload tiers with pipeline parallelism"
     return Plan(
         gpu_memory_utilization=util, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=tp, num_gpu_blocks=blocks,

@@ -270,3 +270,14 @@ def test_families_with_a_forward_of_their_own_are_refused():
         check_pipeline(config, mc, GemmaForCausalLM)
     with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
         check_pipeline(EngineConfig(pipeline_parallel_size=5), mc, LlamaForCausalLM)
+
+
+def test_pagoda_plan_prints_the_stages_and_their_flags(capsys):
+    from pagoda.engine.cli.plan import main
+
+    argv = ["--model", "meta-llama/Llama-3.1-405B-Instruct", "--gpu", "H100", "--gpus", "8"]
+    assert main([*argv, "--max-nodes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Llama-3.1-405B on 2 nodes of 8 x H100")
+    assert "--tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2" in out
+    assert main(argv) == 2  # one node is not enough
