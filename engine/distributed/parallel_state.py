@@ -111,7 +111,7 @@ def pp_state() -> PPState:
     return _pp
 
 
-def control_group():
+def control_group() -> dist.ProcessGroup | None:
     """The gloo group rank 0 broadcasts its messages over (None outside a pipeline world)."""
     return _control_pg
 

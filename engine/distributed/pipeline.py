@@ -1,10 +1,10 @@
 """The pipeline-parallel forward of one step: every rank runs its stage's layers over the step's
 micro-batches, handing activations on to the next stage as each micro-batch finishes.
 
-A step's batch (the scheduler's, unchanged) is split by sequences into up to ``micro_batches`` contiguous
-groups of about equal tokens (`split_step`). Stage 0 embeds micro-batch 0, runs its layers and sends the
-hidden state and the residual stream to stage 1 without waiting for it, then goes on to micro-batch 1
-while stage 1 works on micro-batch 0, and so on: with M micro-batches over N stages the stages overlap,
+A step's batch (the scheduler's, unchanged) is split into up to ``micro_batches`` contiguous micro-batches
+of equal tokens (`split_step`). Stage 0 embeds micro-batch 0, runs its layers and sends the hidden state
+and the residual stream to stage 1 without waiting for it, then goes on to micro-batch 1 while stage 1
+works on micro-batch 0, and so on: with M micro-batches over N stages the stages overlap,
 and each idles for about (N - 1) / (M + N - 1) of the step (the bubble). The last stage runs the final norm
 and the LM head over the sampling rows and sends their logits back to rank 0, which samples.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,35 +25,38 @@ import torch.distributed as dist
 from pagoda.engine.distributed.parallel_state import PPState
 from pagoda.engine.worker.step_input import StepInput
 
+if TYPE_CHECKING:
+    from pagoda.engine.worker.model_runner import ModelRunner
+
 
 def split_step(step: StepInput, parts: int) -> list[StepInput]:
-    """The step's sequences in at most ``parts`` contiguous groups of about equal tokens (each one whole
-    sequence or more). A step with prompt-logprob rows or LoRA rows stays one group (their rows are not
-    split yet)."""
-    num_seqs = len(step.query_lens)
-    if parts <= 1 or num_seqs <= 1 or len(step.logprob_idx) or step.lora_rows is not None:
+    """The step's tokens in at most ``parts`` contiguous micro-batches of equal tokens (within one). In a
+    decode step every cut falls between sequences; a cut inside a prompt's chunk makes it two pieces, the second with the first as context, which is sound because every
+    stage runs its micro-batches in order (the first piece's KV is written before the second reads it). A
+    step with prompt-logprob rows or LoRA rows stays one micro-batch (their rows are not split yet)."""
+    total = len(step.input_ids)
+    parts = min(parts, total)
+    if parts <= 1 or len(step.logprob_idx) or step.lora_rows is not None:
         return [step]
-    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    qsl = np.zeros(len(step.query_lens) + 1, dtype=np.int64)
     np.cumsum(step.query_lens, out=qsl[1:])
-    total = int(qsl[-1])
-    parts = min(parts, num_seqs)
-    bounds = [0]
-    for k in range(1, parts):
-        # the sequence boundary nearest k/parts of the tokens, leaving a sequence for each later group
-        first, last = bounds[-1] + 1, num_seqs - (parts - k)
-        target = total * k / parts
-        bounds.append(first + int(np.argmin(np.abs(qsl[first : last + 1] - target))))
-    bounds.append(num_seqs)
+    cuts = [0, *(round(total * k / parts) for k in range(1, parts)), total]
     out = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        lo, hi = int(qsl[a]), int(qsl[b])
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        if hi <= lo:
+            continue
+        # the sequences with tokens in [lo, hi), and where each one's share starts and ends
+        a = int(np.searchsorted(qsl, lo, side="right")) - 1
+        b = int(np.searchsorted(qsl, hi, side="left"))
+        starts = np.maximum(qsl[a:b], lo)
+        ends = np.minimum(qsl[a + 1 : b + 1], hi)
         keep = (step.sample_idx >= lo) & (step.sample_idx < hi)
         out.append(
             StepInput(
                 input_ids=step.input_ids[lo:hi],
                 positions=step.positions[lo:hi],
-                query_lens=step.query_lens[a:b],
-                context_lens=step.context_lens[a:b],
+                query_lens=ends - starts,
+                context_lens=step.context_lens[a:b] + (starts - qsl[a:b]),
                 block_tables=step.block_tables[a:b],
                 sample_idx=step.sample_idx[keep] - lo,
                 window_block_tables=(
@@ -81,7 +85,7 @@ class StageTimes:
 class Pipeline:
     """One rank's part of the pipeline forward (`run`), for its runner's model and KV caches."""
 
-    def __init__(self, runner, state: PPState, micro_batches: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, state: PPState, micro_batches: int | None = None) -> None:
         self.runner = runner
         self.state = state
         self.model = runner.model

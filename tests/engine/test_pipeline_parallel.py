@@ -64,23 +64,26 @@ def test_stages_split_layers_contiguously_and_evenly():
         stage_layers(2, 3)
 
 
-def test_a_step_splits_into_micro_batches_by_sequences():
+def test_a_step_splits_into_micro_batches_of_equal_tokens():
     # three sequences of 5, 3 and 20 new tokens; the first two sample, the third is a prefill chunk
     step = StepInput(
         input_ids=np.arange(28),
-        positions=np.arange(28),
+        positions=np.arange(28) + 100,
         query_lens=np.array([5, 3, 20]),
-        context_lens=np.array([0, 4, 0]),
-        block_tables=np.array([[1, 0], [2, 3], [4, 5]], dtype=np.int32),
+        context_lens=np.array([0, 4, 32]),
+        block_tables=np.array([[1, 0, 0], [2, 3, 0], [4, 5, 6]], dtype=np.int32),
         sample_idx=np.array([4, 7]),
     )
-    parts = split_step(step, 2)
-    assert [list(p.query_lens) for p in parts] == [[5, 3], [20]]
-    assert list(parts[0].sample_idx) == [4, 7] and len(parts[1].sample_idx) == 0
-    assert list(parts[1].input_ids) == list(range(8, 28)) and parts[1].block_tables.tolist() == [[4, 5]]
+    first, second = split_step(step, 2)
+    # 14 tokens each: the chunk of 20 splits 6 + 14, its second piece with the first as context
+    assert list(first.query_lens) == [5, 3, 6] and list(first.context_lens) == [0, 4, 32]
+    assert list(second.query_lens) == [14] and list(second.context_lens) == [38]
+    assert list(first.sample_idx) == [4, 7] and len(second.sample_idx) == 0
+    assert list(second.input_ids) == list(range(14, 28)) and list(second.positions) == list(range(114, 128))
+    assert second.block_tables.tolist() == [[4, 5, 6]] and first.block_tables.shape == (3, 3)
     decode = StepInput(np.arange(4), np.arange(4), np.ones(4, int), np.full(4, 9), np.zeros((4, 1), np.int32),
                        np.arange(4))  # fmt: skip
-    halves = split_step(decode, 2)
+    halves = split_step(decode, 2)  # a decode step splits between sequences
     assert [list(p.sample_idx) for p in halves] == [[0, 1], [0, 1]]
     assert [list(p.input_ids) for p in halves] == [[0, 1], [2, 3]]
     assert len(split_step(decode, 8)) == 4  # never an empty micro-batch
