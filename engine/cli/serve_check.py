@@ -240,8 +240,12 @@ def check_args(
         check_tensor_parallel(model.num_heads, tp)
     except ValueError as exc:
         raise DryRunError(f"cannot start the engine: {exc}") from None
-    if tp > 1 and (config.kv_offload_disk_dir or config.kv_offload_host_bytes):
-        warnings.append("KV offload tiers are not supported with tensor parallelism yet; tiers are off")
+    if tp * config.pipeline_parallel_size * config.nnodes > 1 and (
+        config.kv_offload_disk_dir or config.kv_offload_host_bytes
+    ):
+        warnings.append(
+            "KV offload tiers are not supported with tensor or pipeline parallelism yet; tiers are off"
+        )
 
     gpu = lookup_gpu(args.gpu) if args.gpu else None
     if gpu is not None and config.device == "cpu":

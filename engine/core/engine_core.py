@@ -296,6 +296,8 @@ class EngineCore:
 
             mc = self.model_config
             check_pipeline(self.config, mc, get_model_class(mc.architecture))
+            if self.config.kv_offload_disk_dir or self.config.kv_offload_host_bytes:
+                log.warning("KV offload tiers are not supported with pipeline parallelism yet; tiers are off")
             workers, self.device = start_pipeline(self.config, path, self.device, mc.num_hidden_layers)
             return workers
         if size == 1:
