@@ -257,6 +257,25 @@ def rank_main(rank: int, config: Any, init_method: str, parent_pid: int, pdeaths
         destroy_tensor_parallel()
 
 
+LEADER_WAIT_S = 1800.0  # a headless host may start long before its leader (image pulls, model downloads)
+
+
+def wait_for_leader(addr: str, port: int, timeout_s: float = LEADER_WAIT_S) -> bool:
+    """Wait until the leader's rendezvous port accepts a connection (its name may not even resolve before
+    its pod runs), so the ranks' own rendezvous, whose timeout is short, starts once the leader is there."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=5):
+                return True
+        except OSError:
+            time.sleep(1.0)
+    return False
+
+
 def run_headless(config: Any) -> int:
     """`pagoda serve --headless --node-rank K`: run this host's ranks of the replica until they end (the
     leader stopped them, or went away). No API server. Returns the exit code."""
@@ -268,6 +287,14 @@ def run_headless(config: Any) -> int:
     init_method = _init_method(config)
     log.info("headless host %d of %d: ranks %d..%d, joining %s", config.node_rank, config.nnodes,
              ranks[0], ranks[-1], init_method)  # fmt: skip
+    if not wait_for_leader(config.master_addr, config.master_port):
+        log.error(
+            "the leader %s:%d did not come up in %.0f s",
+            config.master_addr,
+            config.master_port,
+            LEADER_WAIT_S,
+        )
+        return 1
     ctx = mp.get_context("spawn")
     cfg = dataclasses.replace(config, model=str(path))
     procs = [

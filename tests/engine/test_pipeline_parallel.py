@@ -209,8 +209,10 @@ def test_two_hosts_on_loopback_serve_the_tokens_of_one(llama3, llama3_pp1, tmp_p
     common = [path, *split, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
               "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256"]  # fmt: skip
     logs = [open(tmp_path / name, "wb") for name in ("leader.log", "worker.log")]  # noqa: SIM115
-    leader = _serve([*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(http)], logs[0])
+    # the worker first: a headless host waits for its leader (pods of a group start in any order)
     worker = _serve([*common, "--node-rank", "1", "--headless"], logs[1])
+    time.sleep(2)
+    leader = _serve([*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(http)], logs[0])
     url = f"http://127.0.0.1:{http}"
 
     def tail() -> str:
