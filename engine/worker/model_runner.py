@@ -411,7 +411,9 @@ class ModelRunner:
         """Attention sinks: the sinks' keys, rotated from their written blocks to follow the window."""
         per_layer = getattr(self.model, "layer_inv_freq", None)  # models with a RoPE base per layer (Gemma 3)
         for layer, cache in enumerate(self.kv_caches):
-            inv_freq = per_layer(layer) if per_layer is not None else self.model.rotary.inv_freq
+            inv_freq = (
+                per_layer(self.first_layer + layer) if per_layer is not None else self.model.rotary.inv_freq
+            )
             rotate_keys_(cache.kv, cache.scales, src, dst, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
