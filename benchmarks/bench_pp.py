@@ -75,6 +75,7 @@ def run(args: argparse.Namespace, pp: int) -> dict:
         "pp": pp,
         "decode_tokens_per_s": decoded / max(end - (decode_start or end), 1e-9),
         "seconds": end - start,
+        "prefill_seconds": (decode_start or end) - start,  # until every request has its first token
         "first_tokens": tokens[:16],
         "stages": stages,
         "ideal_bubble": (pp - 1) / (2 * pp - 1) if pp > 1 else 0.0,  # M = PP micro-batches per step
@@ -114,6 +115,7 @@ def main() -> int:
         rows.append(
             [
                 f"PP={r['pp']}",
+                f"{r['prefill_seconds']:.2f}",
                 f"{r['decode_tokens_per_s']:.1f}",
                 f"{r['decode_tokens_per_s'] / base:.2f}x",
                 bubble,
@@ -123,7 +125,14 @@ def main() -> int:
     print_table(
         f"Decode throughput, batch {args.batch}, prompts {args.prompt_len}, outputs {args.output_len} "
         f"({args.device}; on a shared CPU host the numbers are indicative only)",
-        ["size", "decode tok/s", "vs PP=1", "bubble per rank (idle share of forward)", "ideal bubble"],
+        [
+            "size",
+            "prefill s",
+            "decode tok/s",
+            "vs PP=1",
+            "bubble per rank (idle share of forward)",
+            "ideal bubble",
+        ],
         rows,
     )
     print(f"greedy tokens agree across sizes: {agree}")
