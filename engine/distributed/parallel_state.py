@@ -5,7 +5,7 @@ One process per rank; with a single rank (the default) every collective is a no-
 calls them unconditionally. NCCL on CUDA, gloo on CPU. Under pipeline parallelism the world is
 stages x tensor-parallel ranks (stage-major: global rank r is stage r // T, TP rank r % T); each stage's
 TP ranks get a group of their own for the model's collectives, and the stages hand activations on with
-point-to-point sends over the world group (engine/distributed/pipeline.py).
+point-to-point sends over the world group (engine/worker/pipeline.py).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class ModelRunner:
         # Tensor parallelism: the other ranks (pagoda.engine.worker.tp_workers.TPWorkers), which get every
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
-        # Pipeline parallelism: this rank's stage forward (engine/distributed/pipeline.py) and the model layer
+        # Pipeline parallelism: this rank's stage forward (engine/worker/pipeline.py) and the model layer
         # its first cache belongs to (its caches cover only its stage's layers).
         self.pipeline = None
         self.first_layer = 0

@@ -94,7 +94,7 @@ def build_rank(
     runner.attention_backend = backend.name
     runner.first_layer = first
     if pp.stages > 1:
-        from pagoda.engine.distributed.pipeline import Pipeline
+        from pagoda.engine.worker.pipeline import Pipeline
 
         runner.pipeline = Pipeline(runner, pp)
     return runner

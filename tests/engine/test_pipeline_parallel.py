@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.distributed.pipeline import split_step
 from pagoda.engine.sizing.stages import host_ranks, max_stage_layers, stage_layers
+from pagoda.engine.worker.pipeline import split_step
 from pagoda.engine.worker.step_input import StepInput
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 20]
