@@ -11,7 +11,7 @@ TOOLS  := .tools/bin
 export PYTHONSAFEPATH := 1
 export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install test lint serve image-check image-gpu bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-prefix-partial bench-kv-accuracy bench-structured profile-step clean
+.PHONY: install test lint serve image-check image-gpu bench-offline bench-serve bench-kernels bench-offload bench-operator bench-peers bench-tp bench-pp bench-prefix-partial bench-kv-accuracy bench-structured profile-step clean
 
 CPU_KERNELS := kernels/cpu/lib/build.json
 
@@ -99,6 +99,9 @@ bench-moe: install
 
 bench-tp: install
 	$(PY) benchmarks/bench_tp.py
+
+bench-pp: install
+	$(PY) benchmarks/bench_pp.py
 
 bench-offload: install
 	$(PY) benchmarks/bench_offload.py

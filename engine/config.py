@@ -342,6 +342,15 @@ class EngineConfig:
             bad("headless", "is for the hosts that are not the leader (--node-rank > 0)")
         if self.node_rank > 0 and not self.headless:
             bad("node_rank", "above 0 runs no API server: add --headless")
+        if self.pipeline_parallel_size > 1 or self.nnodes > 1:  # engine/worker/pp_workers.py
+            for flag, on in (
+                ("speculative_config", bool(self.speculative_config)),
+                ("enable_lora", self.enable_lora),
+                ("async_scheduling", self.async_scheduling),
+                ("quantization", self.quantization == "gguf"),
+            ):
+                if on:
+                    bad(flag, "is not supported with pipeline parallelism or --nnodes > 1 yet")
         if isinstance(self.kv_transfer_config, dict):
             self.kv_transfer_config = json.dumps(self.kv_transfer_config)
         try:

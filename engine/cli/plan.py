@@ -30,6 +30,8 @@ from pagoda.engine.sizing.shapes import check_published_config
 
 # Settings in the order a reader wants them, and which of them are byte counts.
 ROWS = (
+    "pipeline_parallel_size",
+    "nnodes",
     "tensor_parallel_size",
     "weights_bytes_per_gpu",
     "gpu_memory_utilization",
@@ -70,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         "leave out or say 'cpu' for a CPU pod (then --memory-limit is required)",
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs the pod may use (default 1)")
+    p.add_argument(
+        "--max-nodes",
+        type=int,
+        help="nodes one replica may span: a model that does not fit one node's --gpus GPUs is planned as "
+        "pipeline stages of one node each (default 1)",
+    )
     p.add_argument("--target-context", type=int, help="tokens one request may use (prompt + output)")
     p.add_argument(
         "--min-concurrency", type=int, default=1, help="full-length sequences that must fit at once"
@@ -146,6 +154,7 @@ def _hints(args: argparse.Namespace) -> Hints:
         nvme_bytes=parse_bytes(args.nvme, "--nvme") if args.nvme else None,
         gpu_count=args.gpus if args.gpu and args.gpu.strip().lower() != "cpu" else None,
         quantization=args.quantization,
+        max_nodes=args.max_nodes,
     )
 
 
@@ -166,13 +175,17 @@ def _rows(p: Plan) -> list[tuple[str, str, str]]:
         for name in ROWS
         if not (name == "kv_cache_memory_bytes" and p.kv_cache_memory_bytes is None)
         and not (name == "gpu_memory_utilization" and p.gpu_memory_utilization is None)
+        and not (name in ("pipeline_parallel_size", "nnodes") and p.pipeline_parallel_size == 1)
     ]
 
 
 def _title(p: Plan, shape: ModelShape) -> str:
     where = f"{p.tensor_parallel_size} x {p.gpu}" if p.gpu else "CPU"
+    if p.pipeline_parallel_size > 1:
+        where = f"{p.nnodes} nodes of {where}"
     return (
         f"{shape.name} on {where}: {human_bytes(p.weights_bytes_per_gpu * p.tensor_parallel_size)} of weights "
+        f"{'per stage ' if p.pipeline_parallel_size > 1 else ''}"
         f"({p.weight_format or shape.dtype}), "
         f"{p.kv_bytes_per_token} KV bytes/token ({p.kv_cache_dtype})"
     )
@@ -181,6 +194,8 @@ def _title(p: Plan, shape: ModelShape) -> str:
 def print_plan(p: Plan, shape: ModelShape, out=None) -> None:
     out = out or sys.stdout
     flags = " ".join(to_argv(p.engine_settings()))
+    if p.pipeline_parallel_size > 1:  # every host of the group; each adds its --node-rank (and --headless)
+        flags += f" --pipeline-parallel-size {p.pipeline_parallel_size} --nnodes {p.nnodes}"
     if out.isatty():
         from rich.console import Console
         from rich.table import Table

@@ -100,6 +100,10 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
+    if config.headless:  # a host of a replica spanning hosts other than the leader: its ranks, no server
+        from pagoda.engine.worker.pp_workers import run_headless
+
+        return run_headless(config)
     # The port first, as vLLM does: a busy port is its own exit code, before minutes of loading (and never
     # mistaken for an out-of-memory start by the operator).
     sock = bind_socket(settings.host, settings.port)

@@ -36,6 +36,7 @@ from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
 from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.planner import activation_bytes, cuda_context_bytes
 from pagoda.engine.sizing.shapes import check_published_config, dtype_bytes
+from pagoda.engine.sizing.stages import max_stage_layers, stage_layers, stage_weight_bytes, stages_report
 from pagoda.engine.sizing.weight_format import WeightFormat, held_quantized
 from pagoda.engine.sizing.windows import shape_windows
 
@@ -67,6 +68,7 @@ class DryRunReport:
     device: dict[str, Any]
     plan: EnginePlan | None
     warnings: list[str] = field(default_factory=list)
+    pipeline: dict[str, Any] | None = None  # pipeline parallelism / several hosts: the stages (stages.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +88,7 @@ class DryRunReport:
             "memory": self.plan.profile.to_dict() if self.plan else None,
             "plan": {k: v for k, v in self.plan.to_dict().items() if k != "profile"} if self.plan else None,
             "warnings": self.warnings,
+            **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
         }
 
 
@@ -237,8 +240,12 @@ def check_args(
         check_tensor_parallel(model.num_heads, tp)
     except ValueError as exc:
         raise DryRunError(f"cannot start the engine: {exc}") from None
-    if tp > 1 and (config.kv_offload_disk_dir or config.kv_offload_host_bytes):
-        warnings.append("KV offload tiers are not supported with tensor parallelism yet; tiers are off")
+    if tp * config.pipeline_parallel_size * config.nnodes > 1 and (
+        config.kv_offload_disk_dir or config.kv_offload_host_bytes
+    ):
+        warnings.append(
+            "KV offload tiers are not supported with tensor or pipeline parallelism yet; tiers are off"
+        )
 
     gpu = lookup_gpu(args.gpu) if args.gpu else None
     if gpu is not None and config.device == "cpu":
@@ -253,8 +260,13 @@ def check_args(
     except ValueError as exc:  # float16 for a family that overflows it, refused as the real start does
         raise DryRunError(f"cannot start the engine: {exc}") from None
     kv = kv_cache_dtype(config.kv_cache_dtype, dtype)
+    pp = config.pipeline_parallel_size
+    try:
+        stage_layers(model.num_layers, pp)
+    except ValueError as exc:
+        raise DryRunError(f"cannot start the engine: {exc}") from None
     kv_bpt = kv_bytes_per_token(
-        model.num_layers,
+        max_stage_layers(model.num_layers, pp),  # the largest stage's layers size every stage's blocks
         model.num_heads,
         model.num_kv_heads,
         model.head_dim,
@@ -264,6 +276,19 @@ def check_args(
     )
     quantized = held_quantized(model.shape.weight_format, device, getattr(config, "quantization", None))
     weights = -(-model.shape.weight_bytes_as(dtype, quantized) // tp)
+    stage_weights = [weights * tp]
+    if pp > 1:  # every rank holds its stage's layers only: the largest stage's share sizes a GPU
+        stage_weights = stage_weight_bytes(
+            model.shape.weight_bytes_as(dtype, quantized),
+            model.num_layers,
+            pp,
+            model.shape.vocab_size,
+            model.shape.hidden_size,
+            dtype_bytes(dtype),
+            model.shape.tie_word_embeddings,
+        )
+        weights = -(-max(stage_weights) // tp)
+    host_ranks = tp * pp // config.nnodes
     info: dict[str, Any] = {
         "type": device,
         "dtype": dtype,
@@ -286,7 +311,7 @@ def check_args(
     if config.kv_cache_memory_bytes is not None:
         kv_memory, source = int(config.kv_cache_memory_bytes), "--kv-cache-memory-bytes"
     elif device == "cpu":
-        kv_memory, source = cpu_kv_cache_bytes(tp), "this machine's available RAM"
+        kv_memory, source = cpu_kv_cache_bytes(host_ranks), "this machine's available RAM"
         info["memory_measured"] = True
         warnings.append("on CPU the KV cache is sized from the available RAM where the engine starts")
     else:
@@ -300,9 +325,10 @@ def check_args(
         info["activation_bytes_estimated"] = act
         if cuda is not None:
             index = _device_index(config.device)
-            if tp > cuda.device_count():
+            if host_ranks > cuda.device_count():
                 raise DryRunError(
-                    f"cannot start the engine: tensor_parallel_size {tp} needs {tp} GPUs, {cuda.device_count()} visible"
+                    f"cannot start the engine: {host_ranks} ranks on this host (tensor x pipeline parallel size "
+                    f"/ nnodes) need {host_ranks} GPUs, {cuda.device_count()} visible"
                 )
             free, total = cuda.mem_get_info(index)
             source = f"cuda:{index} ({cuda.get_device_name(index)})"
@@ -342,7 +368,31 @@ def check_args(
             raise DryRunError(f"cannot start the engine: {exc}") from None
         config.max_model_len = plan.max_model_len
         config.max_num_batched_tokens = plan.max_num_batched_tokens
-    return DryRunReport(config, server, model, info, plan, warnings)
+    pipeline = None
+    if pp > 1 or config.nnodes > 1:
+        per_layer = kv_bpt // max_stage_layers(model.num_layers, pp)
+        pipeline = {
+            "pipeline_parallel_size": pp,
+            "tensor_parallel_size": tp,
+            "world_size": tp * pp,
+            "nnodes": config.nnodes,
+            "node_rank": config.node_rank,
+            "headless": config.headless,
+            "master": f"{config.master_addr}:{config.master_port}",
+            "micro_batches_per_step": pp,
+            "stages": stages_report(
+                model.num_layers,
+                tp,
+                pp,
+                config.nnodes,
+                config.node_rank,
+                per_layer,
+                stage_weights,
+                plan.num_blocks if plan is not None else None,
+                config.block_size,
+            ),
+        }
+    return DryRunReport(config, server, model, info, plan, warnings, pipeline)
 
 
 def server_summary(settings: Any) -> dict[str, Any]:

@@ -58,10 +58,12 @@ from pagoda.engine.sizing.engine_plan import (
 from pagoda.engine.sizing.kv_dtypes import kv_cache_dtype
 from pagoda.engine.sizing.kv_split import engine_sliding_layout
 from pagoda.engine.sizing.model_config import ModelConfig
+from pagoda.engine.sizing.stages import max_stage_layers
 from pagoda.engine.step import SchedulerOutput
 from pagoda.engine.worker.decode_graphs import capture_sizes
 from pagoda.engine.worker.draft_runner import DraftProposer
 from pagoda.engine.worker.model_runner import kv_torch_dtype
+from pagoda.engine.worker.pp_workers import check_pipeline, start_pipeline, uses_pipeline
 from pagoda.engine.worker.rank import (
     build_rank,
     check_device,
@@ -140,7 +142,7 @@ class EngineCore:
         # sizes the blocks of all.
         kv = kv_cache_dtype(config.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
         self.kv_bytes_per_token = kv_bytes_per_token(
-            mc.num_hidden_layers,
+            max_stage_layers(mc.num_hidden_layers, config.pipeline_parallel_size),  # a stage's layers
             mc.num_attention_heads,
             mc.num_key_value_heads,
             mc.head_dim,
@@ -156,6 +158,7 @@ class EngineCore:
             and self.attention_backend == "triton"
             and not config.enforce_eager
             and self.lora is None  # a step's LoRA segments are not part of a recording
+            and config.pipeline_parallel_size == 1  # the pipeline's stages hand on activations eagerly
         )
         # The sliding layers' window group (engine/sizing/kv_split.py), decided as the dry run decides it.
         sliding, self.window_cache_reason = engine_sliding_layout(
@@ -300,6 +303,15 @@ class EngineCore:
         """With tensor_parallel_size N > 1: check the model splits N ways, start ranks 1..N-1 and join
         them as rank 0 (this process then loads its own shard like any rank)."""
         size = self.config.tensor_parallel_size
+        if uses_pipeline(self.config):
+            from pagoda.engine.models import get_model_class
+
+            mc = self.model_config
+            check_pipeline(self.config, mc, get_model_class(mc.architecture))
+            if self.config.kv_offload_disk_dir or self.config.kv_offload_host_bytes:
+                log.warning("KV offload tiers are not supported with pipeline parallelism yet; tiers are off")
+            workers, self.device = start_pipeline(self.config, path, self.device, mc.num_hidden_layers)
+            return workers
         if size == 1:
             return None
         mc = self.model_config
@@ -392,6 +404,7 @@ class EngineCore:
             kv_bytes_per_token=int(self.kv_bytes_per_token),
             max_model_len=int(self.max_model_len),
             tensor_parallel_size=int(cfg.tensor_parallel_size),
+            pipeline_parallel_size=int(cfg.pipeline_parallel_size),
         )
         return out
 

@@ -19,6 +19,7 @@ from pagoda.engine.distributed.parallel_state import (
     all_gather_last_dim,
     all_reduce,
     kv_heads_of_rank,
+    pp_state,
     shard_range,
     shard_widths,
     tp_rank,
@@ -224,11 +225,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.dtype = dtype
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.vocab_start, self.vocab_end = self.embed_tokens.vocab_start, self.embed_tokens.vocab_end
+        # Pipeline parallelism: this stage's layers (the others are empty placeholders, so layer indices
+        # stay the checkpoint's), the embedding on the first stage, the LM head on the last.
+        pp = pp_state()
+        self.stage_layers = pp.layers or (0, config.num_hidden_layers)
+        keep_embedding = pp.first or (pp.last and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+            if keep_embedding
+            else None
+        )
+        self.vocab_start, self.vocab_end = shard_range(config.vocab_size)
         layer_backend = self.layer_backend(backend)
+        lo, hi = self.stage_layers
         self.layers = nn.ModuleList(
-            self.decoder_layer(config, i, layer_backend, dtype, device)
+            self.decoder_layer(config, i, layer_backend, dtype, device) if lo <= i < hi else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(
@@ -237,7 +248,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():  # quantized linears run the GPU kernels on the Triton path
             if hasattr(module, "load_part"):
                 module.triton = uses_triton_kernels(backend)
-        if config.tie_word_embeddings:
+        if not pp.last:
+            self.lm_head_weight = None
+        elif config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
             rows = self.vocab_end - self.vocab_start
@@ -310,14 +323,18 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.vocab_end - self.vocab_start
         vocab_slice = (0, list(range(self.vocab_start, self.vocab_end)))
         if name == "lm_head.weight":
-            return (self.lm_head_weight, 0, vocab_rows, vocab_slice)
+            return None if self.lm_head_weight is None else (self.lm_head_weight, 0, vocab_rows, vocab_slice)
         if name == "embed_tokens.weight":
-            return (self.embed_tokens.weight, 0, vocab_rows, vocab_slice)
+            return (
+                None if self.embed_tokens is None else (self.embed_tokens.weight, 0, vocab_rows, vocab_slice)
+            )
         if name == "norm.weight":
             return (self.norm.weight, 0, self.config.hidden_size, None)
         parts = name.split(".")
         if parts[0] != "layers" or len(parts) < 4:
             raise KeyError(name)
+        if not self.stage_layers[0] <= int(parts[1]) < self.stage_layers[1]:
+            return None  # another pipeline stage's layer
         layer = self.layers[int(parts[1])]
         sub = ".".join(parts[2:])
         attn, mlp, c = layer.self_attn, layer.mlp, self.config

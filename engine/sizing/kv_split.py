@@ -55,6 +55,8 @@ def engine_sliding_layout(config: Any, windows: Sequence[int | None]) -> tuple[S
         return None, "no window group: the model has no sliding layers beside full-attention ones"
     if getattr(config, "sliding_window_cache", "auto") == "off":
         return None, "no window group: --sliding-window-cache off"
+    if getattr(config, "pipeline_parallel_size", 1) > 1:  # its pools are sized over the whole model's layers
+        return None, "no window group: pipeline parallelism (each stage holds its own layers' KV)"
     explicit_tier = (
         (config.kv_offload_host_bytes or 0) > 0
         or (config.swap_space or 0) > 0

@@ -29,6 +29,7 @@ from pagoda.engine.sizing.gpus import GPUInfo, check_engine_runs_on
 from pagoda.engine.sizing.kv_dtypes import BF16_MIN_COMPUTE
 from pagoda.engine.sizing.kv_split import KVSplit, split_kv_blocks
 from pagoda.engine.sizing.shapes import ModelShape, dtype_bytes, kv_scale_bytes
+from pagoda.engine.sizing.stages import max_stage_layers, stage_weight_bytes
 from pagoda.engine.sizing.units import GiB, MiB, gib_ceil, gib_floor, human_bytes
 from pagoda.engine.sizing.weight_format import held_quantized
 from pagoda.engine.sizing.windows import shape_layout, sliding_layers, window_capacity
@@ -69,6 +70,9 @@ class Hints:
     memory_limit_bytes: int | None = None  # the pod's memory limit (host tier; CPU pods: the KV cache too)
     nvme_bytes: int | None = None  # local NVMe capacity for the disk tier
     gpu_count: int | None = None  # GPUs the pod may use (default: the node's count)
+    # Nodes one replica may span (pipeline stages, a LeaderWorkerSet): a model that does not fit one node's
+    # GPUs gets pipeline_parallel_size stages of one node each, up to this many (None / 1: one node)
+    max_nodes: int | None = None
     quantization: str | None = (
         None  # "gguf": a GGUF model's linears kept in their blocks on CPU (serve's flag)
     )
@@ -133,6 +137,11 @@ class Plan:
     # serve's --quantization where the plan sets it ("gguf")
     weight_format: str = ""
     quantization: str | None = None
+    # A model that does not fit one node's GPUs: pipeline stages of tensor_parallel_size GPUs each, one stage
+    # per node (the operator renders a LeaderWorkerSet of nnodes pods); sizes above are per GPU of the largest
+    # stage. Not among engine_settings: the renderer adds them with each host's --node-rank.
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
     reasons: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -413,6 +422,19 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
     need = (
         f"{conc} x {want_len} tokens of KV ({human_bytes(conc * want_len * kv_token)} at {kv_token} B/token)"
     )
+    pp = 1
+    # more GPUs than the node has (not merely than the pod was given): stages across nodes
+    if (
+        (chosen is None or chosen[0] > available)
+        and gpu.count
+        and available == gpu.count
+        and (h.max_nodes or 1) > 1
+    ):
+        staged = _pipeline_fit(
+            shape, memory, available, kv_dtype, conc, floor_tokens, want_len, block_size, h.max_nodes
+        )
+        if staged is not None:
+            pp, chosen = staged[0], staged[1:]
     if chosen is None:
         raise SizingError(
             f"{shape.name} ({human_bytes(shape.weight_bytes)} of {shape.held_as} weights) cannot hold {need} on "
@@ -433,6 +455,13 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         f"smallest power of two whose per-GPU weights ({human_bytes(weights)}) leave room for {need}"
         + (f"; {available} GPUs available" if available > 1 else "")
     )
+    if pp > 1:
+        reasons["tensor_parallel_size"] = f"the node's {available} GPUs (at most) per pipeline stage"
+        reasons["pipeline_parallel_size"] = (
+            f"{shape.name} does not fit one node's {available} x {gpu.name}: {pp} stages of {tp} GPUs, one node "
+            f"each, hold {human_bytes(weights)} of weights per GPU (the largest stage's share) and leave room "
+            f"for {need}"
+        )
     reasons["gpu_memory_utilization"] = (
         f"{human_bytes(memory)} minus {human_bytes(ctx)} CUDA context{' and NCCL' if tp > 1 else ''} and a "
         f"{human_bytes(act)} activation reserve for {tokens} tokens per step"
@@ -481,6 +510,10 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         )
     )
     host, disk, pvc = _offload(kv_bytes * tp, h, reasons, cpu=False, window=split is not None)
+    if pp > 1 and (host or disk):  # the engine runs no offload tier with several ranks
+        host, disk, pvc = 0, 0, ""
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes", "pvc_size"):
+            reasons[name] = "no KV offload tiers with pipeline parallelism"
     return Plan(
         gpu_memory_utilization=util, max_model_len=max_len, block_size=block_size, kv_cache_dtype=kv_dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=tokens, tensor_parallel_size=tp, num_gpu_blocks=blocks,
@@ -488,8 +521,44 @@ def _plan_gpu(shape: ModelShape, gpu: GPUInfo, h: Hints) -> Plan:
         device="cuda", model=shape.name, gpu=gpu.name, kv_bytes_per_token=kv_token, weights_bytes_per_gpu=weights,
         reserve_bytes=ctx + act, reasons=reasons, warnings=warnings,
         num_window_blocks=split.num_window_blocks if split else 0, window_sequences=split.sequences if split else 0,
-        weight_format=shape.weights_in_words(),
+        weight_format=shape.weights_in_words(), pipeline_parallel_size=pp, nnodes=pp,
     )  # fmt: skip
+
+
+MAX_PIPELINE_STAGES = 8
+
+
+def _pipeline_fit(
+    shape: ModelShape,
+    memory: int,
+    available: int,
+    kv_dtype: str,
+    conc: int,
+    floor_tokens: int,
+    want_len: int,
+    block_size: int,
+    max_nodes: int,
+) -> tuple | None:
+    """The fewest pipeline stages (one node of ``available`` GPUs each, tensor parallel inside) that hold
+    the model and ``conc`` x ``want_len`` tokens of KV: (stages, tp, weights, tokens, act, ctx, util, kv_mem,
+    block_bytes, blocks) per GPU of the largest stage; None if no count up to MAX_PIPELINE_STAGES does."""
+    tp = max((t for t in TP_SIZES if t <= available and shape.num_attention_heads % t == 0), default=1)
+    for pp in range(2, min(max_nodes, MAX_PIPELINE_STAGES, shape.num_layers) + 1):
+        stages = stage_weight_bytes(
+            shape.weight_bytes, shape.num_layers, pp, shape.vocab_size, shape.hidden_size,
+            dtype_bytes(shape.dtype), shape.tie_word_embeddings,
+        )  # fmt: skip
+        weights = _ceil_div(max(stages), tp)
+        tokens, act = _token_budget(shape, memory, tp, conc, floor_tokens)
+        ctx = cuda_context_bytes(memory, tp)
+        util = min(UTILIZATION_CAP, math.floor((memory - ctx - act) / memory * 100) / 100)
+        kv_mem = int(util * memory) - ctx - act - weights
+        per_layer = shape.kv_bytes_per_token(kv_dtype, tp) // max(shape.num_layers, 1)
+        block_bytes = per_layer * max_stage_layers(shape.num_layers, pp) * block_size
+        blocks = max(kv_mem, 0) // block_bytes
+        if util > 0 and _fit_len(blocks, block_size, conc, FIT_SLACK) >= want_len:
+            return (pp, tp, weights, tokens, act, ctx, util, kv_mem, block_bytes, blocks)
+    return None
 
 
 def _window_split(

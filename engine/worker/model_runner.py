@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagoda.engine.attention.base import AttentionMetadata, LayerKVCache
-from pagoda.engine.distributed.parallel_state import gather_ints, tp_size
+from pagoda.engine.distributed.parallel_state import gather_ints, pp_state, tp_size
 from pagoda.engine.kv_cache.ops import CopyBlock, KVOp, LoadBlock, RotateBlock, SaveBlock
 from pagoda.engine.kv_cache.rerotate import rotate_keys_
 from pagoda.engine.sizing.engine_plan import gpu_kv_budget
@@ -91,6 +91,10 @@ class ModelRunner:
         # Tensor parallelism: the other ranks (pagoda.engine.worker.tp_workers.TPWorkers), which get every
         # step's ops and batch before this rank runs them, so all meet in the same collectives.
         self.peers = None
+        # Pipeline parallelism: this rank's stage forward (engine/worker/pipeline.py) and the model layer
+        # its first cache belongs to (its caches cover only its stage's layers).
+        self.pipeline = None
+        self.first_layer = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.graphs_off: str | None = None  # why start-up profiling turned the decode graphs off, if it did
         self.lora = None  # pagoda.engine.lora.model.LoRAModel when the engine serves LoRA adapters
@@ -114,7 +118,10 @@ class ModelRunner:
         (the sliding ones) get ``num_window_blocks`` instead. Zeroed: block 0 of a window pool is the null
         block out-of-window table entries read under the mask, so it must hold finite values."""
         self.block_size = block_size
-        self.window_layers = frozenset(window_layers) if num_window_blocks else frozenset()
+        local = (w - self.first_layer for w in window_layers)  # a pipeline stage's own layers
+        self.window_layers = (
+            frozenset(w for w in local if 0 <= w < self.num_layers) if num_window_blocks else frozenset()
+        )
         int8 = kv_dtype == torch.int8
 
         def layer(blocks: int) -> LayerKVCache:
@@ -213,7 +220,7 @@ class ModelRunner:
             measured = {"device_total_bytes": total, "device_free_bytes": free, "other_bytes": others}
             source = str(self.device)
         else:
-            own, measured, source = cpu_kv_cache_bytes(tp_size()), {}, "host"
+            own, measured, source = cpu_kv_cache_bytes(max(tp_size(), pp_state().host_ranks)), {}, "host"
         ranks = gather_ints(own, self.device)
         return KVBudget(
             min(ranks), activation, ranks, {**measured, "cuda_graph_bytes": graphs, "source": source}
@@ -404,7 +411,9 @@ class ModelRunner:
         """Attention sinks: the sinks' keys, rotated from their written blocks to follow the window."""
         per_layer = getattr(self.model, "layer_inv_freq", None)  # models with a RoPE base per layer (Gemma 3)
         for layer, cache in enumerate(self.kv_caches):
-            inv_freq = per_layer(layer) if per_layer is not None else self.model.rotary.inv_freq
+            inv_freq = (
+                per_layer(self.first_layer + layer) if per_layer is not None else self.model.rotary.inv_freq
+            )
             rotate_keys_(cache.kv, cache.scales, src, dst, deltas, inv_freq)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -554,6 +563,8 @@ class ModelRunner:
         """The forward of one step's batch (what every tensor-parallel rank runs); returns the logits of the
         sampling rows, then of the prompt-logprob rows (on the rank that gathers them; an empty tensor
         elsewhere)."""
+        if self.pipeline is not None:
+            return self.pipeline.run(step)
         prompt_rows = len(step.logprob_idx) > 0
         if not prompt_rows and self.decode_graphs is not None and self.decode_graphs.fits(step):
             return self.model.compute_logits(self.decode_graphs.run(step))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from pagoda.engine.attention import get_attention_backend
-from pagoda.engine.distributed.parallel_state import init_tensor_parallel, kv_heads_of_rank
+from pagoda.engine.distributed.parallel_state import init_tensor_parallel, kv_heads_of_rank, pp_state
 from pagoda.engine.loader import load_model
 from pagoda.engine.sizing.engine_plan import resolve_dtype_name
 from pagoda.engine.sizing.gpus import check_dtypes
@@ -81,15 +81,22 @@ def build_rank(
         # alike). Otherwise the model's own length decides (see layers.longrope_uses_long).
         model.set_max_model_len(config.max_model_len)
     kv_heads = len(kv_heads_of_rank(mc.num_attention_heads, mc.num_key_value_heads))
+    pp = pp_state()
+    first, end = pp.layers or (0, mc.num_hidden_layers)  # a pipeline stage keeps KV for its layers only
     runner = ModelRunner(
         model,
-        num_layers=mc.num_hidden_layers,
+        num_layers=end - first,
         num_kv_heads=kv_heads,
         head_dim=mc.head_dim,
         device=device,
         eos_token_ids=eos_token_ids,
     )
     runner.attention_backend = backend.name
+    runner.first_layer = first
+    if pp.stages > 1:
+        from pagoda.engine.worker.pipeline import Pipeline
+
+        runner.pipeline = Pipeline(runner, pp)
     return runner
 
 

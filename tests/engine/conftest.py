@@ -68,3 +68,12 @@ def tiny_model(tmp_path, default_model_dir):
     return lambda family, seed=0, **overrides: make_tiny_model(
         tmp_path, family, default_model_dir, seed, **overrides
     )
+
+
+@pytest.fixture(scope="module")
+def module_tiny_model(tmp_path_factory, default_model_dir):
+    """tiny_model for module-scoped fixtures (a model several tests of one module share)."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    return lambda family, seed=0, **overrides: make_tiny_model(
+        tmp, family, default_model_dir, seed, **overrides
+    )
