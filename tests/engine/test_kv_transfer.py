@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from pagoda.engine.kv_transfer.wire import BlockServer, TransferError, fetch_blo
 from pagoda.engine.offload.disk_tier import decode_block, encode_block
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda_testkit.processes import free_port
+from pagoda_testkit.tiny_llama import tiny_llama
 
 
 def h(i: int) -> BlockHash:
@@ -165,28 +164,6 @@ def _run(
                 tokens += out.seqs[0].token_ids
                 cached = out.num_cached_tokens
     return tokens, cached
-
-
-def tiny_llama(out: Path, tokenizer_src: Path) -> Path:
-    """A random-weight 2-layer Llama (float32) with the default model's tokenizer files."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.08)  # logits that are not flat: greedy ties are rare
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_src / name).exists():
-            shutil.copy(tokenizer_src / name, out / name)
-    return out
 
 
 @pytest.fixture(scope="module")
