@@ -100,6 +100,12 @@ bench-moe: install
 bench-tp: install
 	$(PY) benchmarks/bench_tp.py
 
+# prefill/decode disaggregation vs aggregated on two CPU processes, a mixed long-prompt + chat workload
+# (docs/disaggregation.md); ARGS="--quick"
+.PHONY: bench-pd
+bench-pd: install
+	$(PY) benchmarks/bench_pd.py $(ARGS)
+
 bench-offload: install
 	$(PY) benchmarks/bench_offload.py
 
