@@ -32,6 +32,7 @@ FETCH_MAGIC = b"PGKVGET1"
 ANSWER_MAGIC = b"PGKVPUT1"
 MAX_HEADER_BYTES = 1 << 24
 MAX_ANSWER_BYTES = 1 << 34  # 16 GiB: a record list that claims more is refused before reading it
+REAP_INTERVAL_S = 1.0  # how often held blocks past their time are released
 
 
 class TransferError(RuntimeError):
@@ -102,6 +103,10 @@ class BlockServer:
             target=self._server.serve_forever, name="pagoda-kv-transfer", daemon=True
         )
         self._thread.start()
+        # Released on time even when no fetch or prefill comes along to notice.
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="pagoda-kv-transfer-reaper", daemon=True)
+        self._reaper.start()
         log.info("KV transfer: serving prefilled blocks on %s:%d", host, self.port)
 
     def _serve(self, sock: socket.socket) -> None:
@@ -124,7 +129,12 @@ class BlockServer:
         except (OSError, TransferError) as exc:
             log.warning("KV transfer: a fetch failed: %s", exc)
 
+    def _reap(self) -> None:
+        while not self._stop.wait(REAP_INTERVAL_S):
+            self.held.expire()
+
     def close(self) -> None:
+        self._stop.set()
         self._server.shutdown()
         self._server.server_close()
 

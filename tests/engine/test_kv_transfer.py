@@ -97,6 +97,19 @@ def test_the_block_server_hands_a_request_its_blocks_once() -> None:
         fetch_blocks("127.0.0.1", server.port, "req-1", timeout=5)
 
 
+def test_the_block_server_releases_unfetched_blocks_on_time() -> None:
+    held = HeldBlocks(hold_seconds=0.2)
+    server = BlockServer(held, "id", "127.0.0.1", 0)
+    try:
+        held.put("never-fetched", [(h(1), block(1.0))])
+        deadline = time.monotonic() + 10
+        while len(held) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(held) == 0 and held.used_bytes == 0 and held.expired == 1
+    finally:
+        server.close()
+
+
 def test_a_peer_that_is_not_a_block_server_is_a_transfer_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
