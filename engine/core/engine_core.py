@@ -41,7 +41,7 @@ from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
-from pagoda.engine.kv_transfer.core import build_kv_transfer
+from pagoda.engine.kv_transfer.core import KVTransferCore, build_kv_transfer
 from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.loader.generation_config import eos_token_ids as generation_eos_ids
 from pagoda.engine.loader.generation_config import read_generation_config, sampling_defaults
@@ -264,7 +264,7 @@ class EngineCore:
                 self.max_model_len,
             )  # fmt: skip
 
-    def _start_kv_transfer(self):
+    def _start_kv_transfer(self) -> KVTransferCore | None:
         """--kv-transfer-config: a producer serves its prefilled blocks, a consumer stages received ones for
         its scheduler's prefix lookup (engine/kv_transfer/core.py)."""
         config = self.config.kv_transfer
@@ -292,12 +292,12 @@ class EngineCore:
             self.scheduler.remote_blocks = transfer.staged
         return transfer
 
-    def kv_transfer_stage(self, records: list[bytes]) -> dict[str, Any]:
+    def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
         """Verify and stage blocks a consumer received from a prefill engine (a utility call, before the
-        request that uses them is added)."""
+        request that uses them is added; ``checksummed``: the server checked their payloads already)."""
         if self.kv_transfer is None:
             raise ValueError("this engine has no --kv-transfer-config")
-        return self.kv_transfer.stage(records)
+        return self.kv_transfer.stage(records, checksummed)
 
     def _export_kv(self, updates: list[SeqUpdate]) -> None:
         """Hold the prompt blocks of remote-decode prefills this step finished (nothing is in flight now)."""

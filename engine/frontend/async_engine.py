@@ -259,8 +259,8 @@ class AsyncEngine:
     async def kv_snapshot(self) -> dict[str, Any]:
         return await self.call("kv_snapshot")
 
-    async def kv_transfer_stage(self, records: list[bytes]) -> dict[str, Any]:
-        return await self.call("kv_transfer_stage", records)
+    async def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
+        return await self.call("kv_transfer_stage", records, checksummed)
 
     @property
     def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:

@@ -97,5 +97,5 @@ class EngineClient(Protocol):
 
     async def kv_snapshot(self) -> dict[str, Any]: ...
 
-    async def kv_transfer_stage(self, records: list[bytes]) -> dict[str, Any]:
+    async def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
         """Verify and stage KV blocks received from a prefill engine (engine/kv_transfer)."""

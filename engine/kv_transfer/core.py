@@ -6,7 +6,8 @@ the prompt fills it) are read from the device cache to the host, still in that s
 reuse them, and held for the `BlockServer` (engine/kv_transfer/wire.py) to hand to the decode engine.
 
 Consumer (kv_consumer / kv_both): `stage` verifies received records (identity, shape, dtype, checksum: the
-disk tier's checks) and keeps the good ones in `StagedBlocks`, which the scheduler's prefix lookup reads
+disk tier's checks; the server checks the checksums first, off the step loop) and keeps the good ones in
+`StagedBlocks`, which the scheduler's prefix lookup reads
 after the device cache and the offload tiers. A block that fails a check is dropped and counted; its tokens
 are computed as if it never came.
 
@@ -116,15 +117,19 @@ class KVTransferCore:
             self.exported_blocks += len(saved)
 
     # -- consumer ------------------------------------------------------------------------------------------
-    def stage(self, records: Sequence[bytes]) -> dict[str, Any]:
-        """Verify and stage received records: {"staged": n, "rejected": m, "error": the first reason}."""
+    def stage(self, records: Sequence[bytes], checksummed: bool = False) -> dict[str, Any]:
+        """Verify and stage received records: {"staged": n, "rejected": m, "error": the first reason}.
+        ``checksummed``: the server already checked their payloads (`check_record_checksum`, on its worker
+        thread), so the step loop pays only for the header checks and one copy per block."""
         if self.staged is None:
             raise ValueError("this engine is not a KV consumer (--kv-transfer-config kv_role)")
         staged = rejected = 0
         first_error = None
         for raw in records:
             try:
-                block_hash, data = decode_block(raw, self.identity, self.block_shape, self.dtype)
+                block_hash, data = decode_block(
+                    raw, self.identity, self.block_shape, self.dtype, checksum=not checksummed
+                )
             except ValueError as exc:
                 rejected += 1
                 first_error = first_error or str(exc)

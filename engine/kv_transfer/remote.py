@@ -5,8 +5,9 @@ HOST:PORT``, its HTTP address) is first prefilled there: the prompt's token ids 
 /v1/completions with ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``; its answer's
 ``kv_transfer_params`` say where to fetch the blocks (``remote_port``, ``remote_request_id``). A request whose
 body already carries ``kv_transfer_params`` with ``do_remote_prefill`` and those fields (a proxy asked the
-prefill engine itself) is fetched from directly. The blocks come over TCP (engine/kv_transfer/wire.py), the
-engine core verifies and stages them, then the request is added as usual: the scheduler finds its prompt
+prefill engine itself) is fetched from directly. The blocks come over TCP (engine/kv_transfer/wire.py), their
+checksums are checked on a worker thread, the engine core checks the rest of each record (identity, shape,
+dtype) and stages them between two steps, then the request is added as usual: the scheduler finds its prompt
 blocks as prefix-cache hits and computes only what is missing.
 
 Whatever fails on the way (the prefill engine down or refusing, the fetch, a record that fails its checks)
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.engine.kv_transfer.wire import TransferError, fetch_blocks
+from pagoda.engine.offload.disk_tier import check_record_checksum
 
 log = logging.getLogger("pagoda.engine.kv_transfer")
 
@@ -171,17 +173,22 @@ class KVTransferServing:
                 self.fetch_timeout,
             )
             fetch_s = time.perf_counter() - t_fetch
+            received = sum(len(r) for r in records)
             stage = "stage"
-            result = await self.engine.kv_transfer_stage(records)
+            good, bad, why = await asyncio.to_thread(checked_prefix, records)
+            if bad:
+                log.warning("KV transfer: block %d of %d failed its checksum (%s); it and the ones after it "
+                            "will be computed", len(good), len(records), why)  # fmt: skip
+            result = await self.engine.kv_transfer_stage(good, True)
             staged = int(result.get("staged", 0))
             if self.metrics is not None:
                 m, lbl = self.metrics, self.metrics.labels
                 m.requests.labels(**lbl, role="consumer").inc()
-                m.bytes.labels(**lbl).inc(sum(len(r) for r in records))
+                m.bytes.labels(**lbl).inc(received)
                 m.blocks.labels(**lbl).inc(staged)
                 m.fetch_seconds.labels(**lbl).observe(fetch_s)
                 m.seconds.labels(**lbl).observe(time.perf_counter() - start)
-                if result.get("rejected"):
+                if bad or result.get("rejected"):
                     m.failures.labels(**lbl, reason="verify").inc()
             return staged
         except Exception as exc:  # noqa: BLE001 - any failure is a local prefill, never an error
@@ -206,6 +213,18 @@ class KVTransferServing:
             "remote_host": host,
             "remote_port": self.kv_port,
         }
+
+
+def checked_prefix(records: list[bytes]) -> tuple[list[bytes], int, str | None]:
+    """The records up to the first whose payload fails its checksum (the blocks after it in the chain could
+    not be used anyway), how many were dropped, and why. Runs on a worker thread: hashing never holds the
+    engine's step loop."""
+    for i, raw in enumerate(records):
+        try:
+            check_record_checksum(raw)
+        except ValueError as exc:
+            return records[:i], len(records) - i, str(exc)
+    return records, 0, None
 
 
 def ask_prefiller(

@@ -119,16 +119,8 @@ def encode_block(identity: str, block_hash: BlockHash, data: torch.Tensor) -> by
     return block_header(identity, block_hash, data, _checksum(payload)) + payload
 
 
-def decode_block(
-    raw: bytes | bytearray | memoryview,
-    identity: str,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    block_hash: BlockHash | None = None,
-) -> tuple[BlockHash, torch.Tensor]:
-    """(key, tensor) of a record, after checking its layout, identity, key (when ``block_hash`` is given),
-    shape, dtype, length and checksum; ValueError names the first that disagrees."""
-    raw = memoryview(raw)
+def _split_record(raw: memoryview) -> tuple[dict, memoryview]:
+    """(header, payload) of a record; ValueError when its frame or header cannot be read."""
     if len(raw) < len(MAGIC) + 4 or bytes(raw[: len(MAGIC)]) != MAGIC:
         raise ValueError("bad magic")
     (hlen,) = struct.unpack_from("<I", raw, len(MAGIC))
@@ -139,6 +131,30 @@ def decode_block(
         raise ValueError(f"unreadable header: {exc}") from None
     if not isinstance(meta, dict):
         raise ValueError("unreadable header")
+    return meta, raw[start + hlen :]
+
+
+def check_record_checksum(raw: bytes | bytearray | memoryview) -> None:
+    """Only the payload's checksum against its header (the costly part of `decode_block`), for a caller that
+    checks records on another thread or process than the one that decodes them; ValueError on a mismatch."""
+    meta, payload = _split_record(memoryview(raw))
+    if meta.get("checksum") != _checksum(payload):
+        raise ValueError("payload checksum mismatch")
+
+
+def decode_block(
+    raw: bytes | bytearray | memoryview,
+    identity: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    block_hash: BlockHash | None = None,
+    *,
+    checksum: bool = True,
+) -> tuple[BlockHash, torch.Tensor]:
+    """(key, tensor) of a record, after checking its layout, identity, key (when ``block_hash`` is given),
+    shape, dtype, length and checksum (``checksum=False``: already checked, `check_record_checksum`);
+    ValueError names the first that disagrees."""
+    meta, payload = _split_record(memoryview(raw))
     expect = {
         "layout": LAYOUT_VERSION,
         "identity": identity,
@@ -154,13 +170,12 @@ def decode_block(
     key = meta.get("key")
     if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
         raise ValueError(f"key is {key!r}, expected 64 hex digits")
-    payload = raw[start + hlen :]
     nbytes = torch.empty((), dtype=dtype).element_size()
     for dim in shape:
         nbytes *= dim
     if meta.get("payload_bytes") != nbytes or len(payload) != nbytes:
         raise ValueError(f"payload has {len(payload)} bytes, expected {nbytes} (truncated?)")
-    if meta.get("checksum") != _checksum(payload):
+    if checksum and meta.get("checksum") != _checksum(payload):
         raise ValueError("payload checksum mismatch")
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
     return BlockHash(bytes.fromhex(key)), data

@@ -460,7 +460,7 @@ class OpenAIServing:
         export = False
         if transfer is not None and (self.kv_transfer.consumes or self.kv_transfer.produces):
             body_params, http = transfer
-            export = self.kv_transfer.exports(body_params)
+            export = self.kv_transfer.exports(body_params) and len(prompts) == 1
             remote = self.kv_transfer.remote_of(http.headers, body_params)
             if remote is not None and len(prompts) == 1:
                 await self.kv_transfer.prefill_remotely(

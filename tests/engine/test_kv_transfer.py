@@ -17,7 +17,12 @@ from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.core.messages import EngineCoreRequest
 from pagoda.engine.kv_cache.hashing import BlockHash
 from pagoda.engine.kv_transfer.blocks import HeldBlocks, StagedBlocks
-from pagoda.engine.kv_transfer.remote import KVTransferServing, RemotePrefill, split_host_port
+from pagoda.engine.kv_transfer.remote import (
+    KVTransferServing,
+    RemotePrefill,
+    checked_prefix,
+    split_host_port,
+)
 from pagoda.engine.kv_transfer.wire import BlockServer, TransferError, fetch_blocks
 from pagoda.engine.offload.disk_tier import decode_block, encode_block
 from pagoda.engine.sampling_params import SamplingParams
@@ -77,6 +82,18 @@ def test_a_record_fails_on_any_flipped_payload_byte_and_on_another_identity() ->
         decode_block(raw, "model-b", tuple(data.shape), torch.float32)
     with pytest.raises(ValueError, match="truncated"):
         decode_block(raw[:-4], "model-a", tuple(data.shape), torch.float32)
+
+
+def test_the_server_side_checksum_pass_keeps_the_records_before_the_first_bad_one() -> None:
+    records = [encode_block("id", h(i), block(float(i))) for i in range(4)]
+    assert checked_prefix(records) == (records, 0, None)
+    bad = bytearray(records[2])
+    bad[-1] ^= 0x80
+    good, dropped, why = checked_prefix([*records[:2], bytes(bad), records[3]])
+    assert good == records[:2] and dropped == 2 and "checksum" in why
+    # what it let through still gets the header checks in the core (without hashing again)
+    with pytest.raises(ValueError, match="identity"):
+        decode_block(records[0], "other", (2, 2, 4, 2, 8), torch.float32, checksum=False)
 
 
 def test_the_block_server_hands_a_request_its_blocks_once() -> None:
