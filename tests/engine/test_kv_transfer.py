@@ -170,13 +170,13 @@ def test_prefiller_addresses_and_which_requests_go_remote() -> None:
 
 
 # -- two engine cores ---------------------------------------------------------------------------------------
-def _core(model, role: str | None = None, port: int = 0, **extra) -> EngineCore:
+def _core(model, role: str | None = None, port: int = 0, async_scheduling: bool = False) -> EngineCore:
     kv = None
     if role is not None:
-        kv = json.dumps({"kv_role": role, "kv_port": port or 1, "kv_ip": "127.0.0.1", **extra})
+        kv = json.dumps({"kv_role": role, "kv_port": port or 1, "kv_ip": "127.0.0.1"})
     cfg = EngineConfig(
         model=str(model), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20,
-        kv_transfer_config=kv,
+        kv_transfer_config=kv, async_scheduling=async_scheduling,
     )  # fmt: skip
     return EngineCore(cfg)
 
@@ -202,8 +202,10 @@ def cores(tmp_path_factory, default_model_dir):
     port = free_port()
     made = {"plain": _core(model), "producer": _core(model, "kv_producer", port), "port": port}
     made["consumer"] = _core(model, "kv_consumer")
+    made["async_port"] = free_port()
+    made["async_producer"] = _core(model, "kv_producer", made["async_port"], async_scheduling=True)
     yield made
-    for key in ("plain", "producer", "consumer"):
+    for key in ("plain", "producer", "consumer", "async_producer"):
         made[key].close()
 
 
@@ -252,3 +254,15 @@ def test_blocks_of_other_tokens_are_never_used(cores) -> None:
     assert cores["consumer"].kv_transfer_stage(records)["staged"] == 2
     tokens, cached = _run(cores["consumer"], "c3", prompt, 8)
     assert tokens == ref and cached == 0
+
+
+def test_an_async_scheduling_producer_holds_the_same_blocks(cores) -> None:
+    """With --async-scheduling the blocks are read after the finishing step's results, before the next step
+    is submitted: the same records as a synchronous producer's."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 500) for _ in range(60)]
+    _run(cores["producer"], "s4", prompt, 1, export=True)
+    _run(cores["async_producer"], "a4", [*prompt], 1, export=True)
+    sync = fetch_blocks("127.0.0.1", cores["port"], "s4", timeout=10)
+    asyn = fetch_blocks("127.0.0.1", cores["async_port"], "a4", timeout=10)
+    assert len(sync) == 3 and sync == asyn
