@@ -273,6 +273,8 @@ class EngineCore:
         refused = (
             "tensor parallelism is on"
             if self.workers is not None
+            else "pipeline parallelism is on"
+            if self.config.pipeline_parallel_size > 1
             else "the sliding layers keep a window cache"
             if self.plan.num_window_blocks
             else ""

@@ -11,8 +11,8 @@ disk tier's checks; the server checks the checksums first, off the step loop) an
 after the device cache and the offload tiers. A block that fails a check is dropped and counted; its tokens
 are computed as if it never came.
 
-Not with tensor parallelism (a rank holds only its heads' KV) nor a sliding-window group (its blocks have
-another shape): those engines log a warning and compute every prompt themselves.
+Not with tensor or pipeline parallelism (a rank holds only its heads' or its stage's KV) nor a sliding-window
+group (its blocks have another shape): those engines log a warning and compute every prompt themselves.
 """
 
 from __future__ import annotations

@@ -200,7 +200,12 @@ def _run(
 def cores(tmp_path_factory, default_model_dir):
     model = tiny_llama(tmp_path_factory.mktemp("kvt") / "llama", default_model_dir)
     port = free_port()
-    made = {"plain": _core(model), "producer": _core(model, "kv_producer", port), "port": port}
+    made = {
+        "plain": _core(model),
+        "producer": _core(model, "kv_producer", port),
+        "port": port,
+        "model": model,
+    }
     made["consumer"] = _core(model, "kv_consumer")
     made["async_port"] = free_port()
     made["async_producer"] = _core(model, "kv_producer", made["async_port"], async_scheduling=True)
@@ -266,3 +271,19 @@ def test_an_async_scheduling_producer_holds_the_same_blocks(cores) -> None:
     sync = fetch_blocks("127.0.0.1", cores["port"], "s4", timeout=10)
     asyn = fetch_blocks("127.0.0.1", cores["async_port"], "a4", timeout=10)
     assert len(sync) == 3 and sync == asyn
+
+
+def test_an_engine_that_cannot_use_transferred_blocks_ignores_the_flag(cores) -> None:
+    """Without prefix caching a received block has nowhere to go: the engine says so and prefills itself."""
+    cfg = EngineConfig(
+        model=str(cores["model"]), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20,
+        kv_transfer_config=json.dumps({"kv_role": "kv_consumer"}), enable_prefix_caching=False,
+    )  # fmt: skip
+    core = EngineCore(cfg)
+    try:
+        assert core.kv_transfer is None and core.info.kv_transfer is None
+        assert core.scheduler.remote_blocks is None
+        with pytest.raises(ValueError, match="no --kv-transfer-config"):
+            core.kv_transfer_stage([])
+    finally:
+        core.close()
