@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation with two `pagoda serve` processes on loopback (a tiny random-weight float32
 Llama): a decode engine told ``x-prefiller-host-port`` gets the prompt's blocks from the prefill engine and
 answers the tokens it answers alone; a dead prefill engine, a fetch that fails and a corrupt block each fall
-back to a local prefill with the same tokens, counted in ``pagoda:kv_transfer_failures_total``."""
+back to a local prefill with the same tokens, counted in ``pagoda:kv_transfer_failures_total``; and the
+same through `pagoda router --prefill-backend`."""
 
 from __future__ import annotations
 
@@ -197,6 +198,35 @@ def test_a_corrupt_block_is_computed_not_used(engines) -> None:
     assert consumer.metric("pagoda:kv_transfer_failures_total", reason="verify") == before + 1
     assert cached(answer) == 0
     assert tokens(answer) == consumer.local(p)
+
+
+def test_through_the_router(engines, tmp_path) -> None:
+    """`pagoda router --backend D --prefill-backend P`: the client sends a plain request, the router names P."""
+    producer, consumer, _ = engines
+    port = free_port()
+    argv = [PAGODA, "router", "--host", "127.0.0.1", "--port", str(port), "--policy", "leastLoaded"]
+    argv += ["--backend", consumer.url, "--prefill-backend", producer.url, "--log-level", "warning"]
+    log_path = tmp_path / "router.log"
+    env = dict(os.environ)
+    env.pop("PAGODA_API_KEY", None)  # the router would require it from clients
+    with open(log_path, "wb") as log:
+        router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(router, url, lambda: log_path.read_text(errors="replace")[-3000:], 120, poll_s=0.5)
+        p = prompt(5)
+        before = consumer.metric("pagoda:kv_transfer_received_blocks_total")
+        body = {"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+        assert cached(answer) == 48
+        assert consumer.metric("pagoda:kv_transfer_received_blocks_total") == before + 3
+        assert tokens(answer) == consumer.local(p)
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(30)
+        except subprocess.TimeoutExpired:
+            router.kill()
 
 
 def test_a_dead_prefill_engine_is_a_local_prefill(engines) -> None:
