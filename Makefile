@@ -103,6 +103,12 @@ bench-tp: install
 bench-pp: install
 	$(PY) benchmarks/bench_pp.py
 
+# prefill/decode disaggregation vs aggregated on two CPU processes, a mixed long-prompt + chat workload
+# (docs/disaggregation.md); ARGS="--quick"
+.PHONY: bench-pd
+bench-pd: install
+	$(PY) benchmarks/bench_pd.py $(ARGS)
+
 bench-offload: install
 	$(PY) benchmarks/bench_offload.py
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagoda.engine.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
+from pagoda.engine.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from pagoda.engine.sizing.kv_dtypes import KV_CACHE_DTYPES
 from pagoda.engine.sizing.kv_split import WINDOW_CACHE_MODES
 from pagoda.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config

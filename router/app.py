@@ -33,6 +33,8 @@ from pagoda.router.hold import Hold
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.picking import Picker
 from pagoda.router.policies import Decision, Router
+from pagoda.router.prefill import PREFILLER_HEADER, PrefillPool
+from pagoda.router.prefill import enabled as prefill_enabled
 
 log = logging.getLogger("pagoda.router")
 # Not forwarded: hop-by-hop headers, and the client's credentials (the replicas get the router's own key).
@@ -80,6 +82,8 @@ class RouterApp:
             )
         self.needs_chain = config.policy in ("prefix", "tierAware")
         self.picker = Picker(self.pool, self.router, self.hasher, self.needs_chain)
+        # --prefill-backend(-dns): prefill/decode disaggregation (router/prefill.py); None: off
+        self.prefill = PrefillPool(config, self.hasher, self.needs_chain) if prefill_enabled(config) else None
         self.ext_proc: Any = None  # the gRPC server of --ext-proc-port, while it runs
         self.overheads: list[float] = []  # seconds, for benchmarks (GET /router/state)
         self.overheads_cpu: list[float] = []  # the same spans in the router thread's CPU time
@@ -102,6 +106,8 @@ class RouterApp:
 
     async def _start(self, _: web.Application) -> None:
         await self.pool.start()
+        if self.prefill is not None:
+            await self.prefill.start()
         if self.config.ext_proc_port is not None:  # grpc only when asked for (router/ext_proc.py)
             from pagoda.router.ext_proc import ExternalProcessor, serve
 
@@ -114,6 +120,8 @@ class RouterApp:
     async def _stop(self, _: web.Application) -> None:
         if self.ext_proc is not None:
             await self.ext_proc.stop(grace=5)
+        if self.prefill is not None:
+            await self.prefill.close()
         await self.pool.close()
 
     @web.middleware
@@ -185,6 +193,7 @@ class RouterApp:
             {
                 "policy": self.config.policy,
                 "backends": [b.to_dict() for b in self.pool.backends.values()],
+                "prefill_backends": self.prefill.to_dicts() if self.prefill is not None else [],
                 "overhead_seconds": self.overheads[-10000:],
                 "overhead_cpu_seconds": self.overheads_cpu[-10000:],
             }
@@ -233,7 +242,7 @@ class RouterApp:
                 self.metrics.retries.labels(refused.reason).inc()
             self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
             try:
-                return await self._forward(request, raw, b, decision, chain)
+                return await self._forward(request, raw, b, decision, chain, ids, body.get("model"))
             except _Refused as exc:
                 log.debug("replica %s did not take a request (attempt %d): %s", b.url, attempt + 1, exc)
                 refused = exc
@@ -259,12 +268,28 @@ class RouterApp:
             del self.overheads[:10000], self.overheads_cpu[:10000]
 
     async def _forward(
-        self, request: web.Request, raw: bytes, b: Backend, decision: Decision, chain: list[str]
+        self,
+        request: web.Request,
+        raw: bytes,
+        b: Backend,
+        decision: Decision,
+        chain: list[str],
+        ids: list[int] | None = None,
+        model: object = None,
     ) -> web.StreamResponse:
         """One attempt at replica ``b``. Raises _Refused while the client has had nothing yet (the caller
         tries another replica); after that, a failing replica ends the stream with an error event."""
         assert self.pool.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP and k.lower() != PREFILLER_HEADER
+        }
+        if self.prefill is not None:
+            picked = self.prefill.choose(ids, model)
+            if picked is not None:
+                headers[PREFILLER_HEADER] = picked[1]
+                self.metrics.prefill_routed.labels(picked[0]).inc()
         b.inflight += 1
         self.metrics.routed.labels(b.url).inc()
         try:

@@ -28,6 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="a headless Service: every A record is a replica (repeatable)",
     )
+    p.add_argument(
+        "--prefill-backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill replica (repeatable): prefill/decode disaggregation, the --backend replicas decode "
+        "and each request they get names a prefill replica in x-prefiller-host-port",
+    )
+    p.add_argument(
+        "--prefill-backend-dns",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a headless Service of prefill replicas (repeatable), as --prefill-backend",
+    )
     p.add_argument("--dns-interval", type=float, default=d.dns_interval, help="seconds between DNS lookups")
     p.add_argument("--health-interval", type=float, default=d.health_interval, help="seconds between checks")
     p.add_argument("--events-interval", type=float, default=d.events_interval, help="KV event poll seconds")
@@ -108,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy,
         backends=list(args.backend),
         backend_dns=list(args.backend_dns),
+        prefill_backends=list(args.prefill_backend),
+        prefill_backend_dns=list(args.prefill_backend_dns),
         dns_interval=args.dns_interval,
         health_interval=args.health_interval,
         events_interval=args.events_interval,

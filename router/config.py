@@ -24,6 +24,11 @@ class RouterConfig:
     policy: str = "tierAware"
     backends: list[str] = field(default_factory=list)  # static base URLs, e.g. http://10.0.0.5:8000
     backend_dns: list[str] = field(default_factory=list)  # HOST:PORT of a headless Service
+    # Prefill/decode disaggregation (docs/disaggregation.md): the prefill replicas. With any set, the
+    # backends above are the decode replicas and each request they get names a prefill replica
+    # (x-prefiller-host-port).
+    prefill_backends: list[str] = field(default_factory=list)
+    prefill_backend_dns: list[str] = field(default_factory=list)
     dns_interval: float = 5.0
     health_interval: float = 2.0
     events_interval: float = 0.25  # how often each replica's KV events are pulled
@@ -56,13 +61,18 @@ class RouterConfig:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.backends and not self.backend_dns:
             raise ConfigError("give at least one --backend URL or --backend-dns HOST:PORT")
-        for url in self.backends:
-            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-                raise ConfigError(f"--backend must be an http(s) URL, got {url!r}")
-        for target in self.backend_dns:
-            host, sep, port = target.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--backend-dns must be HOST:PORT, got {target!r}")
+        for flag, urls in (("--backend", self.backends), ("--prefill-backend", self.prefill_backends)):
+            for url in urls:
+                if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+                    raise ConfigError(f"{flag} must be an http(s) URL, got {url!r}")
+        for flag, targets in (
+            ("--backend-dns", self.backend_dns),
+            ("--prefill-backend-dns", self.prefill_backend_dns),
+        ):
+            for target in targets:
+                host, sep, port = target.rpartition(":")
+                if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ConfigError(f"{flag} must be HOST:PORT, got {target!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
         if self.ext_proc_port is not None and not (
@@ -80,6 +90,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         self.backends = [u.rstrip("/") for u in self.backends]
+        self.prefill_backends = [u.rstrip("/") for u in self.prefill_backends]
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,6 +19,12 @@ class RouterMetrics:
         self.routed = Counter(
             "pagoda:router_routed", "Requests sent to each replica.", ("backend",), registry=r
         )
+        self.prefill_routed = Counter(
+            "pagoda:router_prefill_routed",
+            "Requests whose prompt each prefill replica was named to prefill (x-prefiller-host-port).",
+            ("backend",),
+            registry=r,
+        )
         self.predicted_cached = Counter(
             "pagoda:router_predicted_cached_tokens",
             "Prompt tokens the router expected the chosen replica to find cached.",

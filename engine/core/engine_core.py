@@ -41,6 +41,7 @@ from pagoda.engine.kv_cache.hashing import cache_identity
 from pagoda.engine.kv_cache.ops import SaveBlock
 from pagoda.engine.kv_cache.publisher import KVEventPublisher
 from pagoda.engine.kv_cache.streaming import StreamingDefaults, resolve_streaming
+from pagoda.engine.kv_transfer.core import KVTransferCore, build_kv_transfer
 from pagoda.engine.loader import load_tokenizer, model_fingerprint, resolve_model
 from pagoda.engine.loader.generation_config import eos_token_ids as generation_eos_ids
 from pagoda.engine.loader.generation_config import read_generation_config, sampling_defaults
@@ -114,6 +115,7 @@ class EngineCore:
                 destroy_tensor_parallel()
             raise
         self.kv_publisher = KVEventPublisher(self.scheduler) if publish_kv_events else None
+        self.kv_transfer = self._start_kv_transfer()
         self.info = self._engine_info()
 
     def _build(self, config: EngineConfig, path, mc: ModelConfig, tokenizer: Any) -> None:
@@ -277,6 +279,48 @@ class EngineCore:
             config, spec, mc, self.device, self.dtype, self.max_model_len, target_tokens
         )
 
+    def _start_kv_transfer(self) -> KVTransferCore | None:
+        """--kv-transfer-config: a producer serves its prefilled blocks, a consumer stages received ones for
+        its scheduler's prefix lookup (engine/kv_transfer/core.py)."""
+        config = self.config.kv_transfer
+        if config is None:
+            return None
+        refused = (
+            "tensor parallelism is on"
+            if self.workers is not None
+            else "pipeline parallelism is on"
+            if self.config.pipeline_parallel_size > 1
+            else "the sliding layers keep a window cache"
+            if self.plan.num_window_blocks
+            else ""
+        )
+        transfer = build_kv_transfer(
+            config,
+            identity="|".join(
+                cache_identity(self.fingerprint, self.dtype, self.kv_dtype, self.config.block_size)
+            ),
+            block_shape=tuple(self.runner.block_shape),
+            dtype=self.kv_dtype,
+            block_size=self.config.block_size,
+            prefix_caching=self.scheduler.kv.enable_prefix_caching,
+            refused=refused,
+        )
+        if transfer is not None and transfer.staged is not None:
+            self.scheduler.remote_blocks = transfer.staged
+        return transfer
+
+    def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
+        """Verify and stage blocks a consumer received from a prefill engine (a utility call, before the
+        request that uses them is added; ``checksummed``: the server checked their payloads already)."""
+        if self.kv_transfer is None:
+            raise ValueError("this engine has no --kv-transfer-config")
+        return self.kv_transfer.stage(records, checksummed)
+
+    def _export_kv(self, updates: list[SeqUpdate]) -> None:
+        """Hold the prompt blocks of remote-decode prefills this step finished (nothing is in flight now)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.export_finished((u.request for u in updates), self.scheduler.kv, self.runner)
+
     def _step_thread(self, config: EngineConfig) -> StepThread | None:
         """With --async-scheduling: the thread steps' device sides run on (engine/core/async_steps.py).
         Not with tensor parallelism or LoRA (the ranks' step messages and the adapter slots are not yet
@@ -391,6 +435,7 @@ class EngineCore:
             memory_profile=self.memory_profile(),
             lora_adapters=tuple(adapter_info(a) for a in self.lora_adapters()),
             num_speculative_tokens=spec.max_tokens if (spec := cfg.speculative) is not None else 0,
+            kv_transfer=self.kv_transfer.info() if self.kv_transfer is not None else None,
         )
 
     def memory_profile(self) -> dict[str, Any]:
@@ -441,6 +486,7 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Admit a request input processing has checked; ValueError only for a request id in use."""
+        adapter = self._lora_of(req.lora)
         self.scheduler.add_request(
             Request(
                 request_id=req.request_id,
@@ -451,9 +497,13 @@ class EngineCore:
                 priority=req.priority,
                 eos_token_ids=self._eos,
                 kv_streaming=tuple(req.kv_streaming) if req.kv_streaming is not None else None,
-                lora=self._lora_of(req.lora),
+                lora=adapter,
             )
         )
+        if req.kv_export and self.kv_transfer is not None:
+            self.kv_transfer.expect(
+                req.request_id, req.prompt_token_ids, adapter.cache_root if adapter is not None else None
+            )
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
     def _lora_of(self, name: str | None) -> LoRAAdapter | None:
@@ -486,6 +536,9 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End them (unknown ids are ignored); their final outputs come with the next step."""
+        request_ids = list(request_ids)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request_ids)
         for req in self.scheduler.abort_requests(request_ids):
             self._record_finished(req)
             self._aborted_outputs.append(self._make_output(req, list(req.seqs), {}, {}))
@@ -553,6 +606,8 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         if self._steps is not None:
             self._settle_in_flight()
             self._steps.close()
@@ -601,6 +656,7 @@ class EngineCore:
         self._cpu_threads_for(sched)
         result = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, result)
+        self._export_kv(updates)
         self._grammar_failed(sched, outputs)
         return self._step_outputs(outputs, sched, updates, stats, started)
 
@@ -633,6 +689,7 @@ class EngineCore:
                 self._run_ops_of(nxt)
             raise
         updates = scheduler.update_from_output(current.sched, result, advanced=current.advanced)
+        self._export_kv(updates)
         if nxt is None:
             nxt = scheduler.schedule()
         else:

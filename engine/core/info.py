@@ -50,3 +50,5 @@ class EngineInfo:
     memory_profile: dict[str, Any] = field(default_factory=dict)  # GET /pagoda/memory
     lora_adapters: tuple[LoRAAdapterInfo, ...] = ()  # loaded at start (--lora-modules)
     num_speculative_tokens: int = 0  # --speculative-config's most proposed tokens per step; 0: off
+    # --kv-transfer-config as running: {"kv_role", "kv_port" (where a producer serves blocks)}; None: off
+    kv_transfer: dict[str, Any] | None = None

@@ -33,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     kv_streaming: tuple[int, int] | None = None  # attention sinks: (sink tokens, cache budget)
     lora: str | None = None  # the name of the LoRA adapter it runs through (the core resolves it)
+    kv_export: bool = False  # a remote-decode prefill: hold its prompt blocks for a decode engine
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -121,5 +122,6 @@ UTILITY_METHODS = frozenset(
         "get_scheduler_stats",
         "load_lora_adapter",
         "unload_lora_adapter",
+        "kv_transfer_stage",
     }
 )

@@ -110,6 +110,9 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.preemption_mode = config.preemption_mode
         self.offload = offload
+        # Blocks received from a prefill engine (engine/kv_transfer/blocks.py: StagedBlocks), looked up
+        # after the offload tiers; None unless this engine is a KV consumer.
+        self.remote_blocks = None
         self.kv = KVCacheManager(
             cache.num_blocks,
             cache.block_size,
@@ -406,6 +409,8 @@ class Scheduler:
             seq.prefix_lookup = (len(tokens) if self.kv.enable_prefix_caching else 0, hit)
             if self.offload is not None:
                 hit += self.offload.load_prefix(self.kv, seq.seq_id, tokens, hit)
+            if self.remote_blocks is not None:
+                hit += self.remote_blocks.load_prefix(self.kv, seq.seq_id, tokens, hit)
             gained = self.kv.reuse_partial_block(seq.seq_id, tokens)
             if gained:
                 hit += gained

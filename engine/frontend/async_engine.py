@@ -205,6 +205,7 @@ class AsyncEngine:
                     r.request_id, r.prompt, r.params, arrival_time=arrival, priority=r.priority, lora=r.lora
                 )
             )
+            core_requests[-1].kv_export = r.kv_export
         streams = []
         for r, req in zip(requests, core_requests, strict=True):
             stream = RequestStream(r.request_id, self._abandon)
@@ -257,6 +258,9 @@ class AsyncEngine:
 
     async def kv_snapshot(self) -> dict[str, Any]:
         return await self.call("kv_snapshot")
+
+    async def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
+        return await self.call("kv_transfer_stage", records, checksummed)
 
     @property
     def lora_adapters(self) -> dict[str, LoRAAdapterInfo]:

@@ -38,6 +38,7 @@ class NewRequest:
     params: SamplingParams
     priority: int = 0
     lora: str | None = None  # the name of a served LoRA adapter to run it through; None: the base model
+    kv_export: bool = False  # a remote-decode prefill: the core holds its prompt blocks for a decode engine
 
 
 class EngineClient(Protocol):
@@ -95,3 +96,6 @@ class EngineClient(Protocol):
         """Block-event batches after `since` (engine/kv_cache/events.py)."""
 
     async def kv_snapshot(self) -> dict[str, Any]: ...
+
+    async def kv_transfer_stage(self, records: list[bytes], checksummed: bool = False) -> dict[str, Any]:
+        """Verify and stage KV blocks received from a prefill engine (engine/kv_transfer)."""

@@ -97,6 +97,90 @@ def _read_regular(path: Path) -> bytes:
         return f.read()
 
 
+def block_header(identity: str, block_hash: BlockHash, data: torch.Tensor, checksum: str) -> bytes:
+    """``MAGIC`` + u32 length + the JSON header of one block record (see the module docstring)."""
+    meta = {
+        "layout": LAYOUT_VERSION,
+        "identity": identity,
+        "key": block_hash.hex(),
+        "shape": list(data.shape),
+        "dtype": _dtype_name(data.dtype),
+        "scales": _scales_layout(data.dtype),
+        "payload_bytes": tensor_bytes(data),
+        "checksum": checksum,
+    }
+    raw = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(raw)) + raw
+
+
+def encode_block(identity: str, block_hash: BlockHash, data: torch.Tensor) -> bytes:
+    """One block as a self-checking record (header + payload): the disk tier's file, the KV transfer's unit."""
+    payload = data.contiguous().view(torch.uint8).numpy().tobytes()
+    return block_header(identity, block_hash, data, _checksum(payload)) + payload
+
+
+def _split_record(raw: memoryview) -> tuple[dict, memoryview]:
+    """(header, payload) of a record; ValueError when its frame or header cannot be read."""
+    if len(raw) < len(MAGIC) + 4 or bytes(raw[: len(MAGIC)]) != MAGIC:
+        raise ValueError("bad magic")
+    (hlen,) = struct.unpack_from("<I", raw, len(MAGIC))
+    start = len(MAGIC) + 4
+    try:
+        meta = json.loads(bytes(raw[start : start + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"unreadable header: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("unreadable header")
+    return meta, raw[start + hlen :]
+
+
+def check_record_checksum(raw: bytes | bytearray | memoryview) -> None:
+    """Only the payload's checksum against its header (the costly part of `decode_block`), for a caller that
+    checks records on another thread or process than the one that decodes them; ValueError on a mismatch."""
+    meta, payload = _split_record(memoryview(raw))
+    if meta.get("checksum") != _checksum(payload):
+        raise ValueError("payload checksum mismatch")
+
+
+def decode_block(
+    raw: bytes | bytearray | memoryview,
+    identity: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    block_hash: BlockHash | None = None,
+    *,
+    checksum: bool = True,
+) -> tuple[BlockHash, torch.Tensor]:
+    """(key, tensor) of a record, after checking its layout, identity, key (when ``block_hash`` is given),
+    shape, dtype, length and checksum (``checksum=False``: already checked, `check_record_checksum`);
+    ValueError names the first that disagrees."""
+    meta, payload = _split_record(memoryview(raw))
+    expect = {
+        "layout": LAYOUT_VERSION,
+        "identity": identity,
+        "shape": list(shape),
+        "dtype": _dtype_name(dtype),
+        "scales": _scales_layout(dtype),
+    }
+    if block_hash is not None:
+        expect["key"] = block_hash.hex()
+    for field, want in expect.items():
+        if meta.get(field) != want:
+            raise ValueError(f"{field} is {meta.get(field)!r}, expected {want!r}")
+    key = meta.get("key")
+    if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
+        raise ValueError(f"key is {key!r}, expected 64 hex digits")
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for dim in shape:
+        nbytes *= dim
+    if meta.get("payload_bytes") != nbytes or len(payload) != nbytes:
+        raise ValueError(f"payload has {len(payload)} bytes, expected {nbytes} (truncated?)")
+    if checksum and meta.get("checksum") != _checksum(payload):
+        raise ValueError("payload checksum mismatch")
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+    return BlockHash(bytes.fromhex(key)), data
+
+
 class DiskTier:
     """A byte-budgeted LRU of block files. ``used_bytes`` never exceeds ``capacity_bytes``."""
 
@@ -206,18 +290,7 @@ class DiskTier:
         return self.directory / (block_hash.hex() + SUFFIX)
 
     def _header(self, block_hash: BlockHash, data: torch.Tensor, checksum: str) -> bytes:
-        meta = {
-            "layout": LAYOUT_VERSION,
-            "identity": self.identity,
-            "key": block_hash.hex(),
-            "shape": list(data.shape),
-            "dtype": _dtype_name(data.dtype),
-            "scales": _scales_layout(data.dtype),
-            "payload_bytes": tensor_bytes(data),
-            "checksum": checksum,
-        }
-        raw = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<I", len(raw)) + raw
+        return block_header(self.identity, block_hash, data, checksum)
 
     def file_size(self, block_hash: BlockHash, data: torch.Tensor) -> int:
         return len(self._header(block_hash, data, "0" * _CHECKSUM_HEX)) + tensor_bytes(data)
@@ -342,36 +415,8 @@ class DiskTier:
     def _verify(
         self, raw: bytes, block_hash: BlockHash, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 4:
-            raise ValueError("bad magic")
-        (hlen,) = struct.unpack_from("<I", raw, len(MAGIC))
-        start = len(MAGIC) + 4
-        try:
-            meta = json.loads(raw[start : start + hlen])
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"unreadable header: {exc}") from None
-        if not isinstance(meta, dict):
-            raise ValueError("unreadable header")
-        expect = {
-            "layout": LAYOUT_VERSION,
-            "identity": self.identity,
-            "key": block_hash.hex(),
-            "shape": list(shape),
-            "dtype": _dtype_name(dtype),
-            "scales": _scales_layout(dtype),
-        }
-        for field, want in expect.items():
-            if meta.get(field) != want:
-                raise ValueError(f"{field} is {meta.get(field)!r}, expected {want!r}")
-        payload = memoryview(raw)[start + hlen :]
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        for dim in shape:
-            nbytes *= dim
-        if meta.get("payload_bytes") != nbytes or len(payload) != nbytes:
-            raise ValueError(f"payload has {len(payload)} bytes, expected {nbytes} (truncated?)")
-        if meta.get("checksum") != _checksum(payload):
-            raise ValueError("payload checksum mismatch")
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+        _, data = decode_block(raw, self.identity, shape, dtype, block_hash)
+        return data
 
     def _reject(self, block_hash: BlockHash, path: Path, why: str) -> None:
         log.warning("disk KV tier: dropping %s (%s); it will be recomputed", path.name, why)

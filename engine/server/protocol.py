@@ -129,6 +129,9 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
     # vLLM's: keep only the last N prompt tokens (-1: the last max_model_len); None: no truncation.
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    # vLLM's prefill/decode handshake (docs/disaggregation.md): do_remote_decode asks a prefill engine to
+    # hold the prompt's blocks; do_remote_prefill + remote_* tell a decode engine where to fetch them.
+    kv_transfer_params: dict[str, Any] | None = None
     # Hints (HINT_FIELDS): accepted, ignored.
     user: str | None = None
     store: bool | None = None

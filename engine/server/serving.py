@@ -26,6 +26,7 @@ from pagoda.engine.frontend.engine_client import EngineClient, EngineDeadError, 
 from pagoda.engine.frontend.input_processor import InputError, InputProcessor
 from pagoda.engine.frontend.request_stream import RequestStream
 from pagoda.engine.kv_cache.streaming import resolve_streaming
+from pagoda.engine.kv_transfer.remote import KVTransferServing
 from pagoda.engine.outputs import Logprob, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.server import protocol as P
@@ -106,6 +107,7 @@ class OpenAIServing:
         # gpt-oss: prompts rendered and outputs read in Harmony (reasoning_content, content, tool_calls)
         self.harmony = isinstance(self.tool_parser, Harmony)
         self._hints_logged: set[str] = set()
+        self.kv_transfer = KVTransferServing(engine, exporter)  # --kv-transfer-config: P/D disaggregation
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -448,13 +450,30 @@ class OpenAIServing:
         priority: int,
         names: dict,
         lora: str | None = None,
+        transfer: tuple[dict | None, Request] | None = None,
     ) -> list[RequestStream]:
         """Admit every prompt of the request in one hand-off to the engine (one engine-loop pass); ``lora``:
-        the adapter they run through (None: the base model)."""
+        the adapter they run through (None: the base model). ``transfer``: the body's kv_transfer_params and
+        the HTTP request, for a prefill/decode split (engine/kv_transfer/remote.py): a request naming a
+        prefill engine has its prompt prefilled there first (any failure: here)."""
         self.check_admission(len(prompts))
+        export = False
+        if transfer is not None and (self.kv_transfer.consumes or self.kv_transfer.produces):
+            body_params, http = transfer
+            export = self.kv_transfer.exports(body_params) and len(prompts) == 1
+            remote = self.kv_transfer.remote_of(http.headers, body_params)
+            if remote is not None and len(prompts) == 1:
+                await self.kv_transfer.prefill_remotely(
+                    remote, prompts[0].token_ids, lora, http.headers.get("authorization")
+                )
         batch = [
             NewRequest(
-                base_id if len(prompts) == 1 else f"{base_id}-{i}", p.token_ids, params, priority, lora
+                base_id if len(prompts) == 1 else f"{base_id}-{i}",
+                p.token_ids,
+                params,
+                priority,
+                lora,
+                export,
             )
             for i, p in enumerate(prompts)
         ]
@@ -584,7 +603,8 @@ class OpenAIServing:
         )  # fmt: skip
         params.n = best_of
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, prompts, params, req.priority, names, lora)
+        transfer = (req.kv_transfer_params, request)
+        streams = await self.submit(base_id, prompts, params, req.priority, names, lora, transfer)
         created, model = int(time.time()), lora or self.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -626,7 +646,10 @@ class OpenAIServing:
                 )
         _finish_usage(usage, [o.num_cached_tokens for o in finals])
         body = P.CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump(exclude_none=False))
+        data = body.model_dump(exclude_none=False)
+        if self.kv_transfer.exports(req.kv_transfer_params) and len(prompts) == 1:
+            data["kv_transfer_params"] = self.kv_transfer.answer_params(base_id, request.url.hostname)
+        return JSONResponse(data)
 
     def echo_logprobs(
         self, prepared: Prepared, entries: list | None, k: int, generated: P.CompletionLogprobs
@@ -779,7 +802,8 @@ class OpenAIServing:
         if self.harmony_output(parser):
             params.skip_special_tokens = False  # the channels' markers are special tokens
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, [prepared], params, req.priority, names, lora)
+        transfer = (req.kv_transfer_params, request)
+        streams = await self.submit(base_id, [prepared], params, req.priority, names, lora, transfer)
         created, model = int(time.time()), lora or self.model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -825,7 +849,10 @@ class OpenAIServing:
             usage=usage,
             prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
-        return JSONResponse(body.model_dump())
+        data = body.model_dump()
+        if self.kv_transfer.exports(req.kv_transfer_params):
+            data["kv_transfer_params"] = self.kv_transfer.answer_params(base_id, request.url.hostname)
+        return JSONResponse(data)
 
     async def _chat_stream(
         self, base_id: str, created: int, model: str, req: P.ChatCompletionRequest, prepared: Prepared,
