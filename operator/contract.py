@@ -69,26 +69,6 @@ def check_engine_commands(body: dict[str, Any], spec: InferenceSpec, decision: D
     return report
 
 
-# Flags the operator renders for the router that arrive with the router's side of issue 43 (the P/D merge):
-# until the router's parser has one, its value is checked by the router once it does, not here.
-PENDING_ROUTER_FLAGS = ("--prefill-backend-dns",)
-
-
-def known_router_args(args: list[str], known: set[str]) -> list[str]:
-    """`args` without the PENDING_ROUTER_FLAGS (and their values) the router's parser does not know yet."""
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg in PENDING_ROUTER_FLAGS and arg not in known:
-            skip = True
-            continue
-        out.append(arg)
-    return out
-
-
 def check_router_args(args: list[str]) -> None:
     """`pagoda router ARGS --dry-run` in process (the router's parser and validation); a SpecError (reason
     RouterWouldRefuse) with the router's words where the router pod would refuse to start. A build without
@@ -100,7 +80,6 @@ def check_router_args(args: list[str]) -> None:
         return
     said = io.StringIO()
     parser = build_parser()
-    args = known_router_args(args, {o for a in parser._actions for o in a.option_strings})
     try:
         with contextlib.redirect_stderr(said):
             parsed = parser.parse_args([*args, "--dry-run"])

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 from pagoda.engine.cli.serve_args import build_parser
-from pagoda.engine.cli.serve_check import DryRunError, check
+from pagoda.engine.cli.serve_check import check
 from pagoda.operator import render
-from pagoda.operator.contract import PENDING_ROUTER_FLAGS, check_router_args, dry_run_argv
+from pagoda.operator.contract import check_router_args, dry_run_argv
 from pagoda.operator.discovery import node_gpus, pools
 from pagoda.operator.planning import decide
 from pagoda.operator.spec import parse_spec
@@ -69,9 +69,7 @@ def test_both_pools_pass_the_dry_run_with_their_kv_roles() -> None:
 
 
 def test_the_router_of_two_pools_passes_the_routers_check() -> None:
-    """--prefill-backend-dns arrives with the router's side of issue 43 (the P/D merge): until the router's
-    parser has it, operator/contract.py checks the rest and this test checks the flag's name is the
-    contract's (contract43.md). Once merged, the full command goes through the router's parser."""
+    """The router of two pools (--prefill-backend-dns) goes through the router's own parser and check."""
     from pagoda.router.cli import build_parser as router_parser
 
     b = body("pd", disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 2}})
@@ -79,8 +77,7 @@ def test_the_router_of_two_pools_passes_the_routers_check() -> None:
     check_router_args(args)
     known = {o for a in router_parser()._actions for o in a.option_strings}
     flags = {a for a in args if a.startswith("--")}
-    assert flags <= known | set(PENDING_ROUTER_FLAGS)
-    assert PENDING_ROUTER_FLAGS == ("--prefill-backend-dns",)
+    assert flags <= known
     assert args[args.index("--prefill-backend-dns") + 1] == "pd-prefill-headless.ns1.svc.cluster.local:8000"
     assert args[args.index("--backend-dns") + 1] == "pd-decode-headless.ns1.svc.cluster.local:8000"
 
@@ -88,12 +85,6 @@ def test_the_router_of_two_pools_passes_the_routers_check() -> None:
 H100_NODES = pools(g for g in (node_gpus(node(f"gpu-h100-{i}", "h100")) for i in range(2)) if g)
 
 
-@pytest.mark.xfail(
-    raises=DryRunError,
-    strict=True,
-    reason="until issue 43 item 1 lands: the dry run sizes each pipeline stage's share of the weights "
-    "(today it puts all 405B / TP 8 on one GPU); remove this mark when it passes",
-)
 def test_a_model_larger_than_a_node_passes_the_dry_run_on_every_rank() -> None:
     b = {
         "metadata": {"name": "l405", "namespace": "default"},
