@@ -620,11 +620,8 @@ def _multi_node(
 
 
 def _planner_stages(spec: InferenceSpec, shape: ModelShape, pool: GPUPool, nodes: int) -> Plan | None:
-    """The planner's own stages across nodes, sized per stage (Hints.max_nodes: issue 43 item 1's planner),
-    where this engine's planner has them; None otherwise (then the group is sized as one tensor-parallel
-    group of the same GPUs, above), or where the planner finds no staging."""
-    if "max_nodes" not in {f.name for f in dataclasses.fields(Hints)}:
-        return None
+    """The planner's own stages across nodes, sized per stage (Hints.max_nodes); None where the planner finds
+    no staging (then the group is sized as one tensor-parallel group of the same GPUs, above)."""
     count = pool.gpus_per_node
     try:
         p = plan(
@@ -634,7 +631,7 @@ def _planner_stages(spec: InferenceSpec, shape: ModelShape, pool: GPUPool, nodes
         )
     except SizingError:
         return None
-    return p if getattr(p, "pipeline_parallel_size", 1) > 1 else None
+    return p if p.pipeline_parallel_size > 1 else None
 
 
 def decide_on_nodes(
