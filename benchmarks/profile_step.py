@@ -69,12 +69,12 @@ _COMPILED = [(name, re.compile(p)) for name, p in CATEGORIES]
 
 def breakdown(trace: Path, within: str = "") -> dict[str, int]:
     """Samples per category from py-spy's raw (collapsed) output: one "stack count" per line (``within``:
-    only stacks with a frame containing it). With native frames, also "in a kernel" (`KERNEL_FRAME`), a
+    only stacks that match this regular expression). With native frames, also "in a kernel" (`KERNEL_FRAME`), a
     count across the categories."""
     counts: dict[str, int] = {}
     for line in trace.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if stack and n.isdigit() and within in stack:
+        if stack and n.isdigit() and re.search(within, stack):
             cat = categorize(stack)
             counts[cat] = counts.get(cat, 0) + int(n)
             if KERNEL_FRAME.search(stack):
@@ -173,7 +173,8 @@ def one_stream_worker(args: argparse.Namespace) -> None:
 
 
 def one_stream(args: argparse.Namespace, pyspy: str) -> int:
-    """py-spy over `one_stream_worker` in a process of its own; only samples under `LLM.generate` count."""
+    """py-spy over `one_stream_worker` in a process of its own; only samples under `LLM.generate` (or, with
+    async scheduling, the step thread's) count."""
     trace = RESULTS / f"{args.name}.pyspy.txt"
     worker = [sys.executable, __file__, "--one-stream-worker", "--dtype", args.dtype, "--threads",
               str(args.threads), "--tokens", str(args.tokens), "--reps", str(args.reps)]  # fmt: skip
@@ -188,7 +189,7 @@ def one_stream(args: argparse.Namespace, pyspy: str) -> int:
         print(done.stdout[-2000:], done.stderr[-4000:])
         return 1
     best = json.loads(next(ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")))
-    counts = breakdown(trace, within="generate (")
+    counts = breakdown(trace, within=r"generate \(|StepThread\._run")  # the step thread's, with async
     report(args, counts, load0, f"one stream, {args.tokens} tokens, {args.threads} thread(s)")
     print(
         f"best of {args.reps}: {best['cpu_ms_per_token']:.2f} CPU ms / token, "
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                 spies.append(
                     subprocess.Popen(
                         [pyspy, "record", "--pid", str(who), "--rate", str(args.rate), "--format", "raw",
-                         "--nonblocking", "--output", str(file), "--duration", "600"],
+                         "--output", str(file), "--duration", "600"]
+                        # py-spy reads C frames only from a stopped process: --native samples blocking
+                        + (["--native"] if args.native and who == pid else ["--nonblocking"]),
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                     )
                 )  # fmt: skip
