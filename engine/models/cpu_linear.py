@@ -177,7 +177,8 @@ class _ColdTimer:
         if not self.copies:
             n = cpu_linear_choice.cold_copies(self.weight.numel() * self.weight.element_size())
             self.copies = [(self.weight, self.packed)]
-            self.copies += [(self.weight.clone(), PackedWeight()) for _ in range(n - 1)]
+            with torch.inference_mode(False):  # the engine runs in inference mode; a pack reads _version
+                self.copies += [(self.weight.clone(), PackedWeight()) for _ in range(n - 1)]
         x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(
             self.dtype
         )
