@@ -107,8 +107,10 @@ def linear(
         return linear(x.float(), weight, bias, packed).to(torch.bfloat16)
     kind = _small_rows_kind(x, weight)
     if kind is not None:
-        timer = _ColdTimer(x.dtype, weight, packed)
-        if cpu_linear_choice.prefers_ours(kind, weight.shape, torch.get_num_threads(), x.shape[0], timer):
+        threads = torch.get_num_threads()
+        if cpu_linear_choice.prefers_ours(
+            kind, weight.shape, threads, x.shape[0], _ColdTimer, x.dtype, weight, packed
+        ):
             y = _small_rows(x, weight, bias, kind)
             if y is not None:
                 return y

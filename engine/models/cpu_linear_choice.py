@@ -272,17 +272,31 @@ def choose(shape: Shape, rows: int, timer: Timer) -> str:
     return current_table().choose(shape, rows, timer)
 
 
-# (kind, weight shape, threads, rows, the variable's value, the library) -> whether ours: every linear of a step
-# asks, so the answer is one dictionary look-up after the first
+# (kind, weight shape, threads, rows, the variable's value, the library) -> whether ours
 _memo: dict[tuple, bool] = {}
 
 
-def prefers_ours(kind: str, weight_shape: tuple[int, ...], threads: int, rows: int, timer: Timer) -> bool:
+def prefers_ours(
+    kind: str,
+    weight_shape: tuple[int, ...],
+    threads: int,
+    rows: int,
+    make_timer: Callable[..., Timer],
+    *timer_args: object,
+) -> bool:
     """Whether a product of ``rows`` rows through a weight of ``weight_shape`` [n, k] takes the small-rows
-    product (`choose`, remembered)."""
+    product (`choose`, remembered). ``make_timer(*timer_args)`` is called only where it measures, once: every
+    linear of a step asks, so the answer is a look-up that builds nothing."""
     key = (kind, weight_shape, threads, rows, envs.cpu_linear(), loader.current().path)
     hit = _memo.get(key)
     if hit is None:
+        made: list[Timer] = []
+
+        def timer(r: int) -> dict[str, float]:
+            if not made:
+                made.append(make_timer(*timer_args))
+            return made[0](r)
+
         n, k = weight_shape
         hit = _memo[key] = choose(Shape(kind, n, k, threads), rows, timer) == OURS
     return hit
