@@ -7,6 +7,11 @@ proposals (their KV is dropped), a target whose prefix-cache hit skipped tokens 
 catches up), and preemption (a sequence's tokens do not change while it waits, so its draft KV stays valid
 unless the pool needed the blocks, and then it is recomputed). Sequences that did not propose recently are
 evicted first when the pool runs short.
+
+A finished sequence's blocks are retired, not freed: a new sequence that starts with the same tokens (the
+next turn of a conversation, a repeated prompt, a shared system prompt after the first request ended)
+adopts the longest matching retired prefix instead of recomputing it, as the target's prefix cache lets the
+target skip it. Retired blocks are the first the pool takes back when it runs short.
 """
 
 from __future__ import annotations
@@ -27,10 +32,55 @@ class DraftCache:
         self._tokens: dict[str, list[int]] = {}  # the tokens whose KV the blocks hold, in order
         # how many of those were the sequence's real tokens when written (the rest are proposals)
         self._real: dict[str, int] = {}
+        # finished sequences' real tokens and blocks, oldest first (adopted by a new sequence, or freed)
+        self._retired: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()
+        self._next_retired = 0
+        self.adopted_tokens = 0  # tokens new sequences did not recompute (tests, logs)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_live(self) -> int:
+        """Sequences holding blocks (retired ones not counted)."""
+        return len(self._tables)
+
+    def retire(self, seq_id: str) -> None:
+        """``seq_id`` finished: keep its real tokens' blocks for a later sequence with the same start."""
+        if seq_id not in self._tables:
+            return
+        self.truncate(seq_id, self._real[seq_id])
+        table, tokens = self._tables.pop(seq_id), self._tokens.pop(seq_id)
+        del self._real[seq_id]
+        if tokens:
+            self._retired[self._next_retired] = (tokens, table)
+            self._next_retired += 1
+        else:
+            self._free.extend(table)
+
+    def adopt(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """A sequence the draft holds nothing of takes the retired blocks whose tokens match the longest
+        prefix of ``token_ids``; returns the tokens it now holds (0: none matched)."""
+        if seq_id in self._tables or not self._retired:
+            return 0
+        best, best_len = None, 0
+        for key, (tokens, _) in self._retired.items():
+            n, end = 0, min(len(tokens), len(token_ids))
+            while n < end and tokens[n] == token_ids[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = key, n
+        if best is None:
+            return 0
+        tokens, table = self._retired.pop(best)
+        keep = -(-best_len // self.block_size)
+        self._free.extend(table[keep:])
+        self._tables[seq_id] = table[:keep]
+        self._tokens[seq_id] = tokens[:best_len]
+        self._real[seq_id] = best_len
+        self.adopted_tokens += best_len
+        return best_len
 
     def sync(self, seq_id: str, token_ids: Sequence[int]) -> int:
         """Keep the longest prefix of the held tokens that ``token_ids`` (the sequence's tokens, which only
@@ -66,6 +116,8 @@ class DraftCache:
         self._real.setdefault(seq_id, 0)
         self._tables.move_to_end(seq_id)
         need = -(-num_tokens // self.block_size) - len(table)
+        while need > len(self._free) and self._retired:
+            self._free.extend(self._retired.popitem(last=False)[1][1])
         if need > len(self._free):
             keep = set(protect) | {seq_id}
             for victim in [s for s in self._tables if s not in keep]:
@@ -104,5 +156,6 @@ class DraftCache:
     def check(self) -> None:
         """Every block is free or in exactly one table (tests)."""
         used = [b for t in self._tables.values() for b in t]
+        used += [b for _, t in self._retired.values() for b in t]
         assert len(used) == len(set(used)), "a draft block is in two tables"
         assert sorted(used + list(self._free)) == list(range(self.num_blocks)), "a draft block leaked"

@@ -118,7 +118,8 @@ class DraftProposer:
         return None if q is None else q[:n]
 
     def free(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        """``seq`` finished: its draft KV is retired for a later sequence with the same start."""
+        self.cache.retire(seq.seq_id)
         self._drafts.pop(seq.seq_id, None)
 
     @torch.inference_mode()
@@ -132,7 +133,7 @@ class DraftProposer:
         for req, seq, k in batch:
             if k < 1:
                 continue
-            held = cache.sync(seq.seq_id, seq.token_ids)
+            held = cache.sync(seq.seq_id, seq.token_ids) or cache.adopt(seq.seq_id, seq.token_ids)
             if held >= seq.num_tokens:  # proposed before but not scheduled: feed the last token again
                 cache.truncate(seq.seq_id, seq.num_tokens - 1)
             # the proposal's last token is never fed: k - 1 proposals join the sequence's tokens

@@ -60,10 +60,10 @@ def draft_config(path: Path, k: int, **extra) -> str:
 
 
 def assert_draft_cache_empty(eng: LLMEngine) -> None:
-    """Every request finished: the draft's pool has every block back."""
+    """Every request finished: no sequence holds draft blocks (retired ones may stay), none leaked."""
     cache = eng.scheduler.proposer.cache
     cache.check()
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_live == 0
 
 
 # ---- units: rejection sampling with a real q, the draft cache ------------------------------------------------
@@ -135,6 +135,31 @@ def test_the_draft_pool_holds_the_speculating_sequences_but_never_more_than_the_
     assert draft_pool_blocks(spec, 2, 512, 16, 10**6) == 2 * 33  # no more sequences than max_num_seqs
     assert draft_pool_blocks(spec, 32, 512, 16, 1024) == 64 + 4 * 2  # the target's 1024 tokens + proposals
     assert draft_pool_blocks(spec, 32, 512, 16, 16) == 33  # one full-length sequence at least
+
+
+def test_a_finished_sequences_draft_kv_is_adopted_by_one_that_starts_the_same():
+    cache = DraftCache(num_blocks=6, block_size=4)
+    assert cache.reserve("a", 9)
+    cache.append("a", [1, 2, 3, 4, 5, 6], real=True)
+    cache.append("a", [7, 8], real=False)
+    a_blocks = list(cache.table("a"))
+    cache.retire("a")  # its 6 real tokens (2 blocks) stay, the proposals' third block goes back
+    assert cache.num_live == 0 and cache.num_free_blocks == 4
+    cache.check()
+    # a new sequence sharing 5 tokens takes the 2 blocks, holding 5 tokens (the 6th is overwritten)
+    assert cache.adopt("b", [1, 2, 3, 4, 5, 9, 9]) == 5
+    assert cache.table("b") == a_blocks[:2] and cache.num_tokens("b") == 5
+    assert cache.adopt("b", [1, 2, 3]) == 0  # only a sequence holding nothing adopts
+    cache.free("b")
+    # nothing in common: nothing adopted; retired blocks are the first the pool takes back
+    assert cache.reserve("c", 8)
+    cache.append("c", [5, 5, 5], real=True)
+    cache.retire("c")
+    assert cache.adopt("d", [6, 6]) == 0
+    assert cache.reserve("d", 24)  # all 6 blocks: the retired two are freed for it
+    cache.free("d")
+    cache.check()
+    assert cache.num_free_blocks == 6
 
 
 def test_a_layer_draft_is_the_checkpoints_first_layers(tmp_path):
@@ -371,4 +396,34 @@ def test_a_proposal_made_twice_for_the_same_tokens_is_the_same(tiny_engines):
     proposer.prepare([(req, seq, 3)])
     assert proposer(seq, 3) == first and proposer.cache.num_tokens("twice") == 6 + 2
     proposer.free(seq)
+    assert_draft_cache_empty(tiny_engines[True])
+
+
+def test_a_new_sequence_adopts_a_finished_ones_draft_kv_and_computes_only_the_rest(tiny_engines):
+    from types import SimpleNamespace
+
+    proposer = tiny_engines[True].scheduler.proposer
+    req = SimpleNamespace(params=SamplingParams(temperature=0.0))
+
+    def seq(seq_id: str, tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(seq_id=seq_id, token_ids=tokens, num_tokens=len(tokens), generator=None)
+
+    first = seq("first", [7, 11, 15, 19, 23, 27, 31])
+    proposer.prepare([(req, first, 2)])
+    proposer.free(first)
+    fed = []
+    forward = proposer._forward
+    proposer._forward = lambda ids, chunks, starts: (
+        fed.append([len(c) for c in chunks]) or forward(ids, chunks, starts)
+    )
+    try:
+        before = proposer.cache.adopted_tokens
+        second = seq("second", [*first.token_ids, 40, 41])
+        proposer.prepare([(req, second, 2)])
+    finally:
+        del proposer._forward
+    assert proposer.cache.adopted_tokens - before == 7
+    assert fed == [[2], [1]]  # the two new tokens, then one proposal fed
+    assert len(proposer(second, 2)) == 2
+    proposer.free(second)
     assert_draft_cache_empty(tiny_engines[True])
