@@ -85,10 +85,10 @@ def model_shapes(args: argparse.Namespace) -> tuple[str, int, list[tuple[str, in
             2,
             [("qkv", 48, 32), ("o", 32, 32), ("gate_up", 128, 32), ("down", 32, 64), ("lm_head", 256, 32)],
         )
-    from pagoda.engine.cli.kernels import model_shape
     from pagoda.engine.cli.kernels_cpu import linear_shapes
+    from pagoda.engine.cli.plan import resolve_shape
 
-    s = model_shape(args.model)
+    s = resolve_shape(args.model)
     names = ("qkv", "o", "gate_up", "down", "lm_head")
     return (
         s.name if args.model else f"the default model ({s.name})",

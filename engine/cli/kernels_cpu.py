@@ -35,10 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def linear_shapes(model: str | None) -> list[tuple[int, int]]:
     """[n, k] of a model's linears as the engine runs them at tensor-parallel size 1: fused qkv, o, fused
-    gate-up, down, lm_head."""
-    from pagoda.engine.cli.kernels import model_shape
+    gate-up, down, lm_head. ``model``: what `pagoda plan` takes (a path, an embedded or well-known model), None
+    or "default" for the default model."""
+    from pagoda.engine.cli.plan import resolve_shape
 
-    s = model_shape(model)
+    s = resolve_shape(None if model in (None, "default") else model)
     hd, hidden = s.head_dim, s.hidden_size
     inter = s.moe_intermediate_size if s.num_experts and not s.intermediate_size else s.intermediate_size
     shapes = [
