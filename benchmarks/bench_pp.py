@@ -16,50 +16,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, pyplot, save_plot, write_json  # noqa: E402
-from pagoda.engine import LLM, SamplingParams  # noqa: E402
+from decode_run import timed_decode  # noqa: E402
 
 
 def run(args: argparse.Namespace, pp: int) -> dict:
-    llm = LLM(
-        args.model,
-        device=args.device,
-        pipeline_parallel_size=pp,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}),
-    )
-    prompts = [[(7 * i + 13 * j) % 20000 + 100 for j in range(args.prompt_len)] for i in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    engine = llm.engine
-    core = engine.core
-    for i, p in enumerate(prompts):
-        engine.add_request(f"pp{pp}-{i}", None, params, prompt_token_ids=p)
-    first: dict[str, float] = {}
-    tokens: list[int] = []
-    start = time.perf_counter()
-    decode_start = None
-    decoded = 0
+    def from_here(engine) -> None:  # from decode start on: the stage times of the decode steps only
+        engine.core.workers.stage_times(engine.core.runner)
+
+    engine, numbers = timed_decode(args, f"pp{pp}", from_here if pp > 1 else None, pipeline_parallel_size=pp)
     stages = None
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            n = sum(len(c.token_ids) for c in delta.outputs)
-            if delta.request_id not in first:
-                first[delta.request_id] = time.perf_counter()
-            elif decode_start is not None:
-                decoded += n
-            if delta.request_id == f"pp{pp}-0":
-                tokens.extend(delta.outputs[0].token_ids)
-        if decode_start is None and len(first) == args.batch:
-            decode_start = time.perf_counter()
-            if pp > 1:
-                core.workers.stage_times(core.runner)  # from here on: the decode steps only
-    end = time.perf_counter()
     if pp > 1:
+        core = engine.core
         stages = [
             {
                 "rank": r,
@@ -73,10 +44,7 @@ def run(args: argparse.Namespace, pp: int) -> dict:
     engine.close()
     return {
         "pp": pp,
-        "decode_tokens_per_s": decoded / max(end - (decode_start or end), 1e-9),
-        "seconds": end - start,
-        "prefill_seconds": (decode_start or end) - start,  # until every request has its first token
-        "first_tokens": tokens[:16],
+        **numbers,
         "stages": stages,
         "ideal_bubble": (pp - 1) / (2 * pp - 1) if pp > 1 else 0.0,  # M = PP micro-batches per step
     }

@@ -12,53 +12,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plot_path, print_table, write_json  # noqa: E402
-from pagoda.engine import LLM, SamplingParams  # noqa: E402
+from decode_run import timed_decode  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 
 def run(args: argparse.Namespace, tp: int) -> dict:
-    llm = LLM(
-        args.model,
-        device=args.device,
-        tensor_parallel_size=tp,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}),
-    )
-    prompts = [[(7 * i + 13 * j) % 20000 + 100 for j in range(args.prompt_len)] for i in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    engine = llm.engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"tp{tp}-{i}", None, params, prompt_token_ids=p)
-    first: dict[str, float] = {}
-    tokens: list[int] = []
-    start = time.perf_counter()
-    decode_start = None
-    decoded = 0
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            n = sum(len(c.token_ids) for c in delta.outputs)
-            if delta.request_id not in first:
-                first[delta.request_id] = time.perf_counter()
-            elif decode_start is not None:
-                decoded += n
-            if delta.request_id == f"tp{tp}-0":
-                tokens.extend(delta.outputs[0].token_ids)
-        if decode_start is None and len(first) == args.batch:
-            decode_start = time.perf_counter()
-    end = time.perf_counter()
+    engine, numbers = timed_decode(args, f"tp{tp}", tensor_parallel_size=tp)
     engine.close()
-    return {
-        "tp": tp,
-        "decode_tokens_per_s": decoded / max(end - (decode_start or end), 1e-9),
-        "seconds": end - start,
-        "first_tokens": tokens[:16],
-    }
+    return {"tp": tp, **numbers}
 
 
 def main() -> int:
