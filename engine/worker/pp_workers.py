@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from pagoda.engine.sizing.stages import host_ranks, stage_layers
 from pagoda.engine.worker.lifetime import die_with_parent, started_on_main_thread
-from pagoda.engine.worker.rank_messages import Allocate, CaptureGraphs, Profile, Step, Stop
+from pagoda.engine.worker.rank_messages import Stop, run_message
 from pagoda.engine.worker.tp_workers import EXIT_TIMEOUT_S, free_tcp_port
 
 log = logging.getLogger("pagoda.engine.distributed")
@@ -238,21 +238,10 @@ def rank_main(rank: int, config: Any, init_method: str, parent_pid: int, pdeaths
             msg = box[0]
             if isinstance(msg, Stop):
                 return
-            if isinstance(msg, Profile):
-                runner.measure_kv_budget(msg)
-            elif isinstance(msg, Allocate):
-                runner.allocate_kv_cache(
-                    msg.num_blocks, msg.block_size, msg.kv_dtype, msg.num_window_blocks, msg.window_layers
-                )
-            elif isinstance(msg, CaptureGraphs):
-                runner.capture_decode_graphs(msg.max_num_seqs, msg.max_model_len, msg.capture)
-            elif isinstance(msg, StageTimesRequest):
+            if isinstance(msg, StageTimesRequest):
                 _gather_times(runner, config.tensor_parallel_size * config.pipeline_parallel_size)
-            elif isinstance(msg, Step):
-                if msg.kv_ops:
-                    runner.apply_kv_ops(msg.kv_ops)
-                if msg.step is not None:
-                    runner.run(msg.step)
+            else:
+                run_message(runner, msg)
     finally:
         destroy_tensor_parallel()
 

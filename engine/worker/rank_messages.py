@@ -48,3 +48,24 @@ class Step:
 
 class Stop:
     pass
+
+
+def run_message(runner: Any, msg: Profile | Allocate | CaptureGraphs | Step) -> bool:
+    """Run one of rank 0's messages on this rank's runner (a ModelRunner); False for a message this function
+    does not know (Stop and a launcher's own are the caller's)."""
+    if isinstance(msg, Profile):
+        runner.measure_kv_budget(msg)
+    elif isinstance(msg, Allocate):
+        runner.allocate_kv_cache(
+            msg.num_blocks, msg.block_size, msg.kv_dtype, msg.num_window_blocks, msg.window_layers
+        )
+    elif isinstance(msg, CaptureGraphs):
+        runner.capture_decode_graphs(msg.max_num_seqs, msg.max_model_len, msg.capture)
+    elif isinstance(msg, Step):
+        if msg.kv_ops:
+            runner.apply_kv_ops(msg.kv_ops)
+        if msg.step is not None:
+            runner.run(msg.step)
+    else:
+        return False
+    return True

@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from pagoda.engine.worker.lifetime import die_with_parent, started_on_main_thread
-from pagoda.engine.worker.rank_messages import Allocate, CaptureGraphs, Profile, Step, Stop
+from pagoda.engine.worker.rank_messages import Allocate, CaptureGraphs, Profile, Step, Stop, run_message
 
 log = logging.getLogger("pagoda.engine.distributed")
 
@@ -124,18 +124,6 @@ def worker_main(
                 continue
             if isinstance(msg, Stop):
                 return
-            if isinstance(msg, Profile):
-                runner.measure_kv_budget(msg)
-            elif isinstance(msg, Allocate):
-                runner.allocate_kv_cache(
-                    msg.num_blocks, msg.block_size, msg.kv_dtype, msg.num_window_blocks, msg.window_layers
-                )
-            elif isinstance(msg, CaptureGraphs):
-                runner.capture_decode_graphs(msg.max_num_seqs, msg.max_model_len, msg.capture)
-            elif isinstance(msg, Step):
-                if msg.kv_ops:
-                    runner.apply_kv_ops(msg.kv_ops)
-                if msg.step is not None:
-                    runner.run(msg.step)
+            run_message(runner, msg)
     finally:
         destroy_tensor_parallel()
