@@ -443,7 +443,9 @@ def test_gguf_new_families(name, tmp_path, monkeypatch, paged, caches):
     kv = caches(mc.num_hidden_layers, 8, 8, mc.num_key_value_heads, mc.head_dim)
     with torch.no_grad():
         logits = model.compute_logits(model(ids[0], torch.arange(12), kv, paged(8, 8).step([(0, 0, 12)])))
-        torch.testing.assert_close(logits, hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+        # float32 products summed in another order than torch's (the host's measured CPU linear kernel,
+        # engine/models/cpu_linear_choice.py): Gemma 2's logits reach its cap of 30, an ulp there is 2e-6
+        torch.testing.assert_close(logits, hf(ids).logits[0], atol=5e-5, rtol=1e-5)
 
 
 def test_gguf_mixtral_with_one_tensor_per_expert(tmp_path, monkeypatch):
