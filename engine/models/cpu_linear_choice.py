@@ -1,12 +1,12 @@
 """Which product a CPU linear of 1-64 rows takes on this host: the kernels library's small-rows product or
-oneDNN's packed weight, chosen by timing both on the host, once, and kept in the kernel cache.
+oneDNN's packed weight, chosen by timing both on the host, once, and kept in $PAGODA_CACHE/cpu-linear.
 
 Neither wins everywhere: on an AVX2 host the small-rows product was faster at every decode size, on an AVX-512
 one (AMD EPYC, AVX512-BF16) it wins at a few rows and oneDNN from about sixteen on (docs/benchmarks.md), and the
 crossing moves with the shape, the dtype, the thread count and the CPU. So the first process of a host to meet a
-shape times the candidates at a few row counts (`ROW_BUCKETS`) and writes the winners to a file in the kernel
-cache named for the host (CPU model, its flags, the kernel library's variant and sources, torch's version,
-which carries oneDNN's); a file lock makes the first process measure and the others wait and read, so every
+shape times the candidates at a few row counts (`ROW_BUCKETS`) and writes the winners to a file in
+$PAGODA_CACHE/cpu-linear named for the host (CPU model, its flags, the kernel library's variant and sources,
+torch's version, which carries oneDNN's); a file lock makes the first process measure and the others wait and read, so every
 process of a host (tensor-parallel ranks, restarts, replicas on one node) makes the same choice. A row count
 between two measured ones takes the choice of the next measured one up.
 
@@ -242,8 +242,9 @@ class ChoiceTable:
 
 
 def choices_dir() -> Path:
-    """Beside the compiled CPU kernels (loader.cache_root), as files: the loader prunes only directories."""
-    return loader.cache_root()
+    """$PAGODA_CACHE/cpu-linear, beside the compiled kernels' cpu-kernels: an image's prebuilt kernels leave
+    the pod's cpu-kernels unwritten (images/check.py asserts it), while each pod measures its own host."""
+    return envs.cache_root() / "cpu-linear"
 
 
 _tables: dict[tuple[str, str | None], ChoiceTable] = {}
