@@ -114,3 +114,10 @@ def download_image() -> str | None:
 def allow_runtime_lora_updating() -> bool:
     """vLLM's switch for the runtime LoRA routes: on for 1 or true (any case), as vLLM reads it."""
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
+def gguf_activations() -> str:
+    """``PAGODA_GGUF_ACTIVATIONS``: how `--quantization gguf` multiplies its blocks at decode; ``float32``
+    (the default: exact float32 activations against the decoded weights) or ``int8`` (activations quantized
+    per 32 values, integer dot products). Anything else is refused where it is read."""
+    return (_get("PAGODA_GGUF_ACTIVATIONS") or "float32").strip().lower()
