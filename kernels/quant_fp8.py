@@ -40,6 +40,9 @@ from pagoda.kernels.runtime import (
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DOT_CAPABILITY = (8, 9)
 DYNAMIC_ARGS = ["M"]
+# the scale's rows per weight row: the checkpoint's bn, or 1 where the loader holds block scales per row
+# (fused parts that cut bn-row blocks, engine/quantization/linear.py); one compiled variant serves both
+LINEAR_DYNAMIC_ARGS = ["M", "scale_block_n"]
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
@@ -109,12 +112,12 @@ def _quantize_fp8_kernel(
         tl.store(xq_ptr + row * K + cols, q.to(xq_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=DYNAMIC_ARGS)
+@triton.jit(do_not_specialize=LINEAR_DYNAMIC_ARGS)
 def _fp8_linear_kernel(
     x_ptr,  # [M, K]: float8 (ACT_QUANT) or the activations
     xs_ptr,  # float32 [M, groups] activation scales (ACT_QUANT)
     w_ptr,  # float8 [N, K] (ACT_QUANT), else its bytes: uint8 [N, K]
-    ws_ptr,  # float32 [N] or [ceil(N / bn), ceil(K / bk)] (BLOCKWISE)
+    ws_ptr,  # float32 [N] or [ceil(N / bn), ceil(K / bk)] (BLOCKWISE; bn = 1: block scales per row)
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N]
     M,

@@ -211,7 +211,14 @@ class Int4Linear(_QuantizedLinear):
 
 class Fp8Linear(_QuantizedLinear):
     """FP8 (e4m3) weights with a float32 scale per row (per-tensor scales expanded per fused part) or per
-    (bn x bk) block; activations quantized per token at run time by the GPU kernel."""
+    (bn x bk) block; activations quantized per token at run time by the GPU kernel.
+
+    Block-wise checkpoints quantize each projection on its own grid of blocks (from its own row 0). Where
+    fused parts (q/k/v, gate/up) or a tensor-parallel slice cut the checkpoint's bn-row blocks (SmolLM2's
+    k_proj starts at row 576 = 4.5 blocks), one grid over the fused rows cannot hold them, so the scales
+    are held per row instead: ``block`` becomes (1, bk) and ``weight_scale`` [N, ceil(K / bk)], each row
+    its part's block scales, which the kernel and its twins read like any other block size. Aligned
+    checkpoints keep the compact [ceil(N / bn), ceil(K / bk)] grid."""
 
     kinds = ("weight", "weight_scale", "bias")
 
@@ -226,7 +233,8 @@ class Fp8Linear(_QuantizedLinear):
         block: tuple[int, int] | None,
     ):
         super().__init__(in_features, out_features, bias, dtype, device)
-        self.block = block
+        self.block = block  # what weight_scale holds: the checkpoint's blocks, or (1, bk) per row
+        self.checkpoint_block = block
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device), False
         )
@@ -236,10 +244,12 @@ class Fp8Linear(_QuantizedLinear):
             bn, bk = block
             scale_shape = (-(-out_features // bn), -(-in_features // bk))
         self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device), False)
+        # (rows, block rows) of the parts loaded on the checkpoint's grid, recounted if it turns per row
+        self._grid_parts: list[tuple[int, int]] = []
 
     def load_part(self, kind: str, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
         """Copy a canonical tensor (or this rank's slice of it) into rows [offset, offset + rows) (block rows
-        for a block-wise scale); a per-tensor scale fills its part's rows."""
+        for a block-wise scale on the checkpoint's grid); a per-tensor scale fills its part's rows."""
         dest = self._param(kind)
         if kind == "weight_scale" and self.block is not None:
             return self._load_block_scale(tensor, offset, rows, part)
@@ -254,27 +264,69 @@ class Fp8Linear(_QuantizedLinear):
         return rows
 
     def _load_block_scale(self, tensor: torch.Tensor, offset: int, rows: int, part: Part) -> int:
-        bn, bk = self.block
-        if offset % bn or (rows % bn and offset + rows != self.out_features):
-            raise ValueError(
-                f"a fused part of rows {offset}..{offset + rows - 1} cuts FP8 blocks of {bn} rows"
-            )
+        """A part's [ceil(rows / bn), ceil(K / bk)] block scales, on the checkpoint's grid while every part
+        lies on it, else per row. Returns what the loader counts against weight_scale's rows."""
+        bn, bk = self.checkpoint_block
+        row_indices = None
         if part is not None:
             dim, indices = part
-            unit = bn if dim == 0 else bk
-            if dim == 0 and len(indices) % bn == 0:
-                blocks = sorted({i // bn for i in indices})
-                if len(blocks) * bn != len(indices):
-                    raise ValueError(f"tensor parallelism cuts FP8 blocks of {bn} rows")
-                tensor = tensor.index_select(0, torch.tensor(blocks, dtype=torch.long))
-            elif dim == 0:
-                raise ValueError(f"tensor parallelism cuts FP8 blocks of {bn} rows")
+            if dim == 0:
+                row_indices = indices
             else:
-                lo, hi = _span(indices, unit, "FP8 blocks")
+                lo, hi = _span(indices, bk, "FP8 blocks")
                 tensor = tensor[:, lo:hi]
+        if self.block[0] > 1 and not self._on_grid(offset, rows, row_indices):
+            self._hold_scales_per_row()
+        if self.block[0] == 1:
+            return self._load_row_scales(tensor, offset, rows, row_indices)
+        if row_indices is not None:
+            tensor = tensor.index_select(0, torch.tensor(row_indices[::bn], dtype=torch.long) // bn)
         block_rows = -(-rows // bn)
         self._copy_rows(self.weight_scale.narrow(0, offset // bn, block_rows), tensor, "weight_scale")
+        self._grid_parts.append((rows, block_rows))
         return block_rows
+
+    def _on_grid(self, offset: int, rows: int, row_indices: list[int] | None) -> bool:
+        """Whether the part's blocks are whole blocks of the fused grid: it starts on a block boundary and
+        fills its last block unless it ends the linear; a tensor-parallel slice takes whole blocks."""
+        bn = self.checkpoint_block[0]
+        if offset % bn or (rows % bn and offset + rows != self.out_features):
+            return False
+        if row_indices is None:
+            return True
+        lo = row_indices[0]
+        return lo % bn == 0 and row_indices == list(range(lo, lo + len(row_indices)))
+
+    def _hold_scales_per_row(self) -> None:
+        """Switch weight_scale to one row of block scales per weight row: the rows loaded so far on the grid
+        keep their blocks' scales (they started on a block boundary)."""
+        bn, bk = self.checkpoint_block
+        rows = self.weight_scale.data.repeat_interleave(bn, dim=0)[: self.out_features]
+        self.weight_scale.data = rows.contiguous()
+        self.block = (1, bk)
+
+    def _load_row_scales(
+        self, tensor: torch.Tensor, offset: int, rows: int, row_indices: list[int] | None
+    ) -> int:
+        bn = self.checkpoint_block[0]
+        per_row = tensor.repeat_interleave(bn, dim=0)
+        if row_indices is None:
+            if tensor.shape[0] != -(-rows // bn):
+                raise ValueError(
+                    f"weight_scale has {tensor.shape[0]} block rows, expected {-(-rows // bn)} for {rows} rows"
+                )
+            per_row = per_row[:rows]
+        elif row_indices[-1] >= per_row.shape[0]:
+            raise ValueError(
+                f"weight_scale has {tensor.shape[0]} block rows, too few for row {row_indices[-1]}"
+            )
+        else:
+            per_row = per_row.index_select(0, torch.tensor(row_indices, dtype=torch.long))
+        self._copy_rows(self.weight_scale.narrow(0, offset, rows), per_row, "weight_scale")
+        # the loader counts rows written per parameter: parts counted in block rows are recounted in rows
+        recount = sum(r - b for r, b in self._grid_parts)
+        self._grid_parts.clear()
+        return rows + recount
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize_fp8(self.weight, self.weight_scale, self.block, dtype)

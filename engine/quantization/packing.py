@@ -5,7 +5,8 @@ dequantized in torch.
   ``scales`` [N, K // g]; ``zeros`` uint8 [N, K // g] (8 everywhere for a symmetric checkpoint);
   w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]; per output channel g = K.
 - FP8: ``weight`` float8_e4m3fn [N, K]; ``weight_scale`` float32 [N] (per channel, or per tensor expanded to
-  the rows of each fused part) or [ceil(N / bn), ceil(K / bk)] block-wise.
+  the rows of each fused part) or [ceil(N / bn), ceil(K / bk)] block-wise; where fused parts cut the
+  checkpoint's bn-row blocks the scales are held per row, [N, ceil(K / bk)] with block (1, bk).
 
 Dequantizing computes in float32 and rounds once to the target dtype, as the GPU kernels' twins do.
 """

@@ -1,5 +1,6 @@
 """The FP8 linear kernels (Triton, under the interpreter here) against their torch twins on fresh random
-inputs: per-tensor, per-channel and 128 x 128 block-wise weight scales, both paths (FP8 x FP8 with per-token
+inputs: per-tensor, per-channel, 128 x 128 block-wise and 1 x 128 (block scales held per row: fused parts
+that cut the checkpoint's blocks) weight scales, both paths (FP8 x FP8 with per-token
 activation scales, and weight-only), decode to prefill rows, N and K that no tile or block divides."""
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ def _needs_fp8_dot(act_quant: bool) -> None:
 def _case(m, n, k, kind, dtype, seed, bias=True):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 80).clamp(-448, 448).to(torch.float8_e4m3fn)
-    block = (128, 128) if kind == "block" else None
+    block = {"block": (128, 128), "rows": (1, 128)}.get(kind)
     if kind == "tensor":
         scale = torch.rand(1, generator=g) * 0.01 + 1e-3
     elif kind == "channel":
         scale = torch.rand(n, generator=g) * 0.01 + 1e-3
     else:
-        scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.01 + 1e-3
+        scale = torch.rand(-(-n // block[0]), -(-k // 128), generator=g) * 0.01 + 1e-3
     x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, scale, block, b
@@ -53,6 +54,8 @@ def _tol(dtype, out):
         (6, 33, 130, "channel", torch.float16),
         (3, 150, 272, "block", torch.float32),  # N and K cut partial 128 x 128 blocks
         (20, 130, 256, "block", torch.bfloat16),  # several row tiles
+        (3, 150, 272, "rows", torch.float32),  # block scales per row
+        (20, 130, 256, "rows", torch.bfloat16),
     ],
 )
 def test_fp8_linear_matches_twin(m, n, k, kind, dtype, act_quant):
@@ -112,6 +115,20 @@ def test_no_rows_and_no_bias():
     )
     assert fp8_linear(x[:0], w, scale, block, act_quant=True).shape == (0, 20)
     assert fp8_linear(x[:0], w, scale, block).shape == (0, 20)
+
+
+def test_block_scales_per_row_give_each_fused_part_its_own_blocks():
+    """q (1.5 blocks of rows) and k fused: the fused linear over per-row scales (each part's block rows
+    expanded from its own row 0) computes each part's product on its own 128 x 128 grid."""
+    _needs_fp8_dot(True)
+    x, wq, sq, block, _ = _case(5, 192, 200, "block", torch.float32, seed=11, bias=False)
+    _, wk, sk, _, _ = _case(5, 64, 200, "block", torch.float32, seed=12, bias=False)
+    fused = torch.cat([wq, wk])
+    rows = torch.cat([sq.repeat_interleave(128, 0)[:192], sk.repeat_interleave(128, 0)[:64]])
+    for act_quant in (False, True):
+        got = fp8_linear(x, fused, rows, (1, 128), act_quant=act_quant)
+        parts = [fp8_reference(x, w, s, block, act_quant=act_quant) for w, s in ((wq, sq), (wk, sk))]
+        torch.testing.assert_close(got, torch.cat(parts, dim=1), atol=1e-4, rtol=1e-5)
 
 
 def test_the_gpu_tiles_match_too(monkeypatch):

@@ -181,6 +181,9 @@ SERVE_EQUALS_WARM = textwrap.dedent(
                                    quantized_linear(4096, 4096, False, torch.bfloat16, META, scheme),
                                    quantized_linear(4096, 28672, False, torch.bfloat16, META, scheme),
                                    quantized_linear(14336, 4096, False, torch.bfloat16, META, scheme)]
+                        if scheme.block:  # fused parts that cut its blocks: scales held per row
+                            linears.append(quantized_linear(4096, 6144, bias, torch.bfloat16, META, scheme))
+                            linears[-1]._hold_scales_per_row()
                         for layer in linears:
                             layer.triton = True
                             for tokens in (1, 3, 16, 17, 40, 64, 100, 512, 2048):
@@ -193,7 +196,8 @@ SERVE_EQUALS_WARM = textwrap.dedent(
 
 def test_what_the_engine_s_quantized_linears_launch_is_warmed():
     """QF's Int4Linear / Fp8Linear (engine/quantization/linear.py) called as a model calls them, for every
-    scheme of the format, decode to prefill token counts, a biased qkv or not, on an H100 and an A100: every
+    scheme of the format (block-wise FP8 also with its scales held per row), decode to prefill token counts, a
+    biased qkv or not, on an H100 and an A100: every
     variant they launch (recorded, not compiled) is among those the warm of a plan with that format
     launches."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -2,7 +2,7 @@
 layouts, whose dequantized weight is the one the format stands for; the packing the tests use is checked
 against the compressed-tensors library's own and, for GPTQ and AWQ, element by element against the layouts'
 written definitions. The quantized linears place fused parts and tensor-parallel slices, and refuse a slice
-that cuts a group."""
+that cuts a group; block-wise FP8 parts that cut the fused grid are held per row."""
 
 from __future__ import annotations
 
@@ -204,9 +204,63 @@ def test_fp8_blocks_are_placed_and_sliced_whole() -> None:
     for kind, t in canon.items():  # the second block row
         rows.load_part(kind, t, 0, 128, (0, list(range(128, 256))))
     assert torch.equal(rows.dequantize(torch.float32), reference[128:])
-    half = Fp8Linear(K, 64, False, torch.float32, torch.device("cpu"), 128, (128, 128))
-    with pytest.raises(ValueError, match="tensor parallelism cuts FP8 blocks of 128 rows"):
-        half.load_part("weight_scale", canon["weight_scale"], 0, 64, (0, list(range(64))))
-    fused = Fp8Linear(K, 192, False, torch.float32, torch.device("cpu"), 128, (128, 128))
-    with pytest.raises(ValueError, match="a fused part of rows 64..191 cuts FP8 blocks of 128 rows"):
-        fused.load_part("weight_scale", canon["weight_scale"][:1], 64, 128, None)
+    assert rows.block == (128, 128) and rows.weight_scale.shape == (1, 2)  # aligned: the compact grid
+
+
+def fp8_block_parts(sizes: tuple[int, ...], seed: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Each part quantized on its own 128 x 128 grid (from its own row 0), as llm-compressor does."""
+    out = []
+    for i, rows in enumerate(sizes):
+        tensors, ref = quantize_module("ct-fp8-block", weight(seed + i, rows, K))
+        out.append((converted("ct-fp8-block", tensors), ref))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "order"),
+    [
+        ((192, 64, 64), (0, 1, 2)),  # q 1.5 blocks: k and v start inside blocks (SmolLM2: 576, 192, 192)
+        ((192, 64, 64), (2, 0, 1)),  # v on the grid (rows 256..319, the last part) first, then q switches
+        ((128, 64, 128), (0, 1, 2)),  # q a whole block on the grid, then k switches
+        ((320, 320), (1, 0)),  # gate/up of an intermediate size of 2.5 blocks
+    ],
+)
+def test_fused_parts_that_cut_fp8_blocks_keep_their_own_blocks(sizes, order) -> None:
+    parts = fp8_block_parts(sizes, 20)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    fused = Fp8Linear(K, sum(sizes), False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    counted = {"weight": 0, "weight_scale": 0}
+    for i in order:
+        for kind, t in parts[i][0].items():
+            counted[kind] += fused.load_part(kind, t, offsets[i], sizes[i], None)
+    # the loader's check: every row of each parameter written
+    assert counted == {"weight": sum(sizes), "weight_scale": sum(sizes)}
+    assert fused.block == (1, 128) and tuple(fused.weight_scale.shape) == (sum(sizes), 2)
+    assert torch.equal(fused.dequantize(torch.float32), torch.cat([ref for _, ref in parts]))
+
+
+def test_fused_parts_on_whole_blocks_keep_the_grid() -> None:
+    sizes = (256, 128, 128)
+    parts = fp8_block_parts(sizes, 30)
+    fused = Fp8Linear(K, 512, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    counted = 0
+    for (tensors, _), offset, rows in zip(parts, (0, 256, 384), sizes, strict=True):
+        for kind, t in tensors.items():
+            n = fused.load_part(kind, t, offset, rows, None)
+            counted += n if kind == "weight_scale" else 0
+    assert counted == 4 and fused.block == (128, 128) and tuple(fused.weight_scale.shape) == (4, 2)
+    assert torch.equal(fused.dequantize(torch.float32), torch.cat([ref for _, ref in parts]))
+
+
+def test_tensor_parallel_rows_that_cut_fp8_blocks_are_held_per_row() -> None:
+    tensors, reference = quantize_module("ct-fp8-block", weight(14, 192, K))
+    canon = converted("ct-fp8-block", tensors)
+    for lo, hi, block in ((0, 96, (128, 128)), (96, 192, (1, 128))):  # two ranks of a 1.5-block part
+        rank = Fp8Linear(K, hi - lo, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+        for kind, t in canon.items():
+            rank.load_part(kind, t, 0, hi - lo, (0, list(range(lo, hi))))
+        assert rank.block == block
+        assert torch.equal(rank.dequantize(torch.float32), reference[lo:hi])
+    fused = Fp8Linear(K, 256, False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    with pytest.raises(ValueError, match="weight_scale has 1 block rows, expected 2 for 192 rows"):
+        fused.load_part("weight_scale", canon["weight_scale"][:1], 64, 192, None)

@@ -13,7 +13,8 @@ code):
   only), ``weight_scale`` [N, K / g], ``weight_shape`` [2]; tests check this packing against the
   compressed-tensors library's own.
 - FP8: ``weight`` float8_e4m3fn [N, K] with ``weight_scale`` (compressed-tensors: [1] per tensor, [N, 1] per
-  channel, [N / 128, K / 128] per block) or ``weight_scale_inv`` (quant_method fp8 with weight_block_size).
+  channel, [ceil(N / 128), ceil(K / 128)] per block) or ``weight_scale_inv`` (quant_method fp8 with
+  weight_block_size).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 
 
 def quantize_fp8(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [N, K], float32 scale: [1] tensor, [N, 1] channel, [N / 128, K / 128] block)."""
+    """(float8_e4m3fn [N, K], float32 scale: [1] tensor, [N, 1] channel, [ceil(N / 128), ceil(K / 128)]
+    block)."""
     w = w.float()
     n, k = w.shape
     if strategy == "tensor":
@@ -127,19 +129,20 @@ def quantize_fp8(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Te
     elif strategy == "channel":
         scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
         full = scale.expand(n, k)
-    else:
-        tiles = w.reshape(n // 128, 128, k // 128, 128)
-        scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
-        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:  # partial blocks at the ends (llm-compressor's ceil-sized grid): amax over the rows they have
+        nb, kb = -(-n // 128), -(-k // 128)
+        padded = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n))
+        scale = padded.reshape(nb, 128, kb, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.float()
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
-    if scale.dim() == 2 and scale.shape[1] > 1:  # block
-        bn, bk = n // scale.shape[0], k // scale.shape[1]
-        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    block = scale.dim() == 2 and (scale.shape[1] > 1 or scale.shape[0] != n)
+    if block:  # 128 x 128, the last ones maybe partial
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     else:
         full = scale.reshape(-1, 1)
     return q.float() * full
