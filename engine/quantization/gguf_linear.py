@@ -7,17 +7,27 @@ row a run of its type's blocks; a segment narrower than the widest leaves the re
 forward runs one kernel call per run of rows of one type, each writing its columns of the output. The kernels
 decode every weight to the float32 value the gguf package's dequantize gives and accumulate float32
 activations against it, so the outputs are the dequantized model's up to summation order.
+
+``PAGODA_GGUF_ACTIVATIONS=int8`` (engine/envs.py) switches decode's rows (up to INT8_ROWS_MAX) of Q4_0, Q4_1
+and Q8_0 blocks to kernels/cpu/quant_gguf_q8act.c: the activations quantized to int8 per 32 values and
+integer dot products (AVX512-VNNI, AVX2), as llama.cpp multiplies them; not exact, so off by default. The
+K-quants and Q5_0, and prefill's rows, keep the exact product.
 """
 
 from __future__ import annotations
 
 import torch
+from pagoda.engine import envs
 from pagoda.kernels import gguf_reference
 from pagoda.kernels.cpu import loader
 from torch import nn
 
 # ggml types the kernels run in their blocks (others are dequantized at load: engine/loader/gguf_quant.py)
 KERNEL_TYPES = frozenset(gguf_reference.BLOCKS)
+# ggml types the int8-activation product runs, and the most activation rows it takes (decode's)
+INT8_TYPES = frozenset({gguf_reference.Q4_0, gguf_reference.Q4_1, gguf_reference.Q8_0})
+INT8_ROWS_MAX = 8
+ACTIVATION_MODES = ("float32", "int8")
 _STATUS = {1: "a ggml type the kernels do not run", 2: "rows that are not whole blocks", 3: "out of memory"}
 
 
@@ -46,6 +56,14 @@ def gguf_matmul(
         name = gguf_reference.NAMES.get(ggml_type, f"ggml type {ggml_type}")
         raise RuntimeError(f"GGUF product of {name} blocks [{n}, {k}] failed: {_STATUS.get(status, status)}")
     return out
+
+
+def activation_mode() -> str:
+    """``PAGODA_GGUF_ACTIVATIONS`` checked: "float32" (exact, the default) or "int8"."""
+    mode = envs.gguf_activations()
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"PAGODA_GGUF_ACTIVATIONS={mode!r}: use one of {', '.join(ACTIVATION_MODES)}")
+    return mode
 
 
 def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
@@ -143,7 +161,8 @@ class GGUFLinear(nn.Module):
                 self.in_features,
             )
             threads = torch.get_num_threads()
-            for fn, w_ptr, rows, w_stride, ggml_type, offset in calls:
+            for exact, int8, w_ptr, rows, w_stride, ggml_type, offset in calls:
+                fn = int8 if int8 is not None and m <= INT8_ROWS_MAX else exact
                 status = fn(xp, m, k, xs, w_ptr, rows, w_stride, ggml_type, yp + 4 * offset, n_out, threads)
                 if status != 0:
                     gguf_matmul(flat, self.weight[offset : offset + rows], ggml_type)  # raises, naming why
@@ -155,15 +174,18 @@ class GGUFLinear(nn.Module):
         return y
 
     def _prepare(self) -> list[tuple]:
-        """Each segment's kernel call (function, weight address, rows, row stride, type, first column), made
-        once: a decode step's linears are short calls, so the per-call Python is kept to one ctypes call."""
+        """Each segment's kernel calls (exact function, int8-activation function or None, weight address,
+        rows, row stride, type, first column), made once: a decode step's linears are short calls, so the
+        per-call Python is kept to one ctypes call. The activation mode is read here, at first use."""
         lib = loader.library()
         if lib is None:
             gguf_matmul(torch.zeros(1, self.in_features), self.weight, 0)  # raises: the kernels did not load
         w = self.weight
+        int8 = activation_mode() == "int8"
         self._calls = [
             (
                 lib.pagoda_gguf_linear,
+                lib.pagoda_gguf_linear_q8 if int8 and ggml_type in INT8_TYPES else None,
                 w.data_ptr() + offset * w.stride(0),
                 rows,
                 w.stride(0),

@@ -39,9 +39,10 @@ SOURCES = (
     "lora.c",
     "small_rows.c",
     "quant_gguf.c",
+    "quant_gguf_q8act.c",
     "info.c",
 )
-HEADERS = ("pagoda_cpu.h",)
+HEADERS = ("pagoda_cpu.h", "quant_gguf.h")
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 MANIFEST = "build.json"
 DEFAULT_DEST = HERE / "lib"

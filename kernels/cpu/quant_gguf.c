@@ -13,18 +13,7 @@
    PANEL_ROWS_MIN rows the chunk is decoded k-major instead and run in the outer-product form. */
 #include <stdlib.h>
 
-#include "pagoda_cpu.h"
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
-/* ggml's type numbers (gguf.GGMLQuantizationType) */
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q5_0 6
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q6_K 14
+#include "quant_gguf.h"
 
 #define STREAM_ROWS_MAX 8
 #if defined(__AVX512F__)
@@ -46,26 +35,6 @@ static inline int block_bytes(const int T)
     case T_Q4_K: return 144;
     default: return 210; /* Q6_K */
     }
-}
-
-/* IEEE half -> float, exact (subnormals by one multiply that rebiases the exponent). */
-static inline float half(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h); /* one instruction on the vector variants (F16C is part of x86-64-v3) */
-#endif
-    union { uint32_t u; float f; } c;
-    const uint32_t em = h & 0x7fffu;
-    if (em >= 0x7c00u) {
-        c.u = 0x7f800000u | (em & 0x3ffu) << 13;
-    } else {
-        c.u = em << 13;
-        c.f *= 0x1p112f;
-    }
-    c.u |= (uint32_t)(h & 0x8000u) << 16;
-    return c.f;
 }
 
 /* The per-block floats a block's values are decoded with: d (and m) for the 32-blocks; for the super-blocks

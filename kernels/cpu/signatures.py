@@ -56,6 +56,12 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "pagoda_cpu_has_bf16_dot": (I, []),
     # x, M, K, x_stride, w (GGUF blocks), N, w_stride (bytes), ggml type, y, y_stride, nthreads
     "pagoda_gguf_linear": (I, [P, I64, I64, I64, P, I64, I64, I, P, I64, I]),
+    # the same with x quantized to int8 per 32 values (Q4_0, Q4_1, Q8_0 only: quant_gguf_q8act.c)
+    "pagoda_gguf_linear_q8": (I, [P, I64, I64, I64, P, I64, I64, I, P, I64, I]),
+    # want (-1 asks, 0 off, 1 on where the CPU has it) -> whether the int8 product takes AVX512-VNNI
+    "pagoda_gguf_q8_vnni": (I, [I]),
+    # x, M, K, x_stride, q (int8 [M, K]), d (float32 [M, K / 32])
+    "pagoda_gguf_quantize_q8": (I, [P, I64, I64, I64, P, P]),
     # w, N, K, w_stride (bytes), ggml type, out, out_stride, nthreads
     "pagoda_gguf_dequantize": (I, [P, I64, I64, I64, I, P, I64, I]),
 }
