@@ -16,6 +16,9 @@ SHAPE = dict(
     vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5,
 )  # fmt: skip
+# hidden 192, q 192 rows (1.5 blocks of 128), k/v 64, gate/up 192: fused parts cut the 128-row FP8 blocks (SmolLM2's
+# q/k/v: 576/192/192), so the block scales are held per row
+UNALIGNED = SHAPE | dict(hidden_size=192, intermediate_size=192, num_attention_heads=3, num_key_value_heads=1)
 
 
 def _greedy(hf, prompt: list[int]) -> list[int]:
@@ -27,8 +30,16 @@ def _greedy(hf, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("fmt", "kind"), [("ct-int4-asym", Int4Linear), ("ct-fp8-block", Fp8Linear)])
-def test_quantized_linears_run_the_kernels_on_the_triton_path(tmp_path, fmt, kind, monkeypatch):
+@pytest.mark.parametrize(
+    ("fmt", "kind", "shape"),
+    [
+        ("ct-int4-asym", Int4Linear, SHAPE),
+        ("ct-fp8-block", Fp8Linear, SHAPE),
+        ("ct-fp8-block", Fp8Linear, UNALIGNED),
+    ],
+    ids=["int4", "fp8-block", "fp8-block-cut"],
+)
+def test_quantized_linears_run_the_kernels_on_the_triton_path(tmp_path, fmt, kind, shape, monkeypatch):
     import pagoda.kernels.quant_fp8 as quant_fp8
     import pagoda.kernels.quant_w4a16 as quant_w4a16
 
@@ -40,7 +51,7 @@ def test_quantized_linears_run_the_kernels_on_the_triton_path(tmp_path, fmt, kin
             module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw)
         )
     torch.manual_seed(0)
-    cfg = LlamaConfig(**SHAPE)
+    cfg = LlamaConfig(**shape)
     cfg._attn_implementation = "eager"
     hf = LlamaForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(3)
@@ -62,6 +73,9 @@ def test_quantized_linears_run_the_kernels_on_the_triton_path(tmp_path, fmt, kin
     try:
         layer = llm.engine.runner.model.layers[0]
         assert type(layer.self_attn.qkv_proj) is kind and type(layer.mlp.down_proj) is kind
+        if kind is Fp8Linear:  # per row only where the parts cut the blocks
+            held = (1, 128) if shape is UNALIGNED else (128, 128)
+            assert layer.self_attn.qkv_proj.block == held and layer.mlp.gate_up_proj.block == held
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
