@@ -51,16 +51,20 @@ class PackedWeight:
     """A weight's oneDNN copy (in the weight's dtype, or widened to float32 for float32 inputs), refreshed when
     the weight is replaced or changed in place."""
 
-    __slots__ = ("_key", "_packed")
+    __slots__ = ("_key", "_packed", "routes")
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
+        self.routes: dict[tuple, tuple | None] = {}  # `step_linear`'s decisions for this weight
 
     def get(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The packed copy of ``weight`` as ``dtype`` (default its own), or None where oneDNN does not apply
         (device, dtype, grad)."""
         dtype = dtype or weight.dtype
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.is_cpu, weight.dtype, dtype)
+        if key == self._key and not (torch.is_grad_enabled() and weight.requires_grad):
+            return self._packed  # (a key is kept only for a weight that passed the checks below)
         if (
             weight.device.type != "cpu"
             or weight.dtype not in _DTYPES
@@ -70,7 +74,6 @@ class PackedWeight:
             return None
         if torch.is_grad_enabled() and weight.requires_grad:
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, dtype)
         if key != self._key:
             self._packed = None
             self._key = None
@@ -96,16 +99,122 @@ def bfloat16_widens() -> bool:
     return _no_bfloat16_multiply() and enabled()
 
 
+class Settings:
+    """The environment's switches for CPU linears, read once per step (`refresh`) rather than per linear: an
+    environment lookup costs about a microsecond, and a decode step runs over a hundred linears."""
+
+    __slots__ = ("values", "onednn", "widens")
+
+    def __init__(self, values: tuple[bool, str]) -> None:
+        self.values = values  # (PAGODA_ONEDNN_LINEAR, PAGODA_CPU_LINEAR) as read
+        self.onednn = values[0] and torch.backends.mkldnn.is_available() and _has_linear_pointwise()
+        self.widens = self.onednn and _no_bfloat16_multiply()
+
+
+@functools.cache
+def _has_linear_pointwise() -> bool:
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+_settings: Settings | None = None
+
+
+def refresh() -> Settings:
+    """Read the environment's switches again (the model's forward and `compute_logits` call it once per step,
+    `linear` on every call; a test that sets a variable and calls a `Linear` module itself calls it). The
+    object stays the same while the values do, so the linears' remembered routes stay valid."""
+    global _settings
+    values = (envs.onednn_linear(), envs.cpu_linear())
+    if _settings is None or _settings.values != values:
+        _settings = Settings(values)
+    return _settings
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: through the small-rows product where this host measured it faster, else
     the packed weight where it applies. A float32 ``x`` with a bfloat16 weight computes in float32 over the
     widened weight (exact products, float32 output); so does a bfloat16 ``x`` where `bfloat16_widens` (output
-    rounded to bfloat16)."""
-    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and bfloat16_widens():
-        return linear(x.float(), weight, bias, packed).to(torch.bfloat16)
-    kind = _small_rows_kind(x, weight)
+    rounded to bfloat16). Reads the environment's switches (`refresh`) first; `step_linear` does not."""
+    refresh()
+    return step_linear(x, weight, bias, packed)
+
+
+# routes of a product, decided once per (operands' layout, rows, threads, settings, library) and kept on its
+# PackedWeight: the small-rows product, oneDNN's packed weight, or the same over x widened to float32
+_SMALL, _ONEDNN, _WIDEN = 0, 1, 2
+_MAX_ROUTES = 512
+_SLOW = None  # 3-D x, autograd, or an empty x: the general path (`_linear`) every call
+
+
+def step_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
+) -> torch.Tensor:
+    """`linear` with the environment's switches as last read (`refresh`), and the route of the product
+    remembered on ``packed`` per layout, row count, thread count and library: a decode step's linear is a
+    look-up and one kernel call (the same route, so the same values, as deciding it again)."""
+    settings = _settings or refresh()
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return _linear(x, weight, bias, packed, settings)
+    threads = torch.get_num_threads()
+    xs, ws, strides = x.shape, weight.shape, x.stride()
+    rows = xs[0] if len(xs) == 2 else 0
+    key = (
+        x.dtype, xs[-1], strides[-1], x.is_cpu, rows if rows <= SMALL_ROWS_MAX else -1, threads,
+        weight.data_ptr(), ws, weight.stride(), weight.dtype, weight.is_cpu,
+        settings, loader.current().lib, cpu_linear_choice.generation,
+    )  # fmt: skip
+    route = packed.routes.get(key, packed)
+    if route is packed:
+        if len(packed.routes) >= _MAX_ROUTES:  # a PackedWeight passed many weights (tests, benchmarks)
+            packed.routes.clear()
+        route = packed.routes[key] = _route(x, weight, packed, settings, threads) if rows else _SLOW
+    if route is _SLOW:
+        return _linear(x, weight, bias, packed, settings)
+    how = route[0]
+    if how == _WIDEN:
+        return step_linear(x.float(), weight, bias, packed).to(torch.bfloat16)
+    if how == _SMALL:
+        _, fn, k, n, w_stride, bf16dp, out_dtype = route
+        # a bfloat16 product with a bias sums in float32 and rounds once, after the bias
+        y = torch.empty(rows, n, dtype=torch.float32 if bias is not None else out_dtype)
+        if bf16dp:
+            status = fn(x.data_ptr(), rows, k, strides[0], weight.data_ptr(), n, w_stride, y.data_ptr(), n,
+                        int(bias is None and out_dtype is torch.bfloat16), threads)  # fmt: skip
+        else:
+            status = fn(x.data_ptr(), rows, k, strides[0], weight.data_ptr(), n, w_stride, y.data_ptr(), n,
+                        threads)  # fmt: skip
+        if status == 0:
+            return y if bias is None else y.add_(bias).to(out_dtype)
+    return onednn_linear(x, weight, bias, packed)
+
+
+def _route(
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight, settings: Settings, threads: int
+) -> tuple | None:
+    """How `step_linear` runs a product of this layout (`_linear`'s decisions, made once)."""
+    if x.dtype == weight.dtype == torch.bfloat16 and x.is_cpu and settings.widens:
+        return (_WIDEN,)
+    kind = _small_rows_kind(x, weight, settings)
+    if kind is not None and cpu_linear_choice.prefers_ours(
+        kind, weight.shape, threads, x.shape[0], _ColdTimer, x.dtype, weight, packed
+    ):
+        lib = loader.current().lib
+        fn = {"bf16": lib.pagoda_small_rows_bf16dp, "f32-bf16w": lib.pagoda_small_rows_bf16w}.get(
+            kind, lib.pagoda_small_rows_f32
+        )
+        return (_SMALL, fn, x.shape[1], weight.shape[0], weight.stride(0), kind == "bf16", x.dtype)
+    return (_ONEDNN,)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight, settings: Settings
+) -> torch.Tensor:
+    """`linear` deciding its route on this call (autograd, 3-D inputs and the routes' first calls)."""
+    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and settings.widens:
+        return _linear(x.float(), weight, bias, packed, settings).to(torch.bfloat16)
+    kind = _small_rows_kind(x, weight, settings)
     if kind is not None:
         threads = torch.get_num_threads()
         if cpu_linear_choice.prefers_ours(
@@ -133,9 +242,10 @@ def onednn_linear(
     return F.linear(x, weight, bias)
 
 
-def _small_rows_kind(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+def _small_rows_kind(x: torch.Tensor, weight: torch.Tensor, settings: Settings | None = None) -> str | None:
     """The small-rows product's operand kind for this product (cpu_linear_choice.Shape.kind), or None where it
-    does not apply: 1-64 rows, CPU tensors with unit column strides, no autograd, dtypes it covers."""
+    does not apply: 1-64 rows, CPU tensors with unit column strides, no autograd, dtypes it covers
+    (``settings``: the switches to read, default the environment's now)."""
     if x.dtype == torch.float32:
         kind = _F32_KINDS.get(weight.dtype)
     elif x.dtype == weight.dtype == torch.bfloat16:
@@ -153,7 +263,7 @@ def _small_rows_kind(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         or x.stride(1) != 1
         or weight.stride(1) != 1
         or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        or not envs.onednn_linear()
+        or not (settings or refresh()).values[0]
     ):
         return None
     kernels = loader.current()

@@ -303,7 +303,13 @@ def prefers_ours(
     return hit
 
 
+# bumped by `reset`: the linears' remembered routes (cpu_linear.step_linear) name the generation they were made in
+generation = 0
+
+
 def reset() -> None:
     """Forget the tables read in this process (tests: another cache directory)."""
+    global generation
     _tables.clear()
     _memo.clear()
+    generation += 1

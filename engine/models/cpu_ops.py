@@ -22,15 +22,35 @@ from pagoda.kernels.cpu.loader import library
 
 
 def _rows_ok(*tensors: torch.Tensor) -> bool:
-    """2-D CPU tensors of one dtype, float32 or bfloat16, whose rows are contiguous."""
+    """2-D CPU tensors of one dtype, float32 or bfloat16, whose rows are contiguous (a plain loop: every
+    decoder layer asks several times per step)."""
     dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.bfloat16) and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors
-    )
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
+        return False
+    for t in tensors:
+        if t.dtype is not dtype or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
+            return False
+    return True
+
+
+def _vector_ok(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A norm's weight as `_rows_ok` takes its [1, -1] view: a CPU tensor of ``dtype`` with unit stride (without
+    making the view for the usual 1-D weight)."""
+    if weight.dim() != 1 or weight.shape[0] <= 1:
+        weight = weight.view(1, -1)
+    return weight.dtype is dtype and weight.is_cpu and weight.stride(-1) == 1
+
+
+_fns: dict[tuple[ctypes.CDLL, str, torch.dtype], ctypes._CFuncPtr] = {}
 
 
 def _fn(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
-    return getattr(lib, name + ("_bf16" if dtype == torch.bfloat16 else ""))
+    """The kernel of ``name`` for ``dtype`` (the bfloat16 one carries a suffix), looked up once per library."""
+    key = (lib, name, dtype)
+    fn = _fns.get(key)
+    if fn is None:
+        fn = _fns[key] = getattr(lib, name + ("_bf16" if dtype == torch.bfloat16 else ""))
+    return fn
 
 
 def add_rms_norm(
@@ -38,26 +58,25 @@ def add_rms_norm(
 ) -> torch.Tensor | None:
     """RMSNorm(x) or, with a residual, residual += x in place and RMSNorm(residual); None = not handled."""
     lib = library()
-    if (
-        lib is None
-        or not _rows_ok(x, weight.view(1, -1))
-        or (residual is not None and not _rows_ok(residual))
+    if lib is None or not _rows_ok(x) or not _vector_ok(weight, x.dtype):
+        return None
+    shape, dtype = x.shape, x.dtype
+    if residual is not None and (
+        not _rows_ok(residual) or residual.shape != shape or residual.dtype is not dtype
     ):
         return None
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        return None
-    if x.dtype == torch.bfloat16 and x.shape[1] > 8192:
+    if dtype is torch.bfloat16 and shape[1] > 8192:
         return None  # the bfloat16 kernel keeps one row in a float32 buffer of 8192
-    out = torch.empty(x.shape, dtype=x.dtype)
-    _fn(lib, "pagoda_add_rms_norm", x.dtype)(
+    out = torch.empty(shape, dtype=dtype)
+    _fn(lib, "pagoda_add_rms_norm", dtype)(
         out.data_ptr(),
         None if residual is None else residual.data_ptr(),
         x.data_ptr(),
         weight.data_ptr(),
-        x.shape[0],
-        x.shape[1],
+        shape[0],
+        shape[1],
         x.stride(0),
-        out.stride(0),
+        shape[1],  # out's row stride: a new contiguous tensor
         0 if residual is None else residual.stride(0),
         eps,
         torch.get_num_threads(),
@@ -105,7 +124,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         t,
         inter,
         gate_up.stride(0),
-        out.stride(0),
+        inter,  # out's row stride: a new contiguous tensor
         torch.get_num_threads(),
     )
     return out

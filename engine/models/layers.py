@@ -35,7 +35,7 @@ class Linear(nn.Module):
         self.lora = None  # pagoda.engine.lora.layers.LoRALinear when the engine serves LoRA adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        y = cpu_linear.step_linear(x, self.weight, self.bias, self.packed)
         if self.lora is not None:
             self.lora.apply(x, y)
         return y

@@ -285,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {len(self.layers)}")
+        cpu_linear.refresh()  # the environment's switches for this step's linears, read once
         x = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
@@ -299,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> float32 logits [N, vocab] (every tensor-parallel
         rank computes its vocabulary slice; the slices are gathered)."""
+        cpu_linear.refresh()  # (also for families with a forward of their own: the next step sees the switches)
         if hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16:
             # bfloat16 logits lie 0.125 apart around 20, coarse enough to tie greedy's top two (the default
             # model's "capital of France" answer changed on such a tie): on the CPU the head runs in float32
@@ -307,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_quantized is not None:
             local = self.lm_head_quantized(hidden).float()
         else:
-            local = cpu_linear.linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
+            local = cpu_linear.step_linear(hidden, self.lm_head_weight, None, self._lm_head_packed).float()
         return finish_logits(all_gather_last_dim(local, shard_widths(self.config.vocab_size)), self.config)
 
     # ---- weights ------------------------------------------------------------------------------------

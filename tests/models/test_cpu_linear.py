@@ -24,6 +24,7 @@ def _onednn(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_packed_linear_matches_f_linear(rows, k, n, bias, choice, monkeypatch):
     """Each side of the small-rows choice (forced by PAGODA_CPU_LINEAR, or measured) gives F.linear's values."""
     monkeypatch.setenv("PAGODA_CPU_LINEAR", choice)
+    cpu_linear.refresh()  # a module's linear reads the switches as the step last read them
     torch.manual_seed(rows + k + n)
     layer = Linear(k, n, bias, torch.float32, torch.device("cpu"))
     layer.weight.copy_(torch.randn(n, k) / k**0.5)
@@ -141,3 +142,45 @@ def test_bfloat16_linears_compute_in_float32_without_bfloat16_multiplies(rows, m
     monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
     assert not cpu_linear.bfloat16_widens()
     assert torch.equal(cpu_linear.linear(x, w, bias, cpu_linear.PackedWeight()), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("choice", ["onednn", "ours"])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32,) * 2, (torch.float32, torch.bfloat16), (torch.bfloat16,) * 2]
+)
+def test_remembered_routes_give_the_values_of_deciding_each_call(choice, dtypes, monkeypatch):
+    """`step_linear` decides a product's route once per layout and remembers it on the PackedWeight: its first
+    and later calls give exactly what deciding on every call (`_linear`) gives, for decode and prefill rows, with
+    and without a bias, strided x; a switch read by `refresh` takes a new route."""
+    monkeypatch.setenv("PAGODA_CPU_LINEAR", choice)
+    settings = cpu_linear.refresh()
+    x_dtype, w_dtype = dtypes
+    torch.manual_seed(7)
+    w, bias = torch.randn(40, 72).to(w_dtype), torch.randn(40).to(x_dtype)
+    packed = cpu_linear.PackedWeight()
+    for rows in (1, 3, 17, 64, 65, 100):
+        for b in (None, bias):
+            for x in (torch.randn(rows, 72).to(x_dtype), torch.randn(rows, 80).to(x_dtype)[:, 4:76]):
+                want = cpu_linear._linear(x, w, b, cpu_linear.PackedWeight(), settings)
+                print("CASE0", rows, b is None, x.stride(), flush=True)
+                got = cpu_linear.step_linear(x, w, b, packed)
+                assert torch.equal(got, want), (
+                    rows,
+                    b is None,
+                    x.stride(),
+                    (got - want).abs().max(),
+                    got.dtype,
+                    want.dtype,
+                )
+                assert torch.equal(cpu_linear.step_linear(x, w, b, packed), want), (rows, b is None)
+    # one per row count, whatever the bias and row stride (above 64 rows one); and the float32 product's where
+    # bfloat16 widens to it
+    widened = settings.widens and x_dtype == w_dtype == torch.bfloat16
+    assert len(packed.routes) == 5 * (2 if widened else 1)
+    assert cpu_linear.refresh() is settings  # the switches unchanged: the routes stay valid
+    monkeypatch.setenv("PAGODA_ONEDNN_LINEAR", "0")
+    assert cpu_linear.refresh() is not settings
+    x, packed = torch.randn(2, 72).to(x_dtype), cpu_linear.PackedWeight()
+    want = F.linear(x.float(), w.float(), bias.float()) if x_dtype != w_dtype else F.linear(x, w, bias)
+    assert torch.equal(cpu_linear.step_linear(x, w, bias, packed), want)
+    assert packed._packed is None
