@@ -70,6 +70,9 @@ class LayerKVCache:
     k_scale: float = 1.0
     v_scale: float = 1.0
     scales: torch.Tensor | None = None  # INT8 only: [2, num_blocks, block_size, num_kv_heads] float32
+    # (kv, its K plane, its V plane) as [num_blocks * block_size, num_kv_heads, head_dim] views, made on the first
+    # write (TorchAttentionBackend.write_kv) rather than on every layer's every step; remade if kv is replaced
+    flat: tuple | None = field(default=None, repr=False, compare=False)
 
 
 class AttentionBackend(Protocol):

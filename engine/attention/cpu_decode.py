@@ -32,22 +32,27 @@ def supports(q: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None = No
     """The kernel's domain: float32 CPU queries over a float32 or bfloat16 cache (or an INT8 cache with its
     float32 scales), contiguous head rows, shapes within its fixed buffers."""
     _, _, bs, hkv, d = kv.shape
-    int8_ok = (
-        kv.dtype == torch.int8
-        and scales is not None
-        and scales.dtype == torch.float32
-        and scales.is_contiguous()
-        and tuple(scales.shape) == tuple(kv.shape[:4])
-    )
+    kv_dtype = kv.dtype
+    if q.dtype is not torch.float32 or not q.is_cpu:
+        return False
+    if kv_dtype is not torch.float32 and kv_dtype is not torch.bfloat16:
+        int8_ok = (
+            kv_dtype == torch.int8
+            and scales is not None
+            and scales.dtype == torch.float32
+            and scales.is_contiguous()
+            and tuple(scales.shape) == tuple(kv.shape[:4])
+        )
+        if not int8_ok:
+            return False
+    _, heads, _ = q.shape
+    _, head_stride, dim_stride = q.stride()
     return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and (kv.dtype in (torch.float32, torch.bfloat16) or int8_ok)
-        and kv.is_contiguous()
-        and q.stride(2) == 1
-        and q.stride(1) == d
-        and q.shape[1] % hkv == 0
-        and q.shape[1] // hkv <= _MAX_GROUP
+        kv.is_contiguous()
+        and dim_stride == 1
+        and head_stride == d
+        and heads % hkv == 0
+        and heads // hkv <= _MAX_GROUP
         and d <= _MAX_HEAD_DIM
         and bs <= _MAX_BLOCK
         and available()
@@ -94,13 +99,16 @@ def paged_decode(
         sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == q.shape[1]
     )
     _, _, bs, hkv, d = kv.shape
+    k_ptr = kv.data_ptr()
+    v_ptr = k_ptr + kv.stride(0) * kv.element_size()  # kv[1].data_ptr(), without making the view
     if kv.dtype == torch.int8:
         fn = lib.pagoda_paged_decode_i8
-        head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr(), scales[0].data_ptr(),
-                scales[1].data_ptr())  # fmt: skip
+        ks_ptr = scales.data_ptr()
+        vs_ptr = ks_ptr + scales.stride(0) * scales.element_size()
+        head = (q.data_ptr(), q.stride(0), k_ptr, v_ptr, ks_ptr, vs_ptr)
     else:
         fn = lib.pagoda_paged_decode_bf16 if kv.dtype == torch.bfloat16 else lib.pagoda_paged_decode_f32
-        head = (q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr())
+        head = (q.data_ptr(), q.stride(0), k_ptr, v_ptr)
     status = fn(
         *head,
         block_tables.data_ptr(),

@@ -171,6 +171,16 @@ class TorchAttentionBackend:
     def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         """Store new K/V at their slots (quantizing for FP8 and INT8 caches)."""
         kv = cache.kv
+        dtype = kv.dtype
+        if dtype is torch.float32 or dtype is torch.bfloat16 or dtype is torch.float16:
+            flat = cache.flat
+            if flat is None or flat[0] is not kv:
+                _, nblocks, bsize, hkv, d = kv.shape
+                planes = kv.view(2, nblocks * bsize, hkv, d)
+                flat = cache.flat = (kv, planes[0], planes[1])
+            flat[1].index_copy_(0, slot_mapping, k if k.dtype is dtype else k.to(dtype))
+            flat[2].index_copy_(0, slot_mapping, v if v.dtype is dtype else v.to(dtype))
+            return
         _, nblocks, bsize, hkv, d = kv.shape
         if kv.dtype == torch.int8:
             flat = kv.view(2, nblocks * bsize, hkv, d)
@@ -287,7 +297,7 @@ class TorchAttentionBackend:
         plan = self._get_plan(meta, block_size)
         dtype = q.dtype
         native = self.native is not False
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if q.dtype is torch.bfloat16 and q.is_cpu:
             # A bfloat16 model's attention computes in float32 over the cache's bfloat16 values on every path:
             # the native kernels take float32 queries, and the torch paths beside them (a prefill where the
             # loaded variant has no prefill kernel, a decode it does not cover) then compute the same thing

@@ -50,6 +50,18 @@ def uses_triton_kernels(backend: AttentionBackend) -> bool:
     return getattr(backend, "name", None) == "triton"
 
 
+_rows_cache: list = [None, None, None, None]  # cos, sin, and their [T, D] views: the last step's
+
+
+def _rows_of(cos: torch.Tensor, sin: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D] as [T, D] views for the fused rotary kernels, made once per step rather than per
+    layer (a one-entry cache on the tables' identity: every layer of a step gets the same two tensors)."""
+    c = _rows_cache
+    if c[0] is not cos or c[1] is not sin:
+        c[:] = cos, sin, cos.view(t, -1), sin.view(t, -1)
+    return c[2], c[3]
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -69,6 +81,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self._head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.scale = config.attention_scale
         self.rotary_dim = rotary_dim(config.head_dim, config.partial_rotary_factor)
         self.sliding_window = config.layer_sliding_window(layer)
@@ -115,23 +128,46 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             self._norm_qk_(qkv, t)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope_heads = self.num_heads + self.num_kv_heads  # q and k heads lie side by side in qkv
         # The fused kernels rotate whole heads; a partial rotary runs the torch expression.
         whole = self.rotary_dim == self.head_dim
         if self.triton and whole:  # the GPU path: q and k rotated in place in one launch
             from pagoda.kernels.rotary import rotary_
 
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1))
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
-        elif whole and cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
+        elif (
+            whole
+            and qkv.is_contiguous()
+            and cpu_ops.rotary_(qkv, rope_heads, self.head_dim, *_rows_of(cos, sin, t))
+        ):
+            # one view of the heads split three ways: the views the column split below gives, in two calls
+            q, k, v = qkv.view(t, rope_heads + self.num_kv_heads, self.head_dim).split(
+                self._head_split, dim=1
+            )
+            return self._attend(q, k, v, t, cache, meta)
         else:
-            q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if whole and cpu_ops.rotary_(qkv, rope_heads, self.head_dim, cos.view(t, -1), sin.view(t, -1)):
+                q = q.view(t, self.num_heads, self.head_dim)
+                k = k.view(t, self.num_kv_heads, self.head_dim)
+            else:
+                q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+                k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        return self._attend(q, k, v, t, cache, meta)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        t: int,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         meta = meta.for_layer(self.sliding_window)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
         return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
