@@ -210,7 +210,24 @@ def variants(args: argparse.Namespace, reference: Path, q4_1: Path, out: Path = 
             r for r in rows[2:] if Path(r["path"]).is_file() or (Path(r["path"]) / "config.json").exists()
         ]
         rows = rows[:2] + built
+    if getattr(args, "int8_activations", False) and gguf_flag:
+        rows += [int8_row(r) for r in rows[1:] if r["quantization"] == gguf_flag and _int8_types(r["label"])]
     return rows
+
+
+def _int8_types(label: str) -> bool:
+    """Whether a GGUF row's linears are (mostly) of the types the int8-activation product runs."""
+    return any(t in label for t in ("Q4_1", "Q4_0", "Q8_0"))
+
+
+def int8_row(row: dict) -> dict:
+    """The same GGUF checkpoint with PAGODA_GGUF_ACTIVATIONS=int8, fed in chunks of the rows that mode takes
+    (decode's: each row's result does not depend on how many rows a call has, so these are the logits its
+    decode computes)."""
+    from pagoda.engine.quantization.gguf_linear import INT8_ROWS_MAX
+
+    return {**row, "label": f"{row['label']}, int8 activations", "env": {"PAGODA_GGUF_ACTIVATIONS": "int8"},
+            "chunk": INT8_ROWS_MAX, "made": row["made"] + "; activations int8 per 32 values (integer dot products)"}  # fmt: skip
 
 
 def main() -> None:
@@ -222,6 +239,8 @@ def main() -> None:
     ap.add_argument("--skip-gguf", action="store_true", help="no llama.cpp requantized GGUF variants")
     ap.add_argument("--skip-llmcompressor", action="store_true", help="no llm-compressor variants")
     ap.add_argument("--no-build", action="store_true", help="score only the checkpoints already built")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="also each GGUF row of Q4_0 / Q4_1 / Q8_0 with PAGODA_GGUF_ACTIVATIONS=int8")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="the reference against itself: the harness only")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the loader's per-tensor progress bars, once per checkpoint
@@ -243,16 +262,21 @@ def main() -> None:
             f"{row['label']}: {row['path']}"
             + (f" --quantization {row['quantization']}" if row["quantization"] else "")
         )
+        saved = {k: os.environ.get(k) for k in row.get("env", {})}
+        os.environ.update(row.get("env", {}))
         try:
             scorer = Scorer(row["path"], row["quantization"], len(ids))
             try:
-                top, ppl = scorer.score(ids, args.chunk)
+                top, ppl = scorer.score(ids, row.get("chunk", args.chunk))
             finally:
                 scorer.close()
         except Exception as exc:  # a format the engine does not load yet is reported, not fatal
             results[row["label"]] = {**_meta(row), "error": f"{type(exc).__name__}: {exc}"[:400]}
             say(f"{row['label']}: FAILED {results[row['label']]['error']}")
             continue
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         if ref_top is None:
             ref_top, ref_ppl = top, ppl
         agree = 100.0 * float((top == ref_top).mean())
