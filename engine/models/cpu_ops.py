@@ -67,7 +67,7 @@ def add_rms_norm(
         return None
     if dtype is torch.bfloat16 and shape[1] > 8192:
         return None  # the bfloat16 kernel keeps one row in a float32 buffer of 8192
-    out = torch.empty(shape, dtype=dtype)
+    out = torch.empty(shape[0], shape[1], dtype=dtype)  # (ints: a torch.Size argument costs more)
     _fn(lib, "pagoda_add_rms_norm", dtype)(
         out.data_ptr(),
         None if residual is None else residual.data_ptr(),
@@ -84,6 +84,36 @@ def add_rms_norm(
     return out
 
 
+_tables_seen: list = [None]  # the last (cos, sin, dtype, rows, head_dim) that passed `_tables_ok`
+
+
+def _tables_ok(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
+    """cos and sin as `rotary_` reads them: contiguous CPU [rows, head_dim] tensors of ``dtype``. Every layer of a
+    step passes the same two tensors, so the last pair that passed is remembered (by identity; the entry keeps
+    them alive, so an identity is never another tensor's)."""
+    seen = _tables_seen[0]
+    if (
+        seen is not None
+        and seen[0] is cos
+        and seen[1] is sin
+        and seen[2] is dtype
+        and seen[3] == rows
+        and seen[4] == head_dim
+    ):
+        return True
+    ok = (
+        cos.dtype is dtype
+        and _rows_ok(cos, sin)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == (rows, head_dim)
+        and sin.shape == cos.shape
+    )
+    if ok:
+        _tables_seen[0] = (cos, sin, dtype, rows, head_dim)
+    return ok
+
+
 def rotary_(x: torch.Tensor, nheads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate the first ``nheads`` heads of each row of ``x`` [T, >= nheads * head_dim] in place with the
     tokens' cos/sin rows [T, head_dim]; False = not handled, x untouched."""
@@ -91,10 +121,8 @@ def rotary_(x: torch.Tensor, nheads: int, head_dim: int, cos: torch.Tensor, sin:
     if (
         lib is None
         or head_dim % 2
-        or not _rows_ok(x, cos, sin)
-        or not (cos.is_contiguous() and sin.is_contiguous())
-        or cos.shape != (x.shape[0], head_dim)
-        or sin.shape != cos.shape
+        or not _rows_ok(x)
+        or not _tables_ok(cos, sin, x.dtype, x.shape[0], head_dim)
         or x.shape[1] < nheads * head_dim
     ):
         return False
@@ -117,7 +145,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if lib is None or not _rows_ok(gate_up) or gate_up.shape[1] % 2:
         return None
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((t, inter), dtype=gate_up.dtype)
+    out = torch.empty(t, inter, dtype=gate_up.dtype)
     _fn(lib, "pagoda_silu_mul", gate_up.dtype)(
         out.data_ptr(),
         gate_up.data_ptr(),

@@ -152,7 +152,7 @@ class SiluMLP(nn.Module):
         self.triton = triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)  # (.forward: see Attention.forward)
         if self.triton:
             from pagoda.kernels.activation import silu_mul
 
@@ -161,7 +161,7 @@ class SiluMLP(nn.Module):
         if act is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return all_reduce(self.down_proj(act))
+        return all_reduce(self.down_proj.forward(act))
 
 
 class VocabParallelEmbedding(nn.Module):

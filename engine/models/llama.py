@@ -7,6 +7,10 @@ from the ModelConfig (and through it the architecture table), never from the fam
 (Qwen3), partial rotary (Phi-4-mini), fused checkpoint tensors (Phi-3), the scalings of RoPE (llama3,
 yarn, LongRoPE), Granite's embedding, attention, residual and logits multipliers, and which layers' MLP is
 the sparse one of engine/models/moe.py (`ModelConfig.layer_is_sparse`).
+
+A CPU decode step is hundreds of short calls per layer, so the forward keeps its Python short: sub-modules
+are called by their ``forward`` (no module registers hooks; `nn.Module.__call__` costs about a microsecond),
+decisions that hold for a step are made once per step (cos/sin views, the linears' switches: `cpu_linear.refresh`).
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)  # (.forward: no hooks here, and a module call costs ~1 us)
         if self.q_norm is not None:
             self._norm_qk_(qkv, t)
         rope_heads = self.num_heads + self.num_kv_heads  # q and k heads lie side by side in qkv
@@ -144,8 +148,8 @@ class Attention(nn.Module):
             and cpu_ops.rotary_(qkv, rope_heads, self.head_dim, *_rows_of(cos, sin, t))
         ):
             # one view of the heads split three ways: the views the column split below gives, in two calls
-            q, k, v = qkv.view(t, rope_heads + self.num_kv_heads, self.head_dim).split(
-                self._head_split, dim=1
+            q, k, v = qkv.view(t, rope_heads + self.num_kv_heads, self.head_dim).split_with_sizes(
+                self._head_split, 1
             )
             return self._attend(q, k, v, t, cache, meta)
         else:
@@ -170,7 +174,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         meta = meta.for_layer(self.sliding_window)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
-        return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        return all_reduce(self.o_proj.forward(out.reshape(t, self.q_size)))
 
     def _norm_qk_(self, qkv: torch.Tensor, t: int) -> None:
         """RMSNorm each q and k head of the fused projection in place, so the rotary paths read them there."""
@@ -225,11 +229,11 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, cache, meta)
+        h = self.self_attn.forward(h, cos, sin, cache, meta)
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        h = self.mlp(h)
+        h = self.mlp.forward(h)
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         return h, residual
@@ -329,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, top, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+            x, residual = layer.forward(x, residual, cos, sin, cache, meta)
         return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
