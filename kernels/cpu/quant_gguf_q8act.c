@@ -9,13 +9,14 @@
        d * dx * sum(q * xq) + m * dx * sum(xq),
 
    one integer dot product of 32 byte pairs and two float terms. The vector variants multiply unsigned bytes
-   by signed ones: the Q4 nibbles are unsigned already (Q4_0's -8 is the float term -8 * d * dx * sum(xq));
-   Q8_0's signed codes are offset by 128 under AVX512-VNNI (-128 * d * dx * sum(xq) likewise), and elsewhere
-   multiplied as |q| by xq with q's sign. AVX512-VNNI: vpdpbusd, 64 byte pairs (two blocks) per instruction;
-   AVX-512 without it and AVX2: vpmaddubsw then vpmaddwd (no pair sum reaches int16's limit: at most
-   2 * 128 * 127); the baseline: plain C over int32. The result is the float32 product of the dequantized
-   weight with the int8-rounded activations, up to float32 rounding of the per-block terms and their sum
-   (tests/kernels/test_gguf_q8act.py holds every variant to a float64 reference of that math). */
+   by signed ones: the Q4 nibbles are unsigned already, and Q4_0's 8 is taken out again in the integer sums
+   (8 * the activations' sum over each lane's four bytes, kept beside them); Q8_0's signed codes are offset by
+   128 under AVX512-VNNI (taken out the same way), and elsewhere multiplied as |q| by xq with q's sign.
+   AVX512-VNNI: vpdpbusd, 64 byte pairs (two blocks) per instruction; AVX-512 without it and AVX2: vpmaddubsw
+   then vpmaddwd (no pair sum reaches int16's limit: at most 2 * 128 * 127); the baseline: plain C over int32.
+   The result is the float32 product of the dequantized weight with the int8-rounded activations, up to
+   float32 rounding of the per-block terms and their sum (tests/kernels/test_gguf_q8act.py holds every variant
+   to a float64 reference of that math). */
 #include <stdlib.h>
 
 #include "quant_gguf.h"
@@ -27,10 +28,12 @@ static inline int q8_block_bytes(const int T) { return T == T_Q4_0 ? 18 : T == T
 
 /* The quantized activations of M rows: row m's int8 values at q + m * kq (kq = K rounded up to two blocks,
    the padding zero), its per-block scales dx and dx * sum(xq) at d + m * nbq and s + m * nbq (nbq = blocks
-   + 1, the last zero). */
+   + 1, the last zero), and minus the sums of each four of its int8 values at ns + m * kq / 4 (what the vector
+   variants take out of the dot products of offset codes: minus that sum times the offset). */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *ns;
     int64_t kq, nbq;
 } q8act_t;
 
@@ -58,17 +61,14 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t xs, cons
             a->s[m * a->nbq + b] = d * (float)sum;
         }
         for (int64_t e = K; e < a->kq; e++) q[e] = 0;
+        for (int64_t j = 0; j < a->kq / 4; j++)
+            a->ns[m * a->kq / 4 + j] = -(q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
         for (int64_t b = nb; b < a->nbq; b++) a->d[m * a->nbq + b] = a->s[m * a->nbq + b] = 0.0f;
     }
 }
 
-/* The float term of one block besides d * dx * dot: (m - OFF * d) * dx * sum(xq), OFF the offset of the
-   codes the dot product multiplied (see the top). */
-QINLINE float block_term(const uint8_t *b, float d, float s, const int T, const int OFF)
-{
-    if (T == T_Q4_1) return half(b + 2) * s;
-    return OFF ? -(float)OFF * d * s : 0.0f;
-}
+/* The float term of one block besides d * dx * dot: Q4_1's m * dx * sum(xq). */
+QINLINE float block_term(const uint8_t *b, float s, const int T) { return T == T_Q4_1 ? half(b + 2) * s : 0.0f; }
 
 /* ---- The baseline: plain C ---------------------------------------------------------------------------- */
 QINLINE int32_t dot_c(const uint8_t *b, const int8_t *xq, const int T)
@@ -93,7 +93,7 @@ QINLINE void row_c(const uint8_t *w, int64_t nb, const q8act_t *a, int M, float 
             const uint8_t *blk = w + b * BB;
             const float d = half(blk);
             acc += d * a->d[m * a->nbq + b] * (float)dot_c(blk, a->q + m * a->kq + 32 * b, T);
-            acc += block_term(blk, d, a->s[m * a->nbq + b], T, 0);
+            acc += block_term(blk, a->s[m * a->nbq + b], T);
         }
         y[m * ys] = acc;
     }
@@ -129,41 +129,50 @@ QINLINE __m512i codes2(const uint8_t *b0, const uint8_t *b1, const int T)
     return _mm512_and_si512(z, _mm512_set1_epi8(15));
 }
 
+/* Blocks b and b + 1 (TWO 0: b only, the row's last) of one weight row against M activation rows. */
+QINLINE void pair_v(const uint8_t *b0, int64_t b, const q8act_t *a, const int M, __m512 *acc, float *term,
+                    const int T, const int VNNI, const int TWO)
+{
+    const int SH = T == T_Q4_0 ? 3 : (T == T_Q8_0 && VNNI) ? 7 : 0; /* the codes' offset: 1 << SH, or none */
+    const uint8_t *b1 = TWO ? b0 + q8_block_bytes(T) : NULL;
+    __m512i c = codes2(b0, b1, T);
+    __mmask64 neg = 0;
+    if (T == T_Q8_0) {
+        if (VNNI) {
+            c = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+        } else {
+            neg = _mm512_movepi8_mask(c);
+            c = _mm512_abs_epi8(c);
+        }
+    }
+    const float d0 = half(b0), d1 = TWO ? half(b1) : 0.0f;
+    const __m512i ones = _mm512_set1_epi16(1);
+    for (int m = 0; m < M; m++) {
+        __m512i xq = _mm512_loadu_si512(a->q + m * a->kq + 32 * b);
+        if (T == T_Q8_0 && !VNNI) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+        /* minus the offset times each lane's four activations, exact in int32 */
+        const __m512i off = SH ? _mm512_slli_epi32(_mm512_loadu_si512(a->ns + m * a->kq / 4 + 8 * b), SH)
+                               : _mm512_setzero_si512();
+        const __m512i p = VNNI ? dpbusd(off, c, xq)
+                               : _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(c, xq), ones), off);
+        const float *dx = a->d + m * a->nbq + b, *sx = a->s + m * a->nbq + b;
+        const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
+        if (T == T_Q4_1) term[m] += block_term(b0, sx[0], T) + (TWO ? block_term(b1, sx[1], T) : 0.0f);
+    }
+}
+
 /* One weight row (nb blocks) against M activation rows. */
 QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, float *y, int64_t ys, const int T,
                    const int VNNI)
 {
     const int BB = q8_block_bytes(T);
-    const int OFF = T == T_Q4_0 ? 8 : (T == T_Q8_0 && VNNI) ? 128 : 0;
     __m512 acc[Q8_ROWS];
     float term[Q8_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), term[m] = 0.0f;
-    const __m512i ones = _mm512_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b += 2) {
-        const uint8_t *b0 = w + b * BB, *b1 = b + 1 < nb ? b0 + BB : NULL;
-        __m512i c = codes2(b0, b1, T);
-        __mmask64 neg = 0;
-        if (T == T_Q8_0) {
-            if (VNNI) {
-                c = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80)); /* q + 128 */
-            } else {
-                neg = _mm512_movepi8_mask(c);
-                c = _mm512_abs_epi8(c);
-            }
-        }
-        const float d0 = half(b0), d1 = b1 ? half(b1) : 0.0f;
-        for (int m = 0; m < M; m++) {
-            __m512i xq = _mm512_loadu_si512(a->q + m * a->kq + 32 * b);
-            if (T == T_Q8_0 && !VNNI) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
-            const __m512i p = VNNI ? dpbusd(_mm512_setzero_si512(), c, xq)
-                                   : _mm512_madd_epi16(_mm512_maddubs_epi16(c, xq), ones);
-            const float *dx = a->d + m * a->nbq + b, *sx = a->s + m * a->nbq + b;
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
-            term[m] += block_term(b0, d0, sx[0], T, OFF);
-            if (b1) term[m] += block_term(b1, d1, sx[1], T, OFF);
-        }
-    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) pair_v(w + b * BB, b, a, M, acc, term, T, VNNI, 1);
+    if (b < nb) pair_v(w + b * BB, b, a, M, acc, term, T, VNNI, 0);
     for (int m = 0; m < M; m++) y[m * ys] = _mm512_reduce_add_ps(acc[m]) + term[m];
 }
 #else
@@ -173,7 +182,6 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
 {
     (void)VNNI;
     const int BB = q8_block_bytes(T);
-    const int OFF = T == T_Q4_0 ? 8 : 0;
     __m256 acc[Q8_ROWS];
     float term[Q8_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps(), term[m] = 0.0f;
@@ -193,9 +201,13 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
         for (int m = 0; m < M; m++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * a->kq + 32 * b));
             if (T == T_Q8_0) xq = _mm256_sign_epi8(xq, sgn);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), ones);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), ones);
+            if (T == T_Q4_0) { /* minus 8 times each lane's four activations */
+                const __m256i ns = _mm256_loadu_si256((const __m256i *)(a->ns + m * a->kq / 4 + 8 * b));
+                p = _mm256_add_epi32(p, _mm256_slli_epi32(ns, 3));
+            }
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a->d[m * a->nbq + b]), acc[m]);
-            term[m] += block_term(blk, d, a->s[m * a->nbq + b], T, OFF);
+            term[m] += block_term(blk, a->s[m * a->nbq + b], T);
         }
     }
     for (int m = 0; m < M; m++) y[m * ys] = vhsum(acc[m]) + term[m];
@@ -251,7 +263,8 @@ QINLINE void rows_any(const uint8_t *wr, int64_t nb, const q8act_t *a, int M, fl
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                     \
         for (int64_t n = 0; n < N; n++)                                                                        \
             for (int64_t m = 0; m < M; m += Q8_ROWS) {                                                         \
-                const q8act_t sub = {a->q + m * a->kq, a->d + m * a->nbq, a->s + m * a->nbq, a->kq, a->nbq};   \
+                const q8act_t sub = {a->q + m * a->kq, a->d + m * a->nbq, a->s + m * a->nbq, a->ns + m * a->kq / 4, \
+                                     a->kq, a->nbq};                                                           \
                 const int mr = M - m < Q8_ROWS ? (int)(M - m) : Q8_ROWS;                                       \
                 rows_any(w + n * ws, nb, &sub, mr, y + m * ys + n, ys, TT, vnni);                              \
             }                                                                                                  \
@@ -267,11 +280,12 @@ static void *q8act_alloc(int64_t M, int64_t K, q8act_t *a)
     a->nbq = K / 32 + 1;
     a->kq = (K / 32 + 1) / 2 * 64 + 64; /* whole pairs of blocks, and a pair past the end */
     const size_t qbytes = (size_t)(M * a->kq + 63) / 64 * 64, fbytes = (size_t)(M * a->nbq) * 4;
-    uint8_t *buf = aligned_alloc(64, (qbytes + 2 * fbytes + 63) / 64 * 64);
+    uint8_t *buf = aligned_alloc(64, (qbytes + 2 * fbytes + (size_t)M * (size_t)a->kq + 63) / 64 * 64);
     if (buf == NULL) return NULL;
     a->q = (int8_t *)buf;
     a->d = (float *)(buf + qbytes);
     a->s = a->d + M * a->nbq;
+    a->ns = (int32_t *)(a->s + M * a->nbq);
     return buf;
 }
 
