@@ -328,7 +328,8 @@ class TorchAttentionBackend:
                     sinks=sinks,
                 )
                 if not plan.prefills:
-                    return out.to(dtype)
+                    # (.to costs a microsecond even where it has nothing to do)
+                    return out if out.dtype is dtype else out.to(dtype)
             else:
                 od = self._gathered_decode(q, cache, plan, scale, sliding_window, softcap, sinks)
                 if out is None:
