@@ -76,6 +76,29 @@ def test_declines_what_it_does_not_handle():
     assert not cpu_ops.rotary_(torch.randn(4, 32)[:, ::2], 2, 8, cos, cos)  # elements not contiguous
 
 
+def test_remembered_rotary_tables_do_not_pass_other_tables():
+    """rotary_ remembers the last cos/sin pair it accepted (every layer of a step passes the same two): another
+    pair, or the same pair for another row count or dtype, is checked afresh, and declined ones leave x as it
+    was; a strided x is declined whatever the tables."""
+    torch.manual_seed(3)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    x = torch.randn(4, 32)
+    assert cpu_ops.rotary_(x.clone(), 2, 8, cos, sin)
+    assert cpu_ops.rotary_(x.clone(), 2, 8, cos, sin)  # remembered
+    for c, s_, xx in [
+        (cos[:, ::1].t().contiguous().t(), sin, x),  # a transposed copy: not contiguous rows
+        (cos, sin, x[:3]),  # rows the tables do not have
+        (cos.double(), sin.double(), x),  # dtype of the tables
+        (cos, sin, x.to(torch.bfloat16)),  # the remembered pair against another dtype of x
+        (torch.randn(4, 6), torch.randn(4, 6), x),  # head size the tables do not have
+    ]:
+        before = xx.clone()
+        assert not cpu_ops.rotary_(xx, 2, 8, c, s_)
+        assert torch.equal(xx, before)
+    assert not cpu_ops.rotary_(torch.randn(4, 64)[:, ::2], 2, 8, cos, sin)
+    assert cpu_ops.rotary_(x.clone(), 2, 8, cos, sin)
+
+
 # ---- bfloat16: computed in float32, every stored value rounded once to the nearest bfloat16 -------------
 
 
