@@ -213,6 +213,23 @@ def test_writes_every_new_token_to_its_slot(paged):
     assert flat[:, untouched].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_writes_follow_a_replaced_cache_tensor(dtype):
+    """write_kv keeps the cache's K and V planes between steps: a cache whose tensor is replaced gets its
+    writes in the new tensor, none in the old; float32 K/V into a bfloat16 cache are rounded as .to rounds."""
+    cache = LayerKVCache(torch.zeros(2, 4, 8, 2, 4, dtype=dtype))
+    slots = torch.tensor([3, 17])
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    TorchAttentionBackend.write_kv(k, v, cache, slots)
+    old = cache.kv
+    assert torch.equal(old.view(2, 32, 2, 4)[0, slots], k.to(dtype))
+    cache.kv = torch.zeros_like(old)
+    TorchAttentionBackend.write_kv(v, k, cache, slots)
+    assert torch.equal(cache.kv.view(2, 32, 2, 4)[0, slots], v.to(dtype))
+    assert torch.equal(cache.kv.view(2, 32, 2, 4)[1, slots], k.to(dtype))
+    assert torch.equal(old.view(2, 32, 2, 4)[1, slots], v.to(dtype))  # the old tensor kept its first write
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype, paged, cpu_variant):
     """A prefill next to a decode in one step (a bfloat16 cache: the decode kernel widens the queries while
