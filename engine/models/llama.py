@@ -54,16 +54,18 @@ def uses_triton_kernels(backend: AttentionBackend) -> bool:
     return getattr(backend, "name", None) == "triton"
 
 
-_rows_cache: list = [None, None, None, None]  # cos, sin, and their [T, D] views: the last step's
+_rows_entry: tuple = (None, None, None, None)  # cos, sin, and their [T, D] views: the last step's
 
 
 def _rows_of(cos: torch.Tensor, sin: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, 1, D] as [T, D] views for the fused rotary kernels, made once per step rather than per
-    layer (a one-entry cache on the tables' identity: every layer of a step gets the same two tensors)."""
-    c = _rows_cache
-    if c[0] is not cos or c[1] is not sin:
-        c[:] = cos, sin, cos.view(t, -1), sin.view(t, -1)
-    return c[2], c[3]
+    layer (a one-entry cache on the tables' identity: every layer of a step gets the same two tensors; the
+    entry is one tuple, read and replaced whole)."""
+    global _rows_entry
+    entry = _rows_entry
+    if entry[0] is not cos or entry[1] is not sin:
+        entry = _rows_entry = (cos, sin, cos.view(t, -1), sin.view(t, -1))
+    return entry[2], entry[3]
 
 
 class Attention(nn.Module):
