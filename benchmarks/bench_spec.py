@@ -113,7 +113,13 @@ def run_vllm(args: argparse.Namespace, rows: list[list]) -> dict | None:
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    # a KV cache of its own size: vLLM's CPU default reserves 92% of host memory, refused where it is not free
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
     worker = Path(__file__).resolve().parent / "peers_spec_worker.py"
     proc = subprocess.run([str(args.vllm), str(worker), f.name], capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
