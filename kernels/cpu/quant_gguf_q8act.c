@@ -33,6 +33,7 @@ static inline int q8_block_bytes(const int T) { return T == T_Q4_0 ? 18 : T == T
 typedef struct {
     int8_t *q;
     float *d, *s;
+    float *ds; /* dx and dx * sum(xq) of each block side by side, ds + m * 2 * nbq (the vector variants') */
     int32_t *ns;
     int64_t kq, nbq;
 } q8act_t;
@@ -59,11 +60,16 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t xs, cons
             }
             a->d[m * a->nbq + b] = d;
             a->s[m * a->nbq + b] = d * (float)sum;
+            a->ds[2 * (m * a->nbq + b)] = d;
+            a->ds[2 * (m * a->nbq + b) + 1] = d * (float)sum;
         }
         for (int64_t e = K; e < a->kq; e++) q[e] = 0;
         for (int64_t j = 0; j < a->kq / 4; j++)
             a->ns[m * a->kq / 4 + j] = -(q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
-        for (int64_t b = nb; b < a->nbq; b++) a->d[m * a->nbq + b] = a->s[m * a->nbq + b] = 0.0f;
+        for (int64_t b = nb; b < a->nbq; b++) {
+            a->d[m * a->nbq + b] = a->s[m * a->nbq + b] = 0.0f;
+            a->ds[2 * (m * a->nbq + b)] = a->ds[2 * (m * a->nbq + b) + 1] = 0.0f;
+        }
     }
 }
 
@@ -130,7 +136,7 @@ QINLINE __m512i codes2(const uint8_t *b0, const uint8_t *b1, const int T)
 }
 
 /* Blocks b and b + 1 (TWO 0: b only, the row's last) of one weight row against M activation rows. */
-QINLINE void pair_v(const uint8_t *b0, int64_t b, const q8act_t *a, const int M, __m512 *acc, float *term,
+QINLINE void pair_v(const uint8_t *b0, int64_t b, const q8act_t *a, const int M, __m512 *acc, __m128 *term,
                     const int T, const int VNNI, const int TWO)
 {
     const int SH = T == T_Q4_0 ? 3 : (T == T_Q8_0 && VNNI) ? 7 : 0; /* the codes' offset: 1 << SH, or none */
@@ -145,7 +151,12 @@ QINLINE void pair_v(const uint8_t *b0, int64_t b, const q8act_t *a, const int M,
             c = _mm512_abs_epi8(c);
         }
     }
-    const float d0 = half(b0), d1 = TWO ? half(b1) : 0.0f;
+    /* both blocks' first four bytes as float16 -> [d0, m0, d1, m1] (m: Q4_1's offset, else unused) */
+    uint32_t h0, h1 = 0;
+    memcpy(&h0, b0, 4);
+    if (TWO) memcpy(&h1, b1, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)h0), (int)h1, 1));
+    const __m512i lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i ones = _mm512_set1_epi16(1);
     for (int m = 0; m < M; m++) {
         __m512i xq = _mm512_loadu_si512(a->q + m * a->kq + 32 * b);
@@ -155,10 +166,11 @@ QINLINE void pair_v(const uint8_t *b0, int64_t b, const q8act_t *a, const int M,
                                : _mm512_setzero_si512();
         const __m512i p = VNNI ? dpbusd(off, c, xq)
                                : _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(c, xq), ones), off);
-        const float *dx = a->d + m * a->nbq + b, *sx = a->s + m * a->nbq + b;
-        const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]), 1);
+        /* [d0 dx0, m0 sx0, d1 dx1, m1 sx1] (sx = dx * sum(xq)) */
+        const __m128 prod = _mm_mul_ps(dm, _mm_loadu_ps(a->ds + 2 * (m * a->nbq + b)));
+        const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(prod));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
-        if (T == T_Q4_1) term[m] += block_term(b0, sx[0], T) + (TWO ? block_term(b1, sx[1], T) : 0.0f);
+        if (T == T_Q4_1) term[m] = _mm_add_ps(term[m], prod); /* lanes 1 and 3 are Q4_1's terms */
     }
 }
 
@@ -168,12 +180,16 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
 {
     const int BB = q8_block_bytes(T);
     __m512 acc[Q8_ROWS];
-    float term[Q8_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), term[m] = 0.0f;
+    __m128 term[Q8_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), term[m] = _mm_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) pair_v(w + b * BB, b, a, M, acc, term, T, VNNI, 1);
     if (b < nb) pair_v(w + b * BB, b, a, M, acc, term, T, VNNI, 0);
-    for (int m = 0; m < M; m++) y[m * ys] = _mm512_reduce_add_ps(acc[m]) + term[m];
+    for (int m = 0; m < M; m++) {
+        float t[4];
+        _mm_storeu_ps(t, term[m]);
+        y[m * ys] = _mm512_reduce_add_ps(acc[m]) + (T == T_Q4_1 ? t[1] + t[3] : 0.0f);
+    }
 }
 #else
 /* ---- AVX2: one block per 32-byte step ------------------------------------------------------------------- */
@@ -183,8 +199,8 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
     (void)VNNI;
     const int BB = q8_block_bytes(T);
     __m256 acc[Q8_ROWS];
-    float term[Q8_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps(), term[m] = 0.0f;
+    __m128 term[Q8_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps(), term[m] = _mm_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * BB;
@@ -197,7 +213,9 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
             c = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
                                  _mm256_set1_epi8(15));
         }
-        const float d = half(blk);
+        uint32_t h;
+        memcpy(&h, blk, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h)); /* [d, m, 0, 0] (m: Q4_1's, else unused) */
         for (int m = 0; m < M; m++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * a->kq + 32 * b));
             if (T == T_Q8_0) xq = _mm256_sign_epi8(xq, sgn);
@@ -206,11 +224,16 @@ QINLINE void row_v(const uint8_t *w, int64_t nb, const q8act_t *a, const int M, 
                 const __m256i ns = _mm256_loadu_si256((const __m256i *)(a->ns + m * a->kq / 4 + 8 * b));
                 p = _mm256_add_epi32(p, _mm256_slli_epi32(ns, 3));
             }
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a->d[m * a->nbq + b]), acc[m]);
-            term[m] += block_term(blk, a->s[m * a->nbq + b], T);
+            const __m128 prod = _mm_mul_ps(dm, _mm_loadu_ps(a->ds + 2 * (m * a->nbq + b))); /* [d dx, m sx, ..] */
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[m]);
+            if (T == T_Q4_1) term[m] = _mm_add_ps(term[m], prod);
         }
     }
-    for (int m = 0; m < M; m++) y[m * ys] = vhsum(acc[m]) + term[m];
+    for (int m = 0; m < M; m++) {
+        float t[4];
+        _mm_storeu_ps(t, term[m]);
+        y[m * ys] = vhsum(acc[m]) + (T == T_Q4_1 ? t[1] : 0.0f);
+    }
 }
 #endif
 #endif /* VLEN */
@@ -263,8 +286,8 @@ QINLINE void rows_any(const uint8_t *wr, int64_t nb, const q8act_t *a, int M, fl
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                     \
         for (int64_t n = 0; n < N; n++)                                                                        \
             for (int64_t m = 0; m < M; m += Q8_ROWS) {                                                         \
-                const q8act_t sub = {a->q + m * a->kq, a->d + m * a->nbq, a->s + m * a->nbq, a->ns + m * a->kq / 4, \
-                                     a->kq, a->nbq};                                                           \
+                const q8act_t sub = {a->q + m * a->kq, a->d + m * a->nbq, a->s + m * a->nbq,                   \
+                                     a->ds + 2 * m * a->nbq, a->ns + m * a->kq / 4, a->kq, a->nbq};             \
                 const int mr = M - m < Q8_ROWS ? (int)(M - m) : Q8_ROWS;                                       \
                 rows_any(w + n * ws, nb, &sub, mr, y + m * ys + n, ys, TT, vnni);                              \
             }                                                                                                  \
@@ -280,12 +303,13 @@ static void *q8act_alloc(int64_t M, int64_t K, q8act_t *a)
     a->nbq = K / 32 + 1;
     a->kq = (K / 32 + 1) / 2 * 64 + 64; /* whole pairs of blocks, and a pair past the end */
     const size_t qbytes = (size_t)(M * a->kq + 63) / 64 * 64, fbytes = (size_t)(M * a->nbq) * 4;
-    uint8_t *buf = aligned_alloc(64, (qbytes + 2 * fbytes + (size_t)M * (size_t)a->kq + 63) / 64 * 64);
+    uint8_t *buf = aligned_alloc(64, (qbytes + 4 * fbytes + (size_t)M * (size_t)a->kq + 63) / 64 * 64);
     if (buf == NULL) return NULL;
     a->q = (int8_t *)buf;
     a->d = (float *)(buf + qbytes);
     a->s = a->d + M * a->nbq;
-    a->ns = (int32_t *)(a->s + M * a->nbq);
+    a->ds = a->s + M * a->nbq;
+    a->ns = (int32_t *)(a->ds + 2 * M * a->nbq);
     return buf;
 }
 
