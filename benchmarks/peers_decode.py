@@ -77,6 +77,7 @@ def llamacpp_stream(spec: dict) -> tuple[list[list[float]], list[int], dict]:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.update(spec.get("env", {}))  # before pagoda is imported: e.g. PAGODA_GGUF_ACTIVATIONS
     if spec["engine"] == "pagoda":
         import torch
 

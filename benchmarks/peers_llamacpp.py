@@ -115,6 +115,9 @@ def decode_comparison(
         runs.append(("Pagoda --quantization gguf (Q4_1 blocks)", Path(sys.executable),
                      {**base, "engine": "pagoda", "model": str(gguf),
                       "pagoda": {**pagoda, "dtype": "float32", "quantization": "gguf"}}))  # fmt: skip
+        # llama.cpp's own way: activations quantized to 8 bits per block, integer dot products
+        runs.append(("Pagoda --quantization gguf, int8 activations", Path(sys.executable),
+                     {**runs[-1][2], "env": {"PAGODA_GGUF_ACTIVATIONS": "int8"}}))  # fmt: skip
     if llama_python is not None:
         runs.append((f"llama.cpp ({args.llamacpp_threads} threads, Q4_1)", llama_python,
                      {**base, "engine": "llamacpp", "model": str(gguf)}))  # fmt: skip
@@ -126,7 +129,8 @@ def _decode_report(results: list[dict], meta: dict) -> dict:
         r = next((r for r in results if r["label"].startswith(prefix) and "decode_tokens_per_s" in r), None)
         return r["decode_tokens_per_s"] if r else None
 
-    f32, q4, llama = rate("Pagoda float32"), rate("Pagoda --quantization"), rate("llama.cpp")
+    f32, q4, llama = rate("Pagoda float32"), rate("Pagoda --quantization gguf (Q4_1"), rate("llama.cpp")
+    q4_int8 = rate("Pagoda --quantization gguf, int8")
     rows = []
     for r in results:
         if "error" in r:
@@ -153,11 +157,16 @@ def _decode_report(results: list[dict], meta: dict) -> dict:
         "q4_vs_pagoda_float32": q4 / f32 if q4 and f32 else None,
         "q4_vs_llamacpp": q4 / llama if q4 and llama else None,
         "float32_vs_llamacpp": f32 / llama if f32 and llama else None,
+        "q4_int8_activations_vs_llamacpp": q4_int8 / llama if q4_int8 and llama else None,
     }
     if goals["q4_vs_pagoda_float32"] is not None:
         print(f"Pagoda Q4 / Pagoda float32: {goals['q4_vs_pagoda_float32']:.2f}x (goal >= 2x)")
     if goals["q4_vs_llamacpp"] is not None:
         print(f"Pagoda Q4 / llama.cpp: {goals['q4_vs_llamacpp']:.2f}x (goal >= 1x)")
+    if goals["q4_int8_activations_vs_llamacpp"] is not None:
+        print(
+            f"Pagoda Q4, int8 activations / llama.cpp: {goals['q4_int8_activations_vs_llamacpp']:.2f}x (goal >= 1x)"
+        )
     if q4 is None:
         print("Pagoda --quantization gguf: not measured (this engine has no --quantization flag)")
     return goals

@@ -100,3 +100,39 @@ def test_bench_peers_takes_the_llamacpp_flags(flag) -> None:
     out = subprocess.run([sys.executable, str(BENCH / "bench_peers.py"), "--help"], capture_output=True, text=True,
                          check=True, cwd=BENCH)  # fmt: skip
     assert flag in out.stdout and "--decode-tokens" in out.stdout
+
+
+def test_decode_comparison_runs_the_int8_activation_mode_with_its_env(tmp_path, monkeypatch) -> None:
+    """The int8-activation row is the gguf row with PAGODA_GGUF_ACTIVATIONS=int8, which peers_decode sets
+    before the engine is imported; the report's Q4 goal stays the exact row's."""
+    import os
+
+    import peers_decode
+    import peers_llamacpp as p
+
+    seen: list[tuple[str, dict]] = []
+    monkeypatch.setattr(p, "has_gguf_flag", lambda: True)
+    monkeypatch.setattr(p, "_decode", lambda py, spec, label, timeout: seen.append((label, spec)) or {})
+    args = argparse.Namespace(decode_tokens=8, decode_reps=1, llamacpp_threads=2, max_model_len=256,
+                              kv_cache_gib=1, timeout=1)  # fmt: skip
+    p.decode_comparison(args, Path("/m.gguf"), Path("/m"), None, [1, 2])
+    exact, int8 = seen[2][1], seen[3][1]
+    assert seen[3][0].startswith("Pagoda --quantization gguf, int8") and "env" not in exact
+    assert int8 == {**exact, "env": {"PAGODA_GGUF_ACTIVATIONS": "int8"}}
+    rows = [{"label": label, "decode_tokens_per_s": v, "cpu_ms_per_token": 1.0,
+             "loadavg_1min": {"before": 0.0, "after": 0.0}}
+            for label, v in [("Pagoda float32 (x)", 10.0), (seen[2][0], 40.0), (seen[3][0], 60.0), ("llama.cpp (2)", 50.0)]]  # fmt: skip
+    goals = p._decode_report(rows, {"decode_tokens": 8, "decode_reps": 1, "cpu": "cpu"})
+    assert goals["q4_vs_llamacpp"] == pytest.approx(0.8)
+    assert goals["q4_int8_activations_vs_llamacpp"] == pytest.approx(1.2)
+
+    monkeypatch.setenv("PAGODA_GGUF_ACTIVATIONS", "float32")
+    monkeypatch.setattr(peers_decode, "pagoda_stream", lambda spec: ([[(0.0, 0.0), (1.0, 0.1)]], [9], {}))
+    spec = tmp_path / "spec.json"
+    import torch
+
+    spec.write_text(
+        json.dumps({**int8, "engine": "pagoda", "model": "m", "threads": torch.get_num_threads()})
+    )
+    monkeypatch.setattr(sys, "argv", ["peers_decode.py", str(spec), str(tmp_path / "out.json")])
+    assert peers_decode.main() == 0 and os.environ["PAGODA_GGUF_ACTIVATIONS"] == "int8"
