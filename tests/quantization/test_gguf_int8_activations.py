@@ -20,6 +20,7 @@ PROMPTS = [
     [1, 1780, 253, 2378, 563, 253, 18225, 29, 3479, 30, 216, 5248, 3365, 314, 1048, 28, 1217, 6226],
 ]
 TOKENS = 32
+NEAR_TIE = 0.5  # nats: the most the exact mode may prefer its token where the int8 mode first differs
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +42,10 @@ def _greedy(llm: LLM, monkeypatch, mode: str) -> list[list[int]]:
 
 
 def test_int8_greedy_tokens_against_the_exact_mode(monkeypatch):
-    """Most greedy tokens agree position by position (a first disagreement makes the rest a new text, so the
-    floor is loose); the Q4_1 linears and the Q8_0 head took the int8 product, and a 9-row call the exact one."""
+    """Greedy tokens agree with the exact mode's until a near tie: where a prompt's tokens first differ, the
+    exact mode itself ranks the int8 mode's token within NEAR_TIE nats of its own top one (after it, the texts
+    differ and are not compared). The Q4_1 linears and the Q8_0 head took the int8 product, and a 9-row call the
+    exact one."""
     llm = LLM(
         model=str(default_model_gguf()),
         device="cpu",
@@ -58,12 +61,30 @@ def test_int8_greedy_tokens_against_the_exact_mode(monkeypatch):
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFLinear) and {s[2] for s in qkv.segments} <= gguf_linear.INT8_TYPES
     assert model.lm_head_quantized._calls[0][1] is not None  # Q8_0 head: the int8 function
-    agree = sum(a == b for x, y in zip(exact, int8, strict=True) for a, b in zip(x, y, strict=True))
-    total = len(PROMPTS) * TOKENS
-    print(f"int8 activations: {agree} of {total} greedy tokens agree with the exact mode")
-    assert all(x[:4] == y[:4] for x, y in zip(exact, int8, strict=True))
-    assert agree >= 0.75 * total
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), TOKENS)
+        for x, y in zip(exact, int8, strict=True)
+    ]
+    print(f"int8 activations: greedy tokens agree with the exact mode's for the first {firsts} of {TOKENS}")
+    assert min(firsts) >= 4
+    monkeypatch.setenv("PAGODA_GGUF_ACTIVATIONS", "float32")
+    for layer in model.modules():
+        if isinstance(layer, GGUFLinear):
+            layer._calls = None
+    for prompt, tokens, first in zip(PROMPTS, int8, firsts, strict=True):
+        if first == TOKENS:
+            continue
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        out = llm.generate([{"prompt_token_ids": prompt + tokens[:first]}], params, use_tqdm=False)
+        ranked = out[0].outputs[0].logprobs[0]
+        best = max(v.logprob for v in ranked.values())
+        assert tokens[first] in ranked, (first, ranked)
+        gap = best - ranked[tokens[first]].logprob
+        print(f"  at token {first}: the exact mode's log-probability gap to the int8 choice {gap:.3f} nats")
+        assert gap < NEAR_TIE
 
+    monkeypatch.setenv("PAGODA_GGUF_ACTIVATIONS", "int8")
+    qkv._calls = None
     torch.manual_seed(0)
     x = torch.randn(9, qkv.in_features)
     want = x.double() @ qkv.dequantize().double().T
