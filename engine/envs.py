@@ -13,6 +13,7 @@ read their variables here too.
 | PAGODA_KERNEL_CACHE | unset | directories (':' between) of kernels compiled ahead of time (the deployment's, the engine image's) to seed the cache from |
 | PAGODA_ONEDNN_LINEAR | 1 | 0: CPU linears run `F.linear` instead of oneDNN's packed weights |
 | PAGODA_CPU_LINEAR | auto | CPU linears of 1-64 rows: auto (the product measured fastest on this host, kept in the kernel cache), ours (the kernels library's small-rows product) or onednn |
+| PAGODA_GGUF_ACTIVATIONS | float32 | `--quantization gguf` at decode: float32 (exact) or int8 (activations quantized per 32 values, integer dot products; Q4_0/Q4_1/Q8_0) |
 | PAGODA_HOST_MALLOC_TUNING | 1 | 0: glibc may return freed heap to the system (see host_allocator.py) |
 | PAGODA_CORE_THREADS | all cores | compute threads of the engine core process (`pagoda serve`) |
 | PAGODA_CORE_SHARE_CORES | 0 | 1: the engine core process computes on one thread fewer for steps of at most 2 new tokens |
