@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 from pagoda.kernels import gguf_reference as ref
-from pagoda_testkit.native import cpu_variant  # noqa: F401 (fixture: each CPU kernel variant)
+from pagoda_testkit.native import (
+    cpu_variant,  # noqa: F401 (fixture: each CPU kernel variant)
+)
+from pagoda_testkit.native import gguf_product as _product
 
 TYPES = sorted(ref.BLOCKS)
 EPS32 = 2.0**-24  # float32's unit roundoff
@@ -77,17 +80,6 @@ def test_reference_refuses_what_it_does_not_hold():
         ref.row_bytes(10, 256)  # Q2_K
     with pytest.raises(ValueError, match="uint8"):
         ref.dequantize_gguf(torch.zeros(2, 20, dtype=torch.int8), ref.Q4_1, 32)
-
-
-def _product(lib, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, nthreads: int = 2) -> torch.Tensor:
-    m, k = x.shape
-    y = torch.full((m, blocks.shape[0]), float("nan"))
-    rc = lib.pagoda_gguf_linear(
-        x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), blocks.shape[0], blocks.stride(0), ggml_type,
-        y.data_ptr(), y.stride(0), nthreads,
-    )  # fmt: skip
-    assert rc == 0
-    return y
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[ref.NAMES[t] for t in TYPES])

@@ -11,7 +11,10 @@ import pytest
 import torch
 from pagoda.kernels import gguf_reference as ref
 from pagoda.kernels.cpu import loader
-from pagoda_testkit.native import cpu_variant  # noqa: F401 (fixture: each CPU kernel variant)
+from pagoda_testkit.native import (
+    cpu_variant,  # noqa: F401 (fixture: each CPU kernel variant)
+    gguf_product,
+)
 
 EPS32 = 2.0**-24
 TYPES = [ref.Q4_0, ref.Q4_1, ref.Q8_0]
@@ -37,17 +40,6 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int) -> torch.Tensor:
     if ggml_type == ref.Q4_1:
         b[:, 2:4] = rng.uniform(-0.08, 0, len(b)).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(b.reshape(n, -1))
-
-
-def product(lib, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, threads: int = 2) -> torch.Tensor:
-    m, k = x.shape
-    y = torch.full((m, blocks.shape[0]), float("nan"))
-    status = lib.pagoda_gguf_linear_q8(
-        x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), blocks.shape[0], blocks.stride(0), ggml_type,
-        y.data_ptr(), y.stride(0), threads,
-    )  # fmt: skip
-    assert status == 0
-    return y
 
 
 def reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +98,7 @@ def test_product_against_float64(lib, ggml_type, m, k):
     try:
         for vnni in vnni_modes(lib):
             lib.pagoda_gguf_q8_vnni(vnni)
-            got = product(lib, x, blocks, ggml_type)
+            got = gguf_product(lib, x, blocks, ggml_type, symbol="pagoda_gguf_linear_q8")
             err = (got.double() - want).abs()
             assert torch.all(err <= bound), (vnni, float((err / bound).max()))
     finally:
@@ -126,7 +118,7 @@ def test_blocks_the_gguf_package_quantized_and_strided_rows(lib):
         wide = torch.zeros(40, b.shape[1] + 6, dtype=torch.uint8)
         wide[:, : b.shape[1]] = b
         want, bound = reference(x.contiguous(), b, ggml_type)
-        got = product(lib, x, wide, ggml_type)
+        got = gguf_product(lib, x, wide, ggml_type, symbol="pagoda_gguf_linear_q8")
         assert torch.all((got.double() - want).abs() <= bound)
         rel = float((got.double() - exact).norm() / exact.norm())
         assert rel < (0.15 if ggml_type == ref.Q4_1 else 0.02), rel

@@ -64,3 +64,18 @@ def prefill_variant(request):
     with _using_variant(request.param) as kernels:
         assert kernels.prefill, kernels.describe()
         yield kernels
+
+
+def gguf_product(lib, x, blocks, ggml_type: int, threads: int = 2, symbol: str = "pagoda_gguf_linear"):
+    """``x @ W.T`` by the kernels library's GGUF product ``symbol`` (the exact one, or ``pagoda_gguf_linear_q8``)
+    into a NaN-filled float32 output, asserting its status is 0."""
+    import torch
+
+    m, k = x.shape
+    y = torch.full((m, blocks.shape[0]), float("nan"))
+    status = getattr(lib, symbol)(
+        x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), blocks.shape[0], blocks.stride(0), ggml_type,
+        y.data_ptr(), y.stride(0), threads,
+    )  # fmt: skip
+    assert status == 0
+    return y
