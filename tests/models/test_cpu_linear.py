@@ -162,7 +162,6 @@ def test_remembered_routes_give_the_values_of_deciding_each_call(choice, dtypes,
         for b in (None, bias):
             for x in (torch.randn(rows, 72).to(x_dtype), torch.randn(rows, 80).to(x_dtype)[:, 4:76]):
                 want = cpu_linear._linear(x, w, b, cpu_linear.PackedWeight(), settings)
-                print("CASE0", rows, b is None, x.stride(), flush=True)
                 got = cpu_linear.step_linear(x, w, b, packed)
                 assert torch.equal(got, want), (
                     rows,
