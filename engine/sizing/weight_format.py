@@ -105,13 +105,40 @@ def scheme_format(scheme: QuantScheme, linears: list[Linear]) -> WeightFormat:
     """The quantized part of an FP8 / INT4 checkpoint: the linears its ignore list leaves quantized, at the
     scheme's bits per weight (scales and zero points included)."""
     params = nbytes = 0
+    per_row = _blocks_cut_by_fusion(scheme, linears)
     for lin in linears:
         if ignored(scheme, lin.name):
             continue
         elements = lin.rows * lin.cols
         params += lin.count * elements
-        nbytes += lin.count * -(-int(elements * weight_bits(scheme, lin.cols)) // 8)
+        if lin.name in per_row:  # one row of float32 block scales per weight row
+            nbytes += lin.count * (elements + lin.rows * -(-lin.cols // scheme.block[1]) * 4)
+        else:
+            nbytes += lin.count * -(-int(elements * weight_bits(scheme, lin.cols)) // 8)
     return WeightFormat(scheme.format, scheme.label, params, nbytes)
+
+
+# the checkpoint projections the engine fuses into one linear, in their order in it
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _blocks_cut_by_fusion(scheme: QuantScheme, linears: list[Linear]) -> set[str]:
+    """Names of the block-wise FP8 linears whose fused linear holds its scales per row: one of its parts
+    starts inside a block of rows (SmolLM2's k_proj at row 576 of q/k/v), as Fp8Linear decides at load."""
+    if scheme.format != "fp8" or scheme.block is None:
+        return set()
+    bn = scheme.block[0]
+    by_name = {lin.name: lin for lin in linears}
+    cut: set[str] = set()
+    for parts in _FUSED:
+        for prefix in {lin.name.rsplit(".", 1)[0] for lin in linears if lin.name.endswith("." + parts[0])}:
+            group = [by_name.get(f"{prefix}.{part}") for part in parts]
+            if None in group or any(ignored(scheme, lin.name) for lin in group):
+                continue
+            starts = [sum(lin.rows for lin in group[:i]) for i in range(len(group))]
+            if any(start % bn for start in starts):
+                cut.update(lin.name for lin in group)
+    return cut
 
 
 def gguf_format(tensors: dict[str, tuple[int, ...]], types: dict[str, str]) -> WeightFormat | None:

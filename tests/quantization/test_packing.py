@@ -264,3 +264,28 @@ def test_tensor_parallel_rows_that_cut_fp8_blocks_are_held_per_row() -> None:
     fused = Fp8Linear(K, 256, False, torch.float32, torch.device("cpu"), 128, (128, 128))
     with pytest.raises(ValueError, match="weight_scale has 1 block rows, expected 2 for 192 rows"):
         fused.load_part("weight_scale", canon["weight_scale"][:1], 64, 192, None)
+
+
+@pytest.mark.parametrize(
+    ("parts", "sizes"),
+    [
+        (("q_proj", "k_proj", "v_proj"), (192, 64, 64)),  # cut: held per row
+        (("q_proj", "k_proj", "v_proj"), (256, 128, 128)),  # on the grid
+        (("gate_proj", "up_proj"), (320, 320)),  # cut: held per row
+    ],
+)
+def test_the_planner_counts_the_bytes_a_fused_fp8_block_linear_holds(parts, sizes) -> None:
+    from pagoda.engine.sizing.weight_format import Linear as Planned
+    from pagoda.engine.sizing.weight_format import scheme_format
+
+    loaded = fp8_block_parts(sizes, 40)
+    fused = Fp8Linear(K, sum(sizes), False, torch.float32, torch.device("cpu"), 128, (128, 128))
+    for (tensors, _), offset, rows in zip(loaded, [sum(sizes[:i]) for i in range(len(sizes))], sizes, strict=True):
+        for kind, t in tensors.items():
+            fused.load_part(kind, t, offset, rows, None)
+    held = fused.weight.numel() * fused.weight.element_size()
+    held += fused.weight_scale.numel() * fused.weight_scale.element_size()
+    module = "self_attn" if parts[0] == "q_proj" else "mlp"
+    scheme = detect_quantization({"quantization_config": quantization_config("ct-fp8-block")})
+    planned = [Planned(f"model.layers.0.{module}.{p}", 1, rows, K) for p, rows in zip(parts, sizes, strict=True)]
+    assert scheme_format(scheme, planned).quantized_bytes == held
