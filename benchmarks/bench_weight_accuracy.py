@@ -25,13 +25,22 @@ which no calibration set saw) in --chunk-token prefill chunks; at every position
 compared with the reference's (teacher-forced: both see the same text) and the perplexity of the text is
 taken. Floors (issue 37): FP8 >= 97%, INT8 (Q8_0) >= 97%, INT4 (W4A16, Q4_*) >= 90% top-1 agreement.
 
-Prints a table, writes bench-results/bench_weight_accuracy.json and a plot. --dry-run scores the reference
-against itself (the harness alone, no checkpoint built).
+`--model tiny` measures a second model whose reference never was quantized: a 4-layer Llama (hidden 256, the
+default model's tokenizer) trained here in float32 on Debian's licence texts, GPL-3 left out
+(benchmarks/tiny_trained_model.py, minutes on the CPU), and llm-compressor's checkpoints of it, INT4 at the
+issue's group 128. Each model also scores a yardstick: its own weights rounded to bfloat16 (8 significant bits
+to FP8's 4), which shows how many top-1 tokens a rounding far finer than any format's already moves. Beside the
+agreement each row gives the median of the reference's own log-probability margin between its token and the
+variant's where they differ: how near a tie the flipped positions were.
+
+Prints a table, writes bench-results/bench_weight_accuracy[-tiny].json and a plot. --dry-run scores the
+reference against itself (the harness alone, no checkpoint built).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
@@ -53,6 +62,7 @@ PEERS = ROOT / ".peers"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 BLOCK = 16
 QUANTIZED = RESULTS / "quantized" / "smollm2-135m"  # the checkpoints built here (never committed)
+TINY = RESULTS / "quantized" / "tiny-llama"  # --model tiny: the model trained here and its checkpoints
 KV_BYTES = 256 << 20  # one sequence of --ppl-tokens tokens (SmolLM2 float32: 45 KiB per token)
 LLMCOMPRESSOR = "0.14.0.1"
 TORCH_CPU = "2.13.0"  # installed first into llm-compressor's venv, so pip keeps the CPU wheel
@@ -61,10 +71,13 @@ FLOORS = {"fp8": 97.0, "int8": 97.0, "int4": 90.0}
 LLMC = {
     "fp8-dynamic": ("fp8", "llm-compressor FP8_DYNAMIC (per-channel weights, per-token activations)"),
     "fp8-block": ("fp8", "llm-compressor FP8_BLOCK (128x128 weight blocks)"),
-    "w4a16-rtn": ("int4", "llm-compressor W4A16 round-to-nearest, symmetric, group 64"),
-    "w4a16-awq": ("int4", "llm-compressor AWQ + W4A16, asymmetric, group 64"),
-    "w4a16-gptq": ("int4", "llm-compressor GPTQ W4A16, symmetric, group 64"),
+    "w4a16-rtn": ("int4", "llm-compressor W4A16 round-to-nearest, symmetric, group {group}"),
+    "w4a16-awq": ("int4", "llm-compressor AWQ + W4A16, asymmetric, group {group}"),
+    "w4a16-gptq": ("int4", "llm-compressor GPTQ W4A16, symmetric, group {group}"),
 }
+# INT4 group of each model: SmolLM2-135M's 576 inputs take 64, not 128; the tiny model's 256 and 768 take 128
+GROUPS = {"default": 64, "tiny": 128}
+YARDSTICK = "float32, weights rounded to bfloat16"
 # GGUF types requantized from the Q4_1 file (llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers)
 GGUF_TYPES = {"Q8_0": ("int8", 7), "Q6_K": ("int8", 18), "Q4_K_M": ("int4", 15), "Q4_0": ("int4", 2)}
 
@@ -104,14 +117,57 @@ def ensure_venv(name: str, packages: list[list[str]], probe: str) -> Path:
     return python
 
 
-def build_llmcompressor(src: Path, out: Path) -> None:
+def build_llmcompressor(src: Path, out: Path, group: int = 64, threads: int = 2) -> None:
     python = ensure_venv("llmcompressor", [[f"torch=={TORCH_CPU}"], [f"llmcompressor=={LLMCOMPRESSOR}"]],
                          "import llmcompressor")  # fmt: skip
     missing = [n for n in LLMC if not (out / n / "config.json").exists()]
     if missing:
         say(f"quantizing {', '.join(missing)} with llm-compressor (minutes on CPU)")
         _run([str(python), str(Path(__file__).with_name("quantize_llmcompressor.py")), str(src), str(out),
-              "--only", *missing], RESULTS / "quantize-llmcompressor.log")  # fmt: skip
+              "--group-size", str(group), "--threads", str(threads), "--only", *missing],
+             RESULTS / "quantize-llmcompressor.log")  # fmt: skip
+
+
+def build_bf16_rounded(src: Path, target: Path) -> None:
+    """The reference with every weight rounded to bfloat16 (8 significant bits) and stored as float32 again: a
+    yardstick of how many top-1 tokens a rounding far finer than FP8's (4 significant bits) already moves."""
+    if (target / "config.json").exists():
+        return
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            save_file({k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+                       for k, v in tensors.items()}, tmp / f.name, metadata={"format": "pt"})  # fmt: skip
+        elif f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(target)
+
+
+def build_tiny(target: Path, threads: int = 2) -> None:
+    """The tiny Llama trained here (benchmarks/tiny_trained_model.py; minutes on the CPU, with a progress bar)."""
+    if (target / "config.json").exists():
+        return
+    say(f"training the tiny Llama into {target}")
+    subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("tiny_trained_model.py")),
+            str(target),
+            "--threads",
+            str(threads),
+        ],
+        check=True,
+        env={
+            k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"
+        },  # its progress bar, not the loader's
+    )
 
 
 def build_gguf(q4_1: Path, out: Path) -> None:
@@ -152,10 +208,10 @@ class Scorer:
                 f"{KV_BYTES >> 20} MiB of KV hold {self.engine.num_blocks} blocks, not {self.blocks}"
             )
 
-    def score(self, ids: list[int], chunk: int) -> tuple[np.ndarray, float]:
-        """(top-1 token before each position 1.., perplexity of ids[1:])."""
+    def score(self, ids: list[int], chunk: int) -> tuple[torch.Tensor, float]:
+        """(log-probabilities of the next token at each position 0.., perplexity of ids[1:])."""
         table = np.arange(self.blocks, dtype=np.int32).reshape(1, self.blocks)
-        tops, nll = [], 0.0
+        lps, nll = [], 0.0
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start : start + chunk]
             step = StepInput(
@@ -168,10 +224,10 @@ class Scorer:
             )
             logits = self.engine.runner.run(step).float()
             targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
-            logits = logits[: len(targets)]
-            tops.append(logits.argmax(-1).numpy())
-            nll -= float(logits.log_softmax(-1).gather(1, targets[:, None]).sum())
-        return np.concatenate(tops), math.exp(nll / (len(ids) - 1))
+            lp = logits[: len(targets)].log_softmax(-1)
+            lps.append(lp)
+            nll -= float(lp.gather(1, targets[:, None]).sum())
+        return torch.cat(lps), math.exp(nll / (len(ids) - 1))
 
     def close(self) -> None:
         self.engine.close()
@@ -191,6 +247,7 @@ def variants(args: argparse.Namespace, reference: Path, q4_1: Path, out: Path = 
         return rows + [{**rows[0], "label": "float32 again (dry run)"}]
     rows.append({"label": "gguf Q4_1 (its own blocks)", "floor": "int4", "path": q4_1, "quantization": gguf_flag,
                  "made": "the default model's file" + ("" if gguf_flag else " (dequantized: no --quantization)")})  # fmt: skip
+    rows.append(yardstick_row(args, reference, out))
     if not args.skip_gguf and not args.no_build:
         build_gguf(q4_1, out)
     if not args.skip_gguf:
@@ -198,21 +255,45 @@ def variants(args: argparse.Namespace, reference: Path, q4_1: Path, out: Path = 
             rows.append({"label": f"gguf {name}", "floor": floor, "quantization": gguf_flag,
                          "path": out / f"SmolLM2-135M-Instruct.{name}.gguf",
                          "made": "llama.cpp requantized from the Q4_1 file"})  # fmt: skip
-    if not args.skip_llmcompressor and not args.no_build:
-        build_llmcompressor(reference, out)
-    if not args.skip_llmcompressor:
-        for name, (floor, made) in LLMC.items():
-            rows.append(
-                {"label": name, "floor": floor, "path": out / name, "quantization": None, "made": made}
-            )
-    if args.no_build:  # only what an earlier run (or a build still going) left
-        built = [
-            r for r in rows[2:] if Path(r["path"]).is_file() or (Path(r["path"]) / "config.json").exists()
-        ]
-        rows = rows[:2] + built
+    rows += llmcompressor_rows(args, reference, out, GROUPS["default"])
+    rows = rows[:2] + _built(args, rows[2:])
     if getattr(args, "int8_activations", False) and gguf_flag:
         rows += [int8_row(r) for r in rows[1:] if r["quantization"] == gguf_flag and _int8_types(r["label"])]
     return rows
+
+
+def tiny_variants(args: argparse.Namespace, reference: Path, out: Path = TINY) -> list[dict]:
+    """--model tiny: the Llama trained here in float32 (the reference), its bfloat16 yardstick and
+    llm-compressor's checkpoints of it at the issue's own group 128."""
+    rows = [{"label": "float32 (trained here)", "floor": None, "path": reference, "quantization": None,
+             "made": "benchmarks/tiny_trained_model.py: the reference"}]  # fmt: skip
+    if args.dry_run:
+        return rows + [{**rows[0], "label": "float32 again (dry run)"}]
+    rows += [yardstick_row(args, reference, out), *llmcompressor_rows(args, reference, out, GROUPS["tiny"])]
+    return rows[:1] + _built(args, rows[1:])
+
+
+def yardstick_row(args: argparse.Namespace, reference: Path, out: Path) -> dict:
+    if not args.no_build:
+        build_bf16_rounded(reference, out / "bf16-rounded")
+    return {"label": YARDSTICK, "floor": None, "path": out / "bf16-rounded", "quantization": None,
+            "made": "the reference's weights rounded to bfloat16 (a yardstick, no format)"}  # fmt: skip
+
+
+def llmcompressor_rows(args: argparse.Namespace, reference: Path, out: Path, group: int) -> list[dict]:
+    if args.skip_llmcompressor:
+        return []
+    if not args.no_build:
+        build_llmcompressor(reference, out, group, getattr(args, "threads", 2))
+    return [{"label": name, "floor": floor, "path": out / name, "quantization": None, "made": made.format(group=group)}
+            for name, (floor, made) in LLMC.items()]  # fmt: skip
+
+
+def _built(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
+    """With --no-build, only the checkpoints an earlier run (or a build still going) left."""
+    if not args.no_build:
+        return rows
+    return [r for r in rows if Path(r["path"]).is_file() or (Path(r["path"]) / "config.json").exists()]
 
 
 def _int8_types(label: str) -> bool:
@@ -230,6 +311,37 @@ def int8_row(row: dict) -> dict:
             "chunk": INT8_ROWS_MAX, "made": row["made"] + "; activations int8 per 32 values (integer dot products)"}  # fmt: skip
 
 
+def fp8_act_rows(rows: list[dict]) -> list[dict]:
+    """Each FP8 row again, its activations quantized per token (per token and 128 columns for blocks) as the
+    GPU's FP8 x FP8 kernel does at compute capability 8.9 and up. The CPU engine runs FP8 checkpoints
+    dequantized (weights only), so this runs the kernel's torch twin (kernels/quant_reference.fp8_reference,
+    which the kernel is tested against) in each FP8 linear instead."""
+    return [{**r, "label": f"{r['label']}, FP8 activations (GPU path, torch twin)", "fp8_activations": True,
+             "made": r["made"] + "; activations FP8 per token, as the GPU kernel quantizes them"}
+            for r in rows if r["floor"] == "fp8" and "fp8_activations" not in r]  # fmt: skip
+
+
+@contextlib.contextmanager
+def fp8_activations(on: bool):
+    """While `on`, FP8 linears stay quantized on the CPU and multiply through the GPU kernel's torch twin with
+    activations quantized (see fp8_act_rows)."""
+    if not on:
+        yield
+        return
+    from pagoda.engine.quantization.linear import Fp8Linear
+    from pagoda.kernels.quant_reference import fp8_reference
+
+    saved = Fp8Linear.dense_on_cpu, Fp8Linear._matmul
+    Fp8Linear.dense_on_cpu = False
+    Fp8Linear._matmul = lambda self, x: fp8_reference(
+        x, self.weight, self.weight_scale, self.block, self.bias, act_quant=True
+    )
+    try:
+        yield
+    finally:
+        Fp8Linear.dense_on_cpu, Fp8Linear._matmul = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of the held-out text scored")
@@ -242,6 +354,9 @@ def main() -> None:
     ap.add_argument("--int8-activations", action="store_true",
                     help="also each GGUF row of Q4_0 / Q4_1 / Q8_0 with PAGODA_GGUF_ACTIVATIONS=int8")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="the reference against itself: the harness only")
+    ap.add_argument("--model", choices=("default", "tiny"), default="default",
+                    help="default: SmolLM2-135M-Instruct against its dequantized Q4_1 weights; tiny: the Llama "
+                    "trained here in float32 (benchmarks/tiny_trained_model.py)")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the loader's per-tensor progress bars, once per checkpoint
     torch.set_num_threads(args.threads)
@@ -249,13 +364,23 @@ def main() -> None:
     from pagoda.engine.loader import load_tokenizer, resolve_model
     from pagoda.engine.loader.resolve import default_model_gguf
 
-    reference, q4_1 = resolve_model(None), default_model_gguf()
+    if args.model == "tiny":
+        reference = TINY / "float32"
+        if not args.no_build:
+            build_tiny(reference, args.threads)
+        todo = tiny_variants(args, reference)
+        title = "the float32 tiny Llama trained here (4 layers, hidden 256)"
+    else:
+        reference, q4_1 = resolve_model(None), default_model_gguf()
+        todo = variants(args, reference, q4_1)
+        title = "the float32 dequantized Q4_1 reference (SmolLM2-135M-Instruct)"
+    todo += fp8_act_rows(todo)
     ids = load_tokenizer(reference)(TEXT.read_text(), add_special_tokens=False).input_ids[: args.ppl_tokens]
 
     results: dict[str, dict] = {}
-    ref_top: np.ndarray | None = None
-    for row in variants(args, reference, q4_1):
-        if args.only and ref_top is not None and row["label"] not in args.only:
+    ref_lp: torch.Tensor | None = None
+    for row in todo:
+        if args.only and ref_lp is not None and row["label"] not in args.only:
             continue
         t0 = time.perf_counter()
         say(
@@ -265,11 +390,12 @@ def main() -> None:
         saved = {k: os.environ.get(k) for k in row.get("env", {})}
         os.environ.update(row.get("env", {}))
         try:
-            scorer = Scorer(row["path"], row["quantization"], len(ids))
-            try:
-                top, ppl = scorer.score(ids, row.get("chunk", args.chunk))
-            finally:
-                scorer.close()
+            with fp8_activations(row.get("fp8_activations", False)):
+                scorer = Scorer(row["path"], row["quantization"], len(ids))
+                try:
+                    lp, ppl = scorer.score(ids, row.get("chunk", args.chunk))
+                finally:
+                    scorer.close()
         except Exception as exc:  # a format the engine does not load yet is reported, not fatal
             results[row["label"]] = {**_meta(row), "error": f"{type(exc).__name__}: {exc}"[:400]}
             say(f"{row['label']}: FAILED {results[row['label']]['error']}")
@@ -277,11 +403,12 @@ def main() -> None:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        if ref_top is None:
-            ref_top, ref_ppl = top, ppl
-        agree = 100.0 * float((top == ref_top).mean())
+        if ref_lp is None:
+            ref_lp, ref_ppl = lp, ppl
+        agree, gap = agreement(ref_lp, lp)
         results[row["label"]] = {**_meta(row), "top1_agreement_pct": agree, "perplexity": ppl,
-                                 "perplexity_ratio": ppl / ref_ppl, "seconds": time.perf_counter() - t0}  # fmt: skip
+                                 "perplexity_ratio": ppl / ref_ppl, "median_flip_gap_nats": gap,
+                                 "seconds": time.perf_counter() - t0}  # fmt: skip
         floor = FLOORS.get(row["floor"] or "")
         results[row["label"]]["meets_floor"] = None if floor is None else agree >= floor
         say(f"{row['label']}: top-1 agreement {agree:.2f}%, perplexity {ppl:.4f} ({ppl / ref_ppl:.4f}x)")
@@ -289,23 +416,37 @@ def main() -> None:
     rows = []
     for label, r in results.items():
         if "error" in r:
-            rows.append([label, r["floor"] or "-", "failed", "", "", r["error"][:80]])
+            rows.append([label, r["floor"] or "-", "failed", "", "", "", r["error"][:80]])
             continue
         floor = FLOORS.get(r["floor"] or "")
         verdict = "" if floor is None else ("yes" if r["meets_floor"] else "NO")
         rows.append([label, f"{r['floor']} >= {floor:g}%" if floor else "reference",
                      f"{r['top1_agreement_pct']:.2f}", f"{r['perplexity']:.4f}", f"{r['perplexity_ratio']:.4f}",
-                     verdict])  # fmt: skip
+                     "" if r["median_flip_gap_nats"] is None else f"{r['median_flip_gap_nats']:.3f}", verdict])  # fmt: skip
     print_table(
-        f"Weight formats vs the float32 dequantized Q4_1 reference (SmolLM2-135M-Instruct, teacher-forced on "
-        f"{len(ids)} tokens of GPL-3 in {args.chunk}-token chunks, Pagoda's engine, CPU float32)",
-        ["checkpoint", "floor", "top-1 agreement %", "perplexity", "perplexity ratio", "meets floor"],
+        f"Weight formats vs {title}, teacher-forced on {len(ids)} tokens of GPL-3 in {args.chunk}-token chunks, "
+        "Pagoda's engine, CPU float32",
+        ["checkpoint", "floor", "top-1 agreement %", "perplexity", "perplexity ratio",
+         "median gap at a flip (nats)", "meets floor"],
         rows,
-    )
-    path = write_json("bench_weight_accuracy", {"args": vars(args), "reference": str(reference),
+    )  # fmt: skip
+    name = "bench_weight_accuracy" + ("-tiny" if args.model == "tiny" else "")
+    path = write_json(name, {"args": vars(args), "reference": str(reference),
                                                 "text": str(TEXT), "tokens": len(ids), "results": results})  # fmt: skip
     say(f"wrote {path}")
-    _plot(results)
+    _plot(results, name)
+
+
+def agreement(ref_lp: torch.Tensor, lp: torch.Tensor) -> tuple[float, float | None]:
+    """(top-1 agreement %, the median of the reference's own log-probability margin between its top token and
+    the variant's, over the positions where they differ: how near a tie each flip was; None without flips)."""
+    ref_top, top = ref_lp.argmax(-1), lp.argmax(-1)
+    flips = (top != ref_top).nonzero().flatten()
+    agree = 100.0 * (1.0 - len(flips) / len(top))
+    if not len(flips):
+        return agree, None
+    gaps = ref_lp[flips, ref_top[flips]] - ref_lp[flips, top[flips]]
+    return agree, float(gaps.median())
 
 
 def _meta(row: dict) -> dict:
@@ -317,7 +458,7 @@ def _meta(row: dict) -> dict:
     }
 
 
-def _plot(results: dict[str, dict]) -> None:
+def _plot(results: dict[str, dict], name: str) -> None:
     ok = {k: r for k, r in results.items() if "top1_agreement_pct" in r}
     if not ok:
         return
@@ -338,8 +479,8 @@ def _plot(results: dict[str, dict]) -> None:
     b.barh(names, [ok[n]["perplexity_ratio"] for n in names], color="#4a4")
     b.set_title("perplexity / reference")
     fig.tight_layout()
-    fig.savefig(plot_path("bench_weight_accuracy"))
-    say(f"wrote {plot_path('bench_weight_accuracy')}")
+    fig.savefig(plot_path(name))
+    say(f"wrote {plot_path(name)}")
 
 
 if __name__ == "__main__":

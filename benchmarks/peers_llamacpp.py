@@ -193,10 +193,14 @@ def serve_comparison(args, gguf: Path, model_dir: Path, llama_python: Path | Non
     if has_gguf_flag():
         servers.append(("pagoda serve --quantization gguf", [str(pagoda_bin), "serve", str(gguf), "--dtype", "float32",
                         "--quantization", "gguf", *common_flags], {}, "/health", {"ignore_eos": True}))  # fmt: skip
+        servers.append(("pagoda serve --quantization gguf, int8 activations", servers[-1][1],
+                        {"PAGODA_GGUF_ACTIVATIONS": "int8"}, "/health", {"ignore_eos": True}))  # fmt: skip
     if llama_python is not None:
         servers.append(("llama.cpp server", [str(llama_python), "-m", "llama_cpp.server", "--model", str(gguf),
                         "--model_alias", SERVED_NAME, "--n_threads", str(args.llamacpp_threads), "--n_threads_batch",
-                        str(args.llamacpp_threads), "--n_ctx", str(args.max_model_len), "--host", "127.0.0.1"],
+                        str(args.llamacpp_threads), "--n_ctx", str(args.max_model_len), "--host", "127.0.0.1",
+                        # queue concurrent requests: by default a new request cuts the one streaming short
+                        "--interrupt_requests", "False"],
                         {}, "/v1/models", {"logit_bias": {str(eos): -100.0}}))  # fmt: skip
     if args.vllm_int4:
         from bench_peers import BOTH_CORES, ensure_vllm
@@ -204,7 +208,7 @@ def serve_comparison(args, gguf: Path, model_dir: Path, llama_python: Path | Non
         vllm_python, note = ensure_vllm(install=not args.no_install)
         if vllm_python is not None:
             servers.append((f"vllm serve {Path(args.vllm_int4).name}", [str(vllm_python), "-m",
-                            "vllm.entrypoints.openai.api_server", "--model", args.vllm_int4, "--dtype", "bfloat16",
+                            "vllm.entrypoints.openai.api_server", "--model", str(Path(args.vllm_int4).resolve()), "--dtype", "bfloat16",
                             "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--max-model-len",
                             str(args.max_model_len)], {**BOTH_CORES, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)},
                             "/health", {"ignore_eos": True}))  # fmt: skip
@@ -225,7 +229,8 @@ def serve_comparison(args, gguf: Path, model_dir: Path, llama_python: Path | Non
             for c in levels:
                 before = os.getloadavg()[0]
                 run = asyncio.run(load(url, work[c], c, extra=extra))
-                run.update(server=name, loadavg_1min={"before": before, "after": os.getloadavg()[0]})
+                run.update(server=name, loadavg_1min={"before": before, "after": os.getloadavg()[0]},
+                           expected_tokens=sum(n for _, n in work[c]))  # fmt: skip
                 runs.append(run)
         except RuntimeError as e:
             say(f"{name} FAILED: {e}")
@@ -239,7 +244,9 @@ def serve_comparison(args, gguf: Path, model_dir: Path, llama_python: Path | Non
             None,
         )
         load_ = r["loadavg_1min"]
-        rows.append([r["server"], r["concurrency"], f"{r['requests']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
+        short = r["expected_tokens"] - r["output_tokens"] if not r["failed"] else 0
+        rows.append([r["server"], r["concurrency"], f"{r['requests']}" + (f" ({r['failed']} failed)" if r["failed"] else "")
+                     + (f" ({short} tokens short)" if short > 0 else ""),
                      f"{r['output_tokens_per_s']:.1f}", f"{r['tpot_mean_s'] * 1000:.1f}", f"{r['ttft_mean_s'] * 1000:.0f}",
                      f"{r['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x" if peer else "",
                      f"{load_['before']:.1f} -> {load_['after']:.1f}"])  # fmt: skip

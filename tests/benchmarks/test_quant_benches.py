@@ -51,6 +51,78 @@ def test_the_accuracy_bench_lists_each_format_with_its_floor(tmp_path) -> None:
     assert [r["path"] for r in dry] == [Path("/ref"), Path("/ref")]
 
 
+def test_the_tiny_model_rows_are_its_llmcompressor_checkpoints_at_group_128(tmp_path) -> None:
+    import bench_weight_accuracy as b
+
+    args = argparse.Namespace(dry_run=False, skip_llmcompressor=False, no_build=True)
+    assert [r["label"] for r in b.tiny_variants(args, Path("/ref"), tmp_path)] == ["float32 (trained here)"]
+    for name in ("bf16-rounded", "w4a16-gptq"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    rows = b.tiny_variants(args, Path("/ref"), tmp_path)
+    assert [(r["label"], r["floor"]) for r in rows] == [
+        ("float32 (trained here)", None), (b.YARDSTICK, None), ("w4a16-gptq", "int4"),
+    ]  # fmt: skip
+    assert rows[2]["made"] == "llm-compressor GPTQ W4A16, symmetric, group 128"
+    assert b.GROUPS == {"default": 64, "tiny": 128}
+
+
+def test_fp8_rows_are_scored_again_with_the_gpu_kernels_activation_quantization(tmp_path) -> None:
+    """The FP8 rows' second pass runs each FP8 linear through the kernel's torch twin with activations
+    quantized (the CPU engine otherwise dequantizes FP8 weights); the engine's own class is restored."""
+    import bench_weight_accuracy as b
+    import torch
+    from pagoda.engine.quantization.linear import Fp8Linear
+    from pagoda.kernels.quant_reference import fp8_reference, quantize_fp8_per_token
+
+    rows = [
+        {"label": "fp8-block", "floor": "fp8", "made": "m"},
+        {"label": "w4a16-rtn", "floor": "int4", "made": "m"},
+    ]
+    extra = b.fp8_act_rows(rows)
+    assert [r["label"] for r in extra] == ["fp8-block, FP8 activations (GPU path, torch twin)"]
+    assert b.fp8_act_rows(rows + extra) == extra  # never twice
+    lin = Fp8Linear(256, 64, False, torch.float32, torch.device("cpu"), -1, None)
+    lin.weight.data = (torch.randn(64, 256) * 0.1).to(torch.float8_e4m3fn)
+    lin.weight_scale.data = torch.rand(64) + 0.5
+    x = torch.randn(3, 256)
+    plain = lin._matmul(x)  # weights only, dequantized
+    with b.fp8_activations(True):
+        assert not Fp8Linear.dense_on_cpu
+        quantized = lin._matmul(x)
+    assert Fp8Linear.dense_on_cpu and torch.equal(lin._matmul(x), plain)
+    xq, xs = quantize_fp8_per_token(x)
+    want = fp8_reference(xq.float() * xs, lin.weight, lin.weight_scale)
+    torch.testing.assert_close(quantized, want, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(quantized, plain)
+
+
+def test_agreement_counts_flips_and_how_near_a_tie_each_was() -> None:
+    import bench_weight_accuracy as b
+    import torch
+
+    ref = torch.log_softmax(
+        torch.tensor([[3.0, 2.9, 0.0], [0.0, 5.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 4.0]]), -1
+    )
+    same = b.agreement(ref, ref.clone())
+    assert same == (100.0, None)
+    other = torch.log_softmax(
+        torch.tensor([[2.9, 3.0, 0.0], [0.0, 5.0, 1.0], [0.0, 0.0, 1.0], [0, 0, 4.0]]), -1
+    )
+    agree, gap = b.agreement(ref, other)  # two flips: margins 0.1 and 1.0 nats in the reference
+    assert agree == 50.0 and gap == pytest.approx(0.1, abs=1e-5)  # torch's median: the lower of two
+
+
+def test_the_tiny_model_never_trains_on_the_scored_gpl_text() -> None:
+    import tiny_trained_model as t
+
+    files = t.corpus_files()
+    gpl = Path("/usr/share/common-licenses/GPL-3").resolve()
+    assert files and gpl not in files and len(files) == len(set(files))
+    assert not any("free, copyleft license for" in f.read_text(errors="replace") for f in files)
+    assert t.SHAPE["hidden_size"] % 128 == 0 and t.SHAPE["intermediate_size"] % 128 == 0
+
+
 def test_every_served_peer_gets_the_same_text_prompts() -> None:
     import peers_llamacpp as p
     from peers_serve import serve_workloads
