@@ -280,12 +280,16 @@ def test_the_planner_counts_the_bytes_a_fused_fp8_block_linear_holds(parts, size
 
     loaded = fp8_block_parts(sizes, 40)
     fused = Fp8Linear(K, sum(sizes), False, torch.float32, torch.device("cpu"), 128, (128, 128))
-    for (tensors, _), offset, rows in zip(loaded, [sum(sizes[:i]) for i in range(len(sizes))], sizes, strict=True):
+    for (tensors, _), offset, rows in zip(
+        loaded, [sum(sizes[:i]) for i in range(len(sizes))], sizes, strict=True
+    ):
         for kind, t in tensors.items():
             fused.load_part(kind, t, offset, rows, None)
     held = fused.weight.numel() * fused.weight.element_size()
     held += fused.weight_scale.numel() * fused.weight_scale.element_size()
     module = "self_attn" if parts[0] == "q_proj" else "mlp"
     scheme = detect_quantization({"quantization_config": quantization_config("ct-fp8-block")})
-    planned = [Planned(f"model.layers.0.{module}.{p}", 1, rows, K) for p, rows in zip(parts, sizes, strict=True)]
+    planned = [
+        Planned(f"model.layers.0.{module}.{p}", 1, rows, K) for p, rows in zip(parts, sizes, strict=True)
+    ]
     assert scheme_format(scheme, planned).quantized_bytes == held
