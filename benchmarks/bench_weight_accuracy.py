@@ -431,8 +431,8 @@ def main() -> None:
         rows,
     )  # fmt: skip
     name = "bench_weight_accuracy" + ("-tiny" if args.model == "tiny" else "")
-    path = write_json(name, {"args": vars(args), "reference": str(reference),
-                                                "text": str(TEXT), "tokens": len(ids), "results": results})  # fmt: skip
+    path = write_json(name, {"args": vars(args), "reference": str(reference), "text": str(TEXT), "tokens": len(ids),
+                             "results": results})  # fmt: skip
     say(f"wrote {path}")
     _plot(results, name)
 

@@ -10,12 +10,12 @@ measurements, each engine alone, in its own process:
   `--quantization gguf` (the file's own Q4_1 blocks, where the engine has the flag) and llama.cpp.
 - served at concurrency 1/8/32: `pagoda serve` (float32, `--quantization gguf` exact and with int8 activations)
   against llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, which runs one request at
-  a time; `--interrupt_requests False` queues the others, which by default cut the streaming one short), the official
-  `openai` client streaming completions (peers_serve.load). That server takes text prompts only, so every server
-  gets the same text (the serve workload's token ids decoded by the model's tokenizer) and re-tokenizes it;
-  the end of sequence is suppressed (Pagoda: ignore_eos; llama.cpp: a -100 logit bias on the EOS id, which the
-  GGUF names), so every request should produce its max_tokens (the table notes tokens short of them). llama.cpp's stream has no usage block: its output
-  tokens are its streamed chunks, one token each.
+  a time; `--interrupt_requests False` queues the others, which by default cut the streaming one short), the
+  official `openai` client streaming completions (peers_serve.load). That server takes text prompts only, so
+  every server gets the same text (the serve workload's token ids decoded by the model's tokenizer) and
+  re-tokenizes it; the end of sequence is suppressed (Pagoda: ignore_eos; llama.cpp: a -100 logit bias on the
+  EOS id, which the GGUF names), so every request should produce its max_tokens (the table notes tokens short
+  of them). llama.cpp's stream has no usage block: its output tokens are its streamed chunks, one token each.
 - vLLM's CPU build on an INT4 checkpoint: `--vllm-int4 DIR` (a W4A16 checkpoint, e.g. the one
   bench_weight_accuracy.py builds) served like the others, where vLLM runs it.
 
