@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.engine.quantization.scheme import QuantScheme, bits_per_weight_gguf, ignored, weight_bits
+from pagoda.engine.quantization.scheme import (
+    FUSED_PARTS,
+    QuantScheme,
+    bits_per_weight_gguf,
+    ignored,
+    weight_bits,
+)
 
 # GGUF block types the CPU kernels run in their blocks (`--quantization gguf`); others are dequantized at load
 GGUF_KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -118,10 +124,6 @@ def scheme_format(scheme: QuantScheme, linears: list[Linear]) -> WeightFormat:
     return WeightFormat(scheme.format, scheme.label, params, nbytes)
 
 
-# the checkpoint projections the engine fuses into one linear, in their order in it
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def _blocks_cut_by_fusion(scheme: QuantScheme, linears: list[Linear]) -> set[str]:
     """Names of the block-wise FP8 linears whose fused linear holds its scales per row: one of its parts
     starts inside a block of rows (SmolLM2's k_proj at row 576 of q/k/v), as Fp8Linear decides at load."""
@@ -130,7 +132,7 @@ def _blocks_cut_by_fusion(scheme: QuantScheme, linears: list[Linear]) -> set[str
     bn = scheme.block[0]
     by_name = {lin.name: lin for lin in linears}
     cut: set[str] = set()
-    for parts in _FUSED:
+    for parts in FUSED_PARTS.values():
         for prefix in {lin.name.rsplit(".", 1)[0] for lin in linears if lin.name.endswith("." + parts[0])}:
             group = [by_name.get(f"{prefix}.{part}") for part in parts]
             if None in group or any(ignored(scheme, lin.name) for lin in group):
